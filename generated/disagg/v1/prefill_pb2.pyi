@@ -1,0 +1,63 @@
+import datetime
+
+from disagg.v1 import types_pb2 as _types_pb2
+from google.protobuf import duration_pb2 as _duration_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class PrefillRequest(_message.Message):
+    __slots__ = ("model", "prompt", "messages", "sampling")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    prompt: str
+    messages: _containers.RepeatedCompositeFieldContainer[_types_pb2.ChatMessage]
+    sampling: _types_pb2.SamplingParams
+    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[_types_pb2.ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[_types_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
+
+class PrefillResponse(_message.Message):
+    __slots__ = ("kv_handle", "first_token_id", "prompt_tokens", "prefill_duration", "kv_size_bytes", "fingerprint", "kv_ttl", "kv_transfer")
+    KV_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_DURATION_FIELD_NUMBER: _ClassVar[int]
+    KV_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    KV_TTL_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_FIELD_NUMBER: _ClassVar[int]
+    kv_handle: str
+    first_token_id: int
+    prompt_tokens: int
+    prefill_duration: _duration_pb2.Duration
+    kv_size_bytes: int
+    fingerprint: _types_pb2.KvFingerprint
+    kv_ttl: _duration_pb2.Duration
+    kv_transfer: _types_pb2.KvTransfer
+    def __init__(self, kv_handle: _Optional[str] = ..., first_token_id: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., prefill_duration: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., kv_size_bytes: _Optional[int] = ..., fingerprint: _Optional[_Union[_types_pb2.KvFingerprint, _Mapping]] = ..., kv_ttl: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., kv_transfer: _Optional[_Union[_types_pb2.KvTransfer, str]] = ...) -> None: ...
+
+class FetchKvRequest(_message.Message):
+    __slots__ = ("kv_handle",)
+    KV_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    kv_handle: str
+    def __init__(self, kv_handle: _Optional[str] = ...) -> None: ...
+
+class FetchKvResponse(_message.Message):
+    __slots__ = ("offset_bytes", "data", "total_size_bytes", "sha256", "fingerprint")
+    OFFSET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    offset_bytes: int
+    data: bytes
+    total_size_bytes: int
+    sha256: str
+    fingerprint: _types_pb2.KvFingerprint
+    def __init__(self, offset_bytes: _Optional[int] = ..., data: _Optional[bytes] = ..., total_size_bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., fingerprint: _Optional[_Union[_types_pb2.KvFingerprint, _Mapping]] = ...) -> None: ...

@@ -1,0 +1,68 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable
+from typing import ClassVar as _ClassVar, Optional as _Optional
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
+    FINISH_REASON_STOP: _ClassVar[FinishReason]
+    FINISH_REASON_LENGTH: _ClassVar[FinishReason]
+
+class KvTransfer(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    KV_TRANSFER_UNSPECIFIED: _ClassVar[KvTransfer]
+    KV_TRANSFER_NONE: _ClassVar[KvTransfer]
+    KV_TRANSFER_STATE: _ClassVar[KvTransfer]
+    KV_TRANSFER_TOKEN_IDS: _ClassVar[KvTransfer]
+FINISH_REASON_UNSPECIFIED: FinishReason
+FINISH_REASON_STOP: FinishReason
+FINISH_REASON_LENGTH: FinishReason
+KV_TRANSFER_UNSPECIFIED: KvTransfer
+KV_TRANSFER_NONE: KvTransfer
+KV_TRANSFER_STATE: KvTransfer
+KV_TRANSFER_TOKEN_IDS: KvTransfer
+
+class SamplingParams(_message.Message):
+    __slots__ = ("max_tokens", "temperature", "top_p", "seed", "stop")
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    max_tokens: int
+    temperature: float
+    top_p: float
+    seed: int
+    stop: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ChatMessage(_message.Message):
+    __slots__ = ("role", "content")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    content: str
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
+
+class KvFingerprint(_message.Message):
+    __slots__ = ("model_sha256", "n_ctx_tokens", "engine_version")
+    MODEL_SHA256_FIELD_NUMBER: _ClassVar[int]
+    N_CTX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    model_sha256: str
+    n_ctx_tokens: int
+    engine_version: str
+    def __init__(self, model_sha256: _Optional[str] = ..., n_ctx_tokens: _Optional[int] = ..., engine_version: _Optional[str] = ...) -> None: ...
+
+class TextDelta(_message.Message):
+    __slots__ = ("text", "token_ids")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...

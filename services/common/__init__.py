@@ -1,0 +1,1 @@
+"""Code shared by every node: topology, engines, KV transfer, logging, serving."""

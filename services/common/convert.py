@@ -1,0 +1,115 @@
+"""Translation between protobuf messages and the plain types in `types.py`.
+
+Servicers and node clients use these; nothing below them sees protobuf.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from google.protobuf.duration_pb2 import Duration
+
+from disagg.v1 import decode_pb2, types_pb2
+from services.common.types import (
+    DEFAULT_TEMPERATURE,
+    DEFAULT_TOP_P,
+    ChatTurn,
+    DecodeStats,
+    Fingerprint,
+    FinishReason,
+    KvTransferKind,
+    Prompt,
+    Sampling,
+)
+
+
+def sampling_from_proto(msg: types_pb2.SamplingParams) -> Sampling:
+    return Sampling(
+        max_tokens=msg.max_tokens,
+        temperature=msg.temperature if msg.HasField("temperature") else DEFAULT_TEMPERATURE,
+        top_p=msg.top_p if msg.HasField("top_p") else DEFAULT_TOP_P,
+        seed=msg.seed if msg.HasField("seed") else None,
+        stop=tuple(msg.stop),
+    )
+
+
+def sampling_to_proto(sampling: Sampling) -> types_pb2.SamplingParams:
+    return types_pb2.SamplingParams(
+        max_tokens=sampling.max_tokens,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        seed=sampling.seed,
+        stop=list(sampling.stop),
+    )
+
+
+def prompt_from_proto(text: str, messages: Iterable[types_pb2.ChatMessage]) -> Prompt:
+    return Prompt(text=text, messages=tuple(ChatTurn(m.role, m.content) for m in messages))
+
+
+def prompt_messages_to_proto(prompt: Prompt) -> list[types_pb2.ChatMessage]:
+    return [types_pb2.ChatMessage(role=m.role, content=m.content) for m in prompt.messages]
+
+
+def fingerprint_from_proto(msg: types_pb2.KvFingerprint) -> Fingerprint:
+    return Fingerprint(msg.model_sha256, msg.n_ctx_tokens, msg.engine_version)
+
+
+def fingerprint_to_proto(fp: Fingerprint) -> types_pb2.KvFingerprint:
+    return types_pb2.KvFingerprint(
+        model_sha256=fp.model_sha256, n_ctx_tokens=fp.n_ctx_tokens, engine_version=fp.engine_version
+    )
+
+
+def duration(seconds: float) -> Duration:
+    msg = Duration()
+    msg.FromNanoseconds(round(max(seconds, 0.0) * 1e9))
+    return msg
+
+
+def seconds(msg: Duration) -> float:
+    return msg.ToNanoseconds() / 1e9
+
+
+FINISH_REASON_TO_PROTO = {
+    FinishReason.STOP: types_pb2.FINISH_REASON_STOP,
+    FinishReason.LENGTH: types_pb2.FINISH_REASON_LENGTH,
+}
+FINISH_REASON_FROM_PROTO = {v: k for k, v in FINISH_REASON_TO_PROTO.items()}
+
+KV_TRANSFER_TO_PROTO = {
+    KvTransferKind.NONE: types_pb2.KV_TRANSFER_NONE,
+    KvTransferKind.STATE: types_pb2.KV_TRANSFER_STATE,
+    KvTransferKind.TOKEN_IDS: types_pb2.KV_TRANSFER_TOKEN_IDS,
+}
+KV_TRANSFER_FROM_PROTO = {v: k for k, v in KV_TRANSFER_TO_PROTO.items()}
+
+
+def decode_stats_to_proto(stats: DecodeStats) -> decode_pb2.DecodeSummary:
+    return decode_pb2.DecodeSummary(
+        prompt_tokens=stats.prompt_tokens,
+        completion_tokens=stats.completion_tokens,
+        finish_reason=FINISH_REASON_TO_PROTO[stats.finish_reason],
+        kv_transfer=KV_TRANSFER_TO_PROTO[stats.kv_transfer],
+        kv_fetch_duration=duration(stats.kv_fetch_seconds),
+        kv_fetch_bytes=stats.kv_fetch_bytes,
+        kv_load_duration=duration(stats.kv_load_seconds),
+        prompt_eval_duration=duration(stats.prompt_eval_seconds),
+        decode_duration=duration(stats.decode_seconds),
+        time_to_first_token=duration(stats.time_to_first_token_seconds),
+    )
+
+
+def decode_stats_from_proto(msg: decode_pb2.DecodeSummary) -> DecodeStats:
+    return DecodeStats(
+        prompt_tokens=msg.prompt_tokens,
+        completion_tokens=msg.completion_tokens,
+        finish_reason=FINISH_REASON_FROM_PROTO.get(msg.finish_reason, FinishReason.STOP),
+        kv_transfer=KV_TRANSFER_FROM_PROTO.get(msg.kv_transfer, KvTransferKind.NONE),
+        kv_fetch_seconds=seconds(msg.kv_fetch_duration),
+        kv_fetch_bytes=msg.kv_fetch_bytes,
+        kv_load_seconds=seconds(msg.kv_load_duration),
+        prompt_eval_seconds=seconds(msg.prompt_eval_duration),
+        decode_seconds=seconds(msg.decode_duration),
+        time_to_first_token_seconds=seconds(msg.time_to_first_token),
+    )

@@ -1,0 +1,26 @@
+"""Model runtimes behind one interface (`base.Engine`)."""
+
+from __future__ import annotations
+
+from services.common.engines.base import Engine
+from services.common.errors import MeshError
+from services.common.models import resolve_model_path
+from services.common.topology import Node, Topology
+
+
+class EngineUnavailable(MeshError):
+    """The node's engine cannot be opened."""
+
+
+def open_engine(topology: Topology, node: Node) -> Engine:
+    """Load the engine the topology names for this node (blocking: call off the loop)."""
+    assert node.model is not None
+    if node.engine == "llama_cpp":
+        from services.common.engines.llama_cpp_engine import LlamaCppEngine
+
+        path = resolve_model_path(node.model, topology.source.parent)
+        return LlamaCppEngine(path, n_ctx=node.n_ctx, n_threads=node.n_threads)
+    raise EngineUnavailable(
+        f"node {node.name}: engine {node.engine!r} is not available in this version "
+        "(only llama_cpp is; the Ollama engine is tracked in its own issue)"
+    )

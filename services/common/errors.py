@@ -1,0 +1,61 @@
+"""Errors the mesh raises, each with the gRPC status code it travels as.
+
+Logic below the servicers raises these plain exceptions; `grpc_status.py` is the one place
+that turns them (and anything unexpected) into a gRPC status.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+
+class MeshError(Exception):
+    """An error with a clear message for the caller and the status code it maps to."""
+
+    code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class InvalidArgument(MeshError):
+    """A request field is wrong; the message starts with the field's name."""
+
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+    def __init__(self, field: str, problem: str) -> None:
+        super().__init__(f"{field}: {problem}")
+        self.field = field
+
+
+class NotFound(MeshError):
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class FailedPrecondition(MeshError):
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class DataLoss(MeshError):
+    code = grpc.StatusCode.DATA_LOSS
+
+
+class ResourceExhausted(MeshError):
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class Unavailable(MeshError):
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class DeadlineExceeded(MeshError):
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+class UpstreamError(MeshError):
+    """A call to another node failed; keeps that node's status code and message."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code

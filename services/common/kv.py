@@ -1,0 +1,181 @@
+"""KV state transfer: the prefill node's store of states, chunking, and checked reassembly.
+
+Bytes only, with explicit metadata: nothing here is pickled. A state is kept under a random
+handle until it is fetched once or its time-to-live ends; the store never holds more than
+its byte budget. The decode node reassembles chunks into one buffer and checks offsets,
+size, SHA-256 and fingerprint before anything reaches the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import secrets
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from services.common.errors import DataLoss, FailedPrecondition, NotFound, ResourceExhausted
+from services.common.types import Fingerprint
+
+CHUNK_BYTES = 1 << 20
+# Handles remembered after they are gone, so a second fetch can say why it fails.
+_TOMBSTONES = 4096
+
+
+@dataclass
+class StoredKv:
+    data: memoryview
+    sha256: str
+    fingerprint: Fingerprint
+    expires_at: float
+
+
+@dataclass(frozen=True)
+class KvChunk:
+    offset: int
+    data: bytes
+    total_size: int
+    # Set on the last chunk only.
+    sha256: str = ""
+    # Set on the first chunk only.
+    fingerprint: Fingerprint | None = None
+
+
+class KvStore:
+    """States waiting to be fetched, bounded in bytes and in time."""
+
+    def __init__(
+        self, budget_bytes: int, ttl_s: float, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.budget_bytes = budget_bytes
+        self.ttl_s = ttl_s
+        self._clock = clock
+        self._entries: dict[str, StoredKv] = {}
+        self._gone: OrderedDict[str, str] = OrderedDict()
+        self.bytes_held = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def put(self, data: memoryview, sha256: str, fingerprint: Fingerprint) -> str:
+        self.expire()
+        size = len(data)
+        if self.bytes_held + size > self.budget_bytes:
+            raise ResourceExhausted(
+                f"KV store full: {self.bytes_held} of {self.budget_bytes} bytes held by "
+                f"{len(self._entries)} unfetched states, this one needs {size}; retry later"
+            )
+        handle = secrets.token_urlsafe(18)
+        self._entries[handle] = StoredKv(
+            data=data,
+            sha256=sha256,
+            fingerprint=fingerprint,
+            expires_at=self._clock() + self.ttl_s,
+        )
+        self.bytes_held += size
+        return handle
+
+    def take(self, handle: str) -> StoredKv:
+        """Remove and return the state: a handle can be fetched once."""
+        self.expire()
+        entry = self._entries.pop(handle, None)
+        if entry is None:
+            why = self._gone.get(handle, "unknown (never issued here, or forgotten)")
+            raise NotFound(f"KV handle {handle!r} is {why}")
+        self._forget(handle, entry, "already fetched")
+        return entry
+
+    def expire(self) -> None:
+        now = self._clock()
+        for handle, entry in list(self._entries.items()):
+            if entry.expires_at <= now:
+                del self._entries[handle]
+                self._forget(handle, entry, f"expired (not fetched within {self.ttl_s:g} s)")
+
+    async def expire_periodically(self, every_s: float = 1.0) -> None:
+        """Drop expired states even when no request comes (run as a task)."""
+        while True:
+            await asyncio.sleep(every_s)
+            self.expire()
+
+    def _forget(self, handle: str, entry: StoredKv, why: str) -> None:
+        self.bytes_held -= len(entry.data)
+        self._gone[handle] = why
+        while len(self._gone) > _TOMBSTONES:
+            self._gone.popitem(last=False)
+
+
+def iter_chunks(entry: StoredKv, chunk_bytes: int = CHUNK_BYTES) -> Iterator[KvChunk]:
+    total = len(entry.data)
+    offsets = range(0, total, chunk_bytes)
+    last = offsets[-1] if total else 0
+    for offset in offsets:
+        yield KvChunk(
+            offset=offset,
+            data=bytes(entry.data[offset : offset + chunk_bytes]),
+            total_size=total,
+            sha256=entry.sha256 if offset == last else "",
+            fingerprint=entry.fingerprint if offset == 0 else None,
+        )
+
+
+class KvAssembler:
+    """Reassembles a streamed state into one buffer, refusing anything inconsistent."""
+
+    def __init__(self, expected_size: int, expected: Fingerprint) -> None:
+        self._expected_size = expected_size
+        self._expected_fingerprint = expected
+        self._buffer = bytearray(expected_size)
+        self._received = 0
+        self._sha256 = ""
+        self._hash = hashlib.sha256()
+
+    def add(self, chunk: KvChunk) -> None:
+        if chunk.total_size != self._expected_size:
+            raise DataLoss(
+                f"KV stream says the state is {chunk.total_size} bytes; "
+                f"the prefill node announced {self._expected_size}"
+            )
+        if chunk.offset != self._received:
+            raise DataLoss(
+                f"KV chunk at offset {chunk.offset}, expected offset {self._received} "
+                "(chunk missing, repeated or out of order)"
+            )
+        if self._sha256:
+            raise DataLoss("KV chunk after the last one")
+        if chunk.offset == 0:
+            if chunk.fingerprint is None:
+                raise DataLoss("first KV chunk carries no fingerprint")
+            check_fingerprint(chunk.fingerprint, self._expected_fingerprint)
+        end = chunk.offset + len(chunk.data)
+        if end > self._expected_size or not chunk.data:
+            raise DataLoss(
+                f"KV chunk of {len(chunk.data)} bytes at offset {chunk.offset} does not fit"
+            )
+        self._buffer[chunk.offset : end] = chunk.data
+        self._hash.update(chunk.data)
+        self._received = end
+        self._sha256 = chunk.sha256
+
+    def finish(self) -> memoryview:
+        if self._received != self._expected_size:
+            raise DataLoss(f"KV stream ended after {self._received} of {self._expected_size} bytes")
+        if not self._sha256:
+            raise DataLoss("KV stream ended without its checksum")
+        if self._hash.hexdigest() != self._sha256:
+            raise DataLoss("KV state checksum mismatch: the bytes were corrupted in transit")
+        return memoryview(self._buffer)
+
+    @property
+    def received_bytes(self) -> int:
+        return self._received
+
+
+def check_fingerprint(got: Fingerprint, mine: Fingerprint) -> None:
+    if got != mine:
+        raise FailedPrecondition(
+            f"KV state was made by a different engine setup ({got.describe()}) than this "
+            f"node's ({mine.describe()}); both nodes need the same model file, n_ctx and engine"
+        )

@@ -1,0 +1,152 @@
+"""Clients for calls between nodes (router → prefill/decode, decode → prefill).
+
+They speak protobuf on the wire and plain Python to their callers. A failed call becomes an
+`UpstreamError` that keeps the gRPC code and says which node answered.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator
+from typing import NoReturn
+
+import grpc
+
+from disagg.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from services.common import convert
+from services.common.errors import UpstreamError
+from services.common.kv import KvChunk
+from services.common.logging import outgoing_metadata
+from services.common.types import DecodeStats, KvSource, PrefillResult, Prompt, Sampling, TextChunk
+
+MAX_MESSAGE_BYTES = 8 * 1024 * 1024
+CHANNEL_OPTIONS = (
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    # Reconnect to a restarted node quickly instead of backing off for up to 2 minutes.
+    ("grpc.max_reconnect_backoff_ms", 2_000),
+)
+
+
+class ChannelPool:
+    """One channel per address, reused for every call."""
+
+    def __init__(self) -> None:
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    def get(self, address: str) -> grpc.aio.Channel:
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            self._channels[address] = channel
+        return channel
+
+    async def close(self) -> None:
+        for channel in self._channels.values():
+            await channel.close()
+        self._channels.clear()
+
+
+def _fail(role: str, address: str, exc: grpc.aio.AioRpcError) -> NoReturn:
+    raise UpstreamError(exc.code(), f"{role} node {address}: {exc.details()}") from exc
+
+
+class PrefillClient:
+    def __init__(self, pool: ChannelPool, address: str) -> None:
+        self.address = address
+        self._stub = prefill_pb2_grpc.PrefillServiceStub(pool.get(address))
+
+    async def prefill(
+        self, model: str, prompt: Prompt, sampling: Sampling, timeout_s: float
+    ) -> PrefillResult:
+        request = prefill_pb2.PrefillRequest(
+            model=model,
+            prompt=prompt.text,
+            messages=convert.prompt_messages_to_proto(prompt),
+            sampling=convert.sampling_to_proto(sampling),
+        )
+        try:
+            reply = await self._stub.Prefill(
+                request, timeout=timeout_s, metadata=outgoing_metadata()
+            )
+        except grpc.aio.AioRpcError as exc:
+            _fail("prefill", self.address, exc)
+        return PrefillResult(
+            kv_handle=reply.kv_handle,
+            first_token_id=reply.first_token_id,
+            prompt_tokens=reply.prompt_tokens,
+            prefill_seconds=convert.seconds(reply.prefill_duration),
+            kv_size_bytes=reply.kv_size_bytes,
+            fingerprint=convert.fingerprint_from_proto(reply.fingerprint),
+            kv_ttl_seconds=convert.seconds(reply.kv_ttl),
+            kv_transfer=convert.KV_TRANSFER_FROM_PROTO[reply.kv_transfer],
+        )
+
+    async def fetch_kv(
+        self, kv_handle: str, timeout_s: float | None
+    ) -> AsyncGenerator[KvChunk, None]:
+        call = self._stub.FetchKv(
+            prefill_pb2.FetchKvRequest(kv_handle=kv_handle),
+            timeout=timeout_s,
+            metadata=outgoing_metadata(),
+        )
+        try:
+            async for reply in call:
+                yield KvChunk(
+                    offset=reply.offset_bytes,
+                    data=reply.data,
+                    total_size=reply.total_size_bytes,
+                    sha256=reply.sha256,
+                    fingerprint=(
+                        convert.fingerprint_from_proto(reply.fingerprint)
+                        if reply.HasField("fingerprint")
+                        else None
+                    ),
+                )
+        except grpc.aio.AioRpcError as exc:
+            _fail("prefill", self.address, exc)
+        finally:
+            call.cancel()
+
+
+class DecodeClient:
+    def __init__(self, pool: ChannelPool, address: str) -> None:
+        self.address = address
+        self._stub = decode_pb2_grpc.DecodeServiceStub(pool.get(address))
+
+    async def generate(
+        self,
+        model: str,
+        source: KvSource | Prompt,
+        sampling: Sampling,
+        timeout_s: float,
+    ) -> AsyncGenerator[TextChunk | DecodeStats, None]:
+        request = decode_pb2.DecodeServiceGenerateRequest(
+            model=model, sampling=convert.sampling_to_proto(sampling)
+        )
+        if isinstance(source, KvSource):
+            request.kv.CopyFrom(
+                decode_pb2.KvSource(
+                    prefill_address=source.prefill_address,
+                    kv_handle=source.kv_handle,
+                    first_token_id=source.first_token_id,
+                    prompt_tokens=source.prompt_tokens,
+                    fingerprint=convert.fingerprint_to_proto(source.fingerprint),
+                    kv_size_bytes=source.kv_size_bytes,
+                )
+            )
+        else:
+            request.prompt = source.text
+            request.messages.extend(convert.prompt_messages_to_proto(source))
+        call = self._stub.Generate(request, timeout=timeout_s, metadata=outgoing_metadata())
+        try:
+            async for reply in call:
+                if reply.HasField("delta"):
+                    yield TextChunk(text=reply.delta.text, token_ids=list(reply.delta.token_ids))
+                else:
+                    yield convert.decode_stats_from_proto(reply.summary)
+        except grpc.aio.AioRpcError as exc:
+            _fail("decode", self.address, exc)
+        finally:
+            call.cancel()

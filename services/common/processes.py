@@ -1,0 +1,140 @@
+"""Starting the nodes of a topology as child processes, waiting for them, stopping them.
+
+Used by `make run` (services/launcher.py) and by the tests, so both run the mesh the same way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.common.topology import Node, Topology
+
+
+class MeshStartError(Exception):
+    """A node exited or did not become SERVING in time."""
+
+
+class MeshProcesses:
+    def __init__(self, topology: Topology, log_dir: Path) -> None:
+        self.topology = topology
+        self.log_dir = log_dir
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+
+    def start(self, nodes: list[Node] | None = None) -> None:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        for node in nodes or self.topology.nodes:
+            self.start_node(node)
+
+    def start_node(self, node: Node) -> None:
+        log = (self.log_dir / f"{node.name}.log").open("ab")
+        env = {**os.environ, "LOG_FORMAT": "json", "PYTHONUNBUFFERED": "1"}
+        self.procs[node.name] = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "services.node",
+                "--topology",
+                str(self.topology.source),
+                "--node",
+                node.name,
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            start_new_session=True,  # Ctrl-C reaches the launcher, which stops them in order
+        )
+        log.close()
+
+    def log_tail(self, name: str, lines: int = 15) -> str:
+        path = self.log_dir / f"{name}.log"
+        if not path.exists():
+            return ""
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+    async def wait_serving(
+        self,
+        timeout_s: float = 300.0,
+        progress: Callable[[str], None] | None = None,
+        every_s: float = 2.0,
+    ) -> None:
+        """Return once every started node reports SERVING; raise MeshStartError if one exits
+        or the time runs out. progress() gets a line every `every_s` seconds."""
+        started = time.monotonic()
+        last_report = started
+        pending = {name: "starting" for name in self.procs}
+        channels = {
+            name: grpc.aio.insecure_channel(self.topology.node(name).address) for name in pending
+        }
+        try:
+            while pending:
+                for name in list(pending):
+                    code = self.procs[name].poll()
+                    if code is not None:
+                        log_file = self.log_dir / f"{name}.log"
+                        raise MeshStartError(
+                            f"node {name} exited with code {code} while starting; "
+                            f"last lines of {log_file}:\n{self.log_tail(name)}"
+                        )
+                    pending[name] = await _health(channels[name])
+                    if pending[name] == "SERVING":
+                        del pending[name]
+                now = time.monotonic()
+                if pending and now - started > timeout_s:
+                    states = ", ".join(f"{n} ({s})" for n, s in pending.items())
+                    raise MeshStartError(f"not SERVING after {timeout_s:g} s: {states}")
+                if pending and progress and now - last_report >= every_s:
+                    last_report = now
+                    states = ", ".join(f"{n} ({s})" for n, s in pending.items())
+                    progress(f"waiting for {len(pending)} node(s), {now - started:.0f} s: {states}")
+                if pending:
+                    await asyncio.sleep(0.2)
+        finally:
+            for channel in channels.values():
+                await channel.close()
+
+    def stop_node(self, name: str, sig: int = signal.SIGTERM, grace_s: float = 15.0) -> int | None:
+        proc = self.procs.pop(name, None)
+        if proc is None or proc.poll() is not None:
+            return proc.returncode if proc else None
+        proc.send_signal(sig)
+        try:
+            return proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            return proc.wait()
+
+    def stop(self, grace_s: float = 15.0) -> dict[str, int | None]:
+        """SIGTERM every node, wait for them (grace_s in all), SIGKILL what is left."""
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        codes: dict[str, int | None] = {}
+        for name, proc in self.procs.items():
+            try:
+                codes[name] = proc.wait(max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                codes[name] = proc.wait()
+        self.procs.clear()
+        return codes
+
+
+async def _health(channel: grpc.aio.Channel) -> str:
+    stub = health_pb2_grpc.HealthStub(channel)
+    try:
+        reply = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
+    except grpc.aio.AioRpcError as exc:
+        return exc.code().name
+    return str(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))

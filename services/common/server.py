@@ -1,0 +1,87 @@
+"""Running a node: one grpc.aio server with our services, health and reflection.
+
+The skeleton follows vllm's gRPC server: the port opens at once with every service
+NOT_SERVING, the model loads on a worker thread, services turn SERVING, and SIGTERM/SIGINT
+sets an event on which health goes NOT_SERVING, in-flight calls get a grace period, and the
+engine is closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from typing import Any
+
+import grpc
+import structlog
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from services.common.grpc_status import RequestScopeInterceptor
+from services.common.node_clients import MAX_MESSAGE_BYTES
+
+log = structlog.get_logger("server")
+
+SERVER_OPTIONS = (
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.so_reuseport", 0),
+)
+GRACE_S = 10.0
+
+
+class BindError(Exception):
+    """The node's address could not be bound."""
+
+
+async def serve(
+    *,
+    bind_address: str,
+    service_names: Sequence[str],
+    register: Callable[[grpc.aio.Server], None],
+    load: Callable[[], Coroutine[Any, Any, None]],
+    close: Callable[[], Awaitable[None]],
+) -> None:
+    """Serve until SIGTERM/SIGINT. `register` adds our servicers; `load` readies the node
+    (health stays NOT_SERVING until it returns); `close` runs after the server stopped."""
+    server = grpc.aio.server(interceptors=[RequestScopeInterceptor()], options=SERVER_OPTIONS)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    register(server)
+    reflection.enable_server_reflection(
+        (*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+    )
+    for name in ("", *service_names):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    try:
+        server.add_insecure_port(bind_address)
+    except RuntimeError as exc:
+        raise BindError(f"cannot listen on {bind_address}: {exc}") from None
+    await server.start()
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    log.info("listening", address=bind_address, status="NOT_SERVING")
+
+    started = time.perf_counter()
+    loading = asyncio.create_task(load())
+    stopping = asyncio.create_task(stop.wait())
+    await asyncio.wait({loading, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    if loading.done():
+        loading.result()  # a failed load ends the process with its error
+        for name in ("", *service_names):
+            await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+        log.info("serving", address=bind_address, load_s=round(time.perf_counter() - started, 2))
+        await stopping
+    else:
+        loading.cancel()
+
+    log.info("shutting down", grace_s=GRACE_S)
+    await health_servicer.enter_graceful_shutdown()
+    await server.stop(GRACE_S)
+    await close()
+    log.info("stopped")

@@ -1,0 +1,175 @@
+"""The topology file: which nodes exist and which nodes serve which logical model.
+
+A topology is a TOML file (see topology/local.toml). `load_topology` parses and checks it
+and fails with `TopologyError`, whose message names the file, the key (or the line, for a
+syntax error) and what is wrong.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+Role = Literal["router", "prefill", "decode"]
+EngineName = Literal["llama_cpp", "ollama"]
+RouteMode = Literal["disaggregated", "decode_only"]
+
+NodeName = Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9-]*$", max_length=63)]
+Port = Annotated[int, Field(ge=1, le=65535)]
+PositiveSeconds = Annotated[float, Field(gt=0, le=3600)]
+
+
+class TopologyError(Exception):
+    """The topology file cannot be used; the message says where and why."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class MeshSettings(_Strict):
+    """[mesh]: settings for the whole mesh."""
+
+    # Largest max_tokens a request may ask for.
+    max_tokens_limit: Annotated[int, Field(ge=1, le=1_000_000)] = 4096
+
+
+class Node(_Strict):
+    """One [[nodes]] entry: a process of the mesh."""
+
+    name: NodeName
+    role: Role
+    host: str = Field(min_length=1)
+    port: Port
+    # Address the process listens on; defaults to host.
+    listen_host: str | None = None
+    # prefill and decode nodes only:
+    engine: EngineName | None = None
+    # llama_cpp: a GGUF path (relative to the topology file) or "package:DIST/FILE";
+    # ollama: the model tag on the Ollama server.
+    model: str | None = None
+    n_ctx: Annotated[int, Field(ge=256, le=1_048_576)] = 4096
+    n_threads: Annotated[int, Field(ge=1, le=1024)] | None = None
+    ollama_url: str | None = None
+    # prefill only: how long a KV handle stays fetchable, and the KV store's size.
+    kv_ttl_s: PositiveSeconds = 60.0
+    kv_budget_bytes: Annotated[int, Field(ge=1 << 20)] = 2 << 30
+    # Requests that may wait for the engine before new ones get RESOURCE_EXHAUSTED.
+    max_queue: Annotated[int, Field(ge=0, le=10_000)] = 16
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    @property
+    def bind_address(self) -> str:
+        return f"{self.listen_host or self.host}:{self.port}"
+
+    @model_validator(mode="after")
+    def _engine_for_workers(self) -> Node:
+        if self.role != "router":
+            if self.engine is None:
+                raise ValueError(f"a {self.role} node needs engine (llama_cpp or ollama)")
+            if not self.model:
+                raise ValueError(f"a {self.role} node needs model")
+        return self
+
+
+class ModelRoute(_Strict):
+    """One [[models]] entry: a logical model and the nodes that serve it."""
+
+    name: str = Field(min_length=1)
+    mode: RouteMode = "disaggregated"
+    prefill: list[NodeName] = []
+    decode: list[NodeName] = Field(min_length=1)
+    prefill_deadline_s: PositiveSeconds = 60.0
+    decode_deadline_s: PositiveSeconds = 180.0
+
+    @model_validator(mode="after")
+    def _prefill_when_disaggregated(self) -> ModelRoute:
+        if self.mode == "disaggregated" and not self.prefill:
+            raise ValueError("mode 'disaggregated' needs at least one prefill node")
+        return self
+
+
+class Topology(_Strict):
+    mesh: MeshSettings = MeshSettings()
+    nodes: list[Node] = Field(min_length=1)
+    models: list[ModelRoute] = Field(min_length=1)
+    # Where the file was read from; model paths are relative to its folder.
+    source: Path = Path(".")
+
+    def node(self, name: str) -> Node:
+        for node in self.nodes:
+            if node.name == name:
+                return node
+        known = ", ".join(n.name for n in self.nodes)
+        raise TopologyError(f"{self.source}: no node named {name!r} (nodes: {known})")
+
+    def route(self, model: str) -> ModelRoute | None:
+        return next((m for m in self.models if m.name == model), None)
+
+    def models_served_by(self, node_name: str) -> list[str]:
+        return [m.name for m in self.models if node_name in (*m.prefill, *m.decode)]
+
+    @property
+    def router(self) -> Node:
+        return next(n for n in self.nodes if n.role == "router")
+
+    @model_validator(mode="after")
+    def _cross_references(self) -> Topology:
+        names = [n.name for n in self.nodes]
+        for dup in sorted({n for n in names if names.count(n) > 1}):
+            raise ValueError(f"nodes: the name {dup!r} is used twice")
+        addresses = [n.bind_address for n in self.nodes]
+        for dup in sorted({a for a in addresses if addresses.count(a) > 1}):
+            raise ValueError(f"nodes: two nodes listen on {dup}")
+        routers = [n for n in self.nodes if n.role == "router"]
+        if len(routers) != 1:
+            raise ValueError(
+                f"nodes: need exactly one node with role 'router', found {len(routers)}"
+            )
+        by_name = {n.name: n for n in self.nodes}
+        seen: set[str] = set()
+        for i, route in enumerate(self.models):
+            if route.name in seen:
+                raise ValueError(f"models[{i}].name: {route.name!r} is listed twice")
+            seen.add(route.name)
+            for stage in ("prefill", "decode"):
+                for name in getattr(route, stage):
+                    node = by_name.get(name)
+                    if node is None:
+                        raise ValueError(f"models[{i}].{stage}: no node named {name!r}")
+                    if node.role != stage:
+                        raise ValueError(
+                            f"models[{i}].{stage}: node {name!r} has role {node.role!r}"
+                        )
+        return self
+
+
+def load_topology(path: str | Path) -> Topology:
+    path = Path(path)
+    try:
+        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise TopologyError(f"{path}: no such topology file") from None
+    except tomllib.TOMLDecodeError as exc:  # the message carries "(at line N, column M)"
+        raise TopologyError(f"{path}: not valid TOML: {exc}") from None
+    try:
+        return Topology.model_validate({**raw, "source": path.resolve()})
+    except ValidationError as exc:
+        raise TopologyError(f"{path}: {_describe(exc)}") from None
+
+
+def _describe(exc: ValidationError) -> str:
+    problems = []
+    for err in exc.errors():
+        key = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in err["loc"]).lstrip(".")
+        message = err["msg"].removeprefix("Value error, ")
+        where = f"{key}: " if key else ""
+        got = f" (got {err['input']!r})" if err["type"] not in ("missing", "value_error") else ""
+        problems.append(f"{where}{message}{got}")
+    return "; ".join(problems)

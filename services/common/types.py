@@ -1,0 +1,110 @@
+"""Plain-Python request and result types shared by the nodes (no protobuf here)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+DEFAULT_TEMPERATURE = 0.8
+DEFAULT_TOP_P = 0.95
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How tokens are chosen. temperature 0 is greedy and deterministic."""
+
+    max_tokens: int
+    temperature: float = DEFAULT_TEMPERATURE
+    top_p: float = DEFAULT_TOP_P
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class ChatTurn:
+    role: str
+    content: str
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """Either raw text or chat turns (rendered with the model's chat template)."""
+
+    text: str = ""
+    messages: tuple[ChatTurn, ...] = ()
+
+
+@dataclass(frozen=True)
+class Fingerprint:
+    """What produced a KV state; a state loads only into an engine with an equal one."""
+
+    model_sha256: str
+    n_ctx_tokens: int
+    engine_version: str
+
+    def describe(self) -> str:
+        return (
+            f"model sha256 {self.model_sha256[:12]}…, n_ctx {self.n_ctx_tokens}, "
+            f"{self.engine_version}"
+        )
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+
+
+class KvTransferKind(enum.Enum):
+    NONE = "none"
+    STATE = "state"
+    TOKEN_IDS = "token_ids"
+
+
+@dataclass
+class TextChunk:
+    """Text produced by some tokens (text can be empty inside a multi-byte character)."""
+
+    text: str
+    token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    """What a prefill node returns: where the KV state is and how the prompt went."""
+
+    kv_handle: str
+    first_token_id: int
+    prompt_tokens: int
+    prefill_seconds: float
+    kv_size_bytes: int
+    fingerprint: Fingerprint
+    kv_ttl_seconds: float
+    kv_transfer: KvTransferKind
+
+
+@dataclass(frozen=True)
+class KvSource:
+    """Where a decode node pulls a prompt's KV state from."""
+
+    prefill_address: str
+    kv_handle: str
+    first_token_id: int
+    prompt_tokens: int
+    fingerprint: Fingerprint
+    kv_size_bytes: int
+
+
+@dataclass
+class DecodeStats:
+    """A decode node's summary of one generation; durations in seconds."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    finish_reason: FinishReason = FinishReason.STOP
+    kv_transfer: KvTransferKind = KvTransferKind.NONE
+    kv_fetch_seconds: float = 0.0
+    kv_fetch_bytes: int = 0
+    kv_load_seconds: float = 0.0
+    prompt_eval_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    time_to_first_token_seconds: float = 0.0

@@ -1,0 +1,52 @@
+"""Checks on requests, shared by the router and the nodes, with field-named messages."""
+
+from __future__ import annotations
+
+from services.common.errors import InvalidArgument, NotFound
+from services.common.types import Prompt, Sampling
+
+MAX_PROMPT_BYTES = 4 * 1024 * 1024
+MAX_STOP_STRINGS = 8
+CHAT_ROLES = frozenset({"system", "user", "assistant"})
+
+
+def validate_prompt(prompt: Prompt) -> None:
+    if prompt.text and prompt.messages:
+        raise InvalidArgument("prompt", "set either prompt or messages, not both")
+    if not prompt.text and not prompt.messages:
+        raise InvalidArgument("prompt", "must not be empty (set prompt or messages)")
+    size = len(prompt.text.encode()) + sum(len(m.content.encode()) for m in prompt.messages)
+    if size > MAX_PROMPT_BYTES:
+        raise InvalidArgument("prompt", f"is {size} bytes; the limit is {MAX_PROMPT_BYTES} bytes")
+    for i, turn in enumerate(prompt.messages):
+        if turn.role not in CHAT_ROLES:
+            raise InvalidArgument(
+                f"messages[{i}].role",
+                f"must be one of {', '.join(sorted(CHAT_ROLES))}, got {turn.role!r}",
+            )
+
+
+def validate_sampling(sampling: Sampling, max_tokens_limit: int) -> None:
+    if not 1 <= sampling.max_tokens <= max_tokens_limit:
+        raise InvalidArgument(
+            "sampling.max_tokens",
+            f"must be between 1 and {max_tokens_limit}, got {sampling.max_tokens}",
+        )
+    if not sampling.temperature >= 0.0:  # also rejects NaN
+        raise InvalidArgument("sampling.temperature", f"must be >= 0, got {sampling.temperature}")
+    if not 0.0 < sampling.top_p <= 1.0:
+        raise InvalidArgument("sampling.top_p", f"must be in (0, 1], got {sampling.top_p}")
+    if len(sampling.stop) > MAX_STOP_STRINGS:
+        raise InvalidArgument(
+            "sampling.stop", f"at most {MAX_STOP_STRINGS} strings, got {len(sampling.stop)}"
+        )
+    if any(not s for s in sampling.stop):
+        raise InvalidArgument("sampling.stop", "stop strings must not be empty")
+
+
+def check_served(model: str, node_name: str, served: list[str]) -> None:
+    """A node answers only for the logical models the topology routes to it."""
+    if model not in served:
+        raise NotFound(
+            f"model {model!r} is not served by node {node_name} (it serves {', '.join(served)})"
+        )

@@ -1,0 +1,53 @@
+"""Starting a decode node."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+
+from disagg.v1 import decode_pb2, decode_pb2_grpc
+from services.common.engines import open_engine
+from services.common.node_clients import ChannelPool
+from services.common.readiness import Ready
+from services.common.server import serve
+from services.common.topology import Node, Topology
+from services.common.worker import EngineWorker
+from services.decode.node import DecodeNode
+from services.decode.servicer import DecodeServicer
+
+SERVICE_NAME = decode_pb2.DESCRIPTOR.services_by_name["DecodeService"].full_name
+
+
+async def run(topology: Topology, node: Node) -> None:
+    ready: Ready[DecodeNode] = Ready(f"decode node {node.name}")
+    worker = EngineWorker(node.name, node.max_queue)
+    pool = ChannelPool()
+
+    def register(server: grpc.aio.Server) -> None:
+        decode_pb2_grpc.add_DecodeServiceServicer_to_server(DecodeServicer(ready), server)
+
+    async def load() -> None:
+        engine = await worker.call(lambda: open_engine(topology, node))
+        ready.set(
+            DecodeNode(
+                name=node.name,
+                models=topology.models_served_by(node.name),
+                engine=engine,
+                worker=worker,
+                pool=pool,
+                max_tokens_limit=topology.mesh.max_tokens_limit,
+            )
+        )
+
+    async def close() -> None:
+        await pool.close()
+        await asyncio.to_thread(worker.shutdown)
+
+    await serve(
+        bind_address=node.bind_address,
+        service_names=[SERVICE_NAME],
+        register=register,
+        load=load,
+        close=close,
+    )

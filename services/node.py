@@ -1,0 +1,68 @@
+"""Start one node of a topology by its name.
+
+python -m services.node --topology topology/local.toml --node prefill-qwen
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+
+import structlog
+
+from services.common.logging import configure_logging
+from services.common.models import ModelFileError
+from services.common.server import BindError
+from services.common.topology import TopologyError, load_topology
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--topology", default="topology/local.toml", help="topology TOML file")
+    parser.add_argument("--node", required=True, help="name of the node to run")
+    parser.add_argument(
+        "--log-format",
+        choices=["json", "console"],
+        help="default: LOG_FORMAT, else console on a terminal",
+    )
+    args = parser.parse_args(argv)
+    configure_logging(args.node, args.log_format)
+    log = structlog.get_logger("node")
+    try:
+        topology = load_topology(args.topology)
+        node = topology.node(args.node)
+    except TopologyError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    log.info(
+        "starting",
+        role=node.role,
+        topology=str(args.topology),
+        engine=node.engine,
+        model=node.model,
+    )
+    if node.role == "prefill":
+        from services.prefill.main import run
+    elif node.role == "decode":
+        from services.decode.main import run
+    else:
+        from services.router.main import run
+    try:
+        asyncio.run(run(topology, node))
+    except (BindError, ModelFileError) as exc:
+        log.error("cannot start", error=str(exc))
+        return 1
+    except Exception as exc:
+        # e.g. the engine is not available: one clear line, not a traceback
+        if type(exc).__module__.startswith("services."):
+            log.error("cannot start", error=str(exc))
+            return 1
+        raise
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

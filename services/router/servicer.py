@@ -1,0 +1,92 @@
+"""RouterService: protobuf in, plain Python to `Router`, protobuf out."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from typing import Any
+
+import grpc
+
+from disagg.v1 import router_pb2, router_pb2_grpc, types_pb2
+from services.common import convert
+from services.common.topology import Node
+from services.router.routing import RouteMethod, Router, RouteSummary
+
+Context = grpc.aio.ServicerContext[Any, Any]
+
+ROUTE_METHOD_TO_PROTO = {
+    RouteMethod.DISAGGREGATED: router_pb2.ROUTE_METHOD_DISAGGREGATED,
+    RouteMethod.DECODE_ONLY: router_pb2.ROUTE_METHOD_DECODE_ONLY,
+}
+
+
+class RouterServicer(router_pb2_grpc.RouterServiceServicer):
+    def __init__(self, router: Router) -> None:
+        self._router = router
+
+    async def Generate(
+        self, request: router_pb2.GenerateRequest, context: Context
+    ) -> AsyncIterator[router_pb2.GenerateResponse]:
+        events = self._router.generate(
+            request.model,
+            convert.prompt_from_proto(request.prompt, request.messages),
+            convert.sampling_from_proto(request.sampling),
+            context.time_remaining(),
+        )
+        async with aclosing(events) as stream:
+            async for event in stream:
+                if isinstance(event, RouteSummary):
+                    yield router_pb2.GenerateResponse(summary=summary_to_proto(event))
+                else:
+                    yield router_pb2.GenerateResponse(
+                        delta=types_pb2.TextDelta(text=event.text, token_ids=event.token_ids)
+                    )
+
+    async def ListModels(
+        self, request: router_pb2.ListModelsRequest, context: Context
+    ) -> router_pb2.ListModelsResponse:
+        return router_pb2.ListModelsResponse(
+            models=[
+                router_pb2.ModelRoute(
+                    model=route.name,
+                    prefill_nodes=[_node_info(n) for n in prefill],
+                    decode_nodes=[_node_info(n) for n in decode],
+                    prefill_deadline=convert.duration(route.prefill_deadline_s),
+                    decode_deadline=convert.duration(route.decode_deadline_s),
+                )
+                for route, prefill, decode in self._router.routes()
+            ]
+        )
+
+
+def _node_info(node: Node) -> router_pb2.NodeInfo:
+    return router_pb2.NodeInfo(
+        name=node.name,
+        address=node.address,
+        engine=node.engine or "",
+        engine_model=node.model or "",
+    )
+
+
+def summary_to_proto(s: RouteSummary) -> router_pb2.GenerateSummary:
+    return router_pb2.GenerateSummary(
+        prompt_tokens=s.prompt_tokens,
+        completion_tokens=s.completion_tokens,
+        finish_reason=convert.FINISH_REASON_TO_PROTO[s.finish_reason],
+        method=ROUTE_METHOD_TO_PROTO[s.method],
+        kv_transfer=convert.KV_TRANSFER_TO_PROTO[s.kv_transfer],
+        prefill_duration=convert.duration(s.prefill_seconds),
+        prefill_tokens_per_second=s.prefill_tokens_per_second,
+        kv_transfer_duration=convert.duration(s.kv_transfer_seconds),
+        kv_transfer_bytes=s.kv_transfer_bytes,
+        kv_load_duration=convert.duration(s.kv_load_seconds),
+        time_to_first_token=convert.duration(s.time_to_first_token_seconds),
+        decode_duration=convert.duration(s.decode_seconds),
+        decode_tokens_per_second=s.decode_tokens_per_second,
+        total_duration=convert.duration(s.total_seconds),
+        prefill_node=s.prefill_node,
+        prefill_address=s.prefill_address,
+        decode_node=s.decode_node,
+        decode_address=s.decode_address,
+    )
