@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import grpc
+from google.protobuf.duration_pb2 import Duration
 
 from disagg.v1 import router_pb2, router_pb2_grpc, types_pb2
 from services.common.processes import MeshProcesses, MeshStartError
@@ -53,10 +54,13 @@ async def stream_example(address: str, model: str, max_tokens: int) -> router_pb
         return summary
 
 
+def ms(d: Duration) -> float:
+    return d.ToNanoseconds() / 1e6
+
+
 def describe(s: router_pb2.GenerateSummary) -> str:
     method = router_pb2.RouteMethod.Name(s.method).removeprefix("ROUTE_METHOD_").lower()
     kv = types_pb2.KvTransfer.Name(s.kv_transfer).removeprefix("KV_TRANSFER_").lower()
-    ms = lambda d: d.ToNanoseconds() / 1e6  # noqa: E731
     return (
         f"  {method} via {s.prefill_node or '-'} -> {s.decode_node} | kv {kv} "
         f"{s.kv_transfer_bytes / 1e6:.1f} MB in {ms(s.kv_transfer_duration):.1f} ms\n"

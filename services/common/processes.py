@@ -13,6 +13,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -132,7 +133,7 @@ class MeshProcesses:
 
 
 async def _health(channel: grpc.aio.Channel) -> str:
-    stub = health_pb2_grpc.HealthStub(channel)
+    stub: Any = health_pb2_grpc.HealthStub(channel)  # the stubs type it for sync channels
     try:
         reply = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
     except grpc.aio.AioRpcError as exc:
