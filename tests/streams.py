@@ -1,0 +1,64 @@
+"""Helpers to drive streaming calls in tests."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import llama_cpp
+
+from disagg.v1 import router_pb2, types_pb2
+
+
+@dataclass
+class Collected:
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    deltas: int = 0
+    summary: Any = None
+    first_delta_at: float = 0.0
+    summary_at: float = 0.0
+
+
+async def collect(call: AsyncIterable[Any]) -> Collected:
+    """Read a Generate stream (router or decode) to its end."""
+    out = Collected()
+    async for reply in call:
+        if reply.HasField("delta"):
+            if not out.deltas:
+                out.first_delta_at = time.perf_counter()
+            out.deltas += 1
+            out.text += reply.delta.text
+            out.token_ids.extend(reply.delta.token_ids)
+        else:
+            assert out.summary is None, "two summaries"
+            out.summary = reply.summary
+            out.summary_at = time.perf_counter()
+    assert out.summary is not None, "stream ended without a summary"
+    return out
+
+
+def greedy(max_tokens: int, **extra: Any) -> types_pb2.SamplingParams:
+    return types_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, **extra)
+
+
+def request(
+    model: str, prompt: str, max_tokens: int = 16, **extra: Any
+) -> router_pb2.GenerateRequest:
+    return router_pb2.GenerateRequest(
+        model=model, prompt=prompt, sampling=greedy(max_tokens, **extra)
+    )
+
+
+def reference_tokens(llm: llama_cpp.Llama, prompt: str, max_tokens: int) -> list[int]:
+    """Greedy generation in this process, as one would without the mesh."""
+    tokens: list[int] = []
+    llm.reset()  # type: ignore[no-untyped-call]  # n_tokens = 0: no prefix of an earlier call is reused
+    prompt_tokens = llm.tokenize(prompt.encode(), add_bos=True, special=True)
+    for token in llm.generate(prompt_tokens, temp=0.0, reset=True):
+        if llama_cpp.llama_vocab_is_eog(llm._model.vocab, token) or len(tokens) >= max_tokens:
+            break
+        tokens.append(token)
+    return tokens

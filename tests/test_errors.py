@@ -1,0 +1,290 @@
+"""Bad input, bad KV handles, corrupted KV bytes and deadlines: a clear gRPC status each
+time, and the node serves the next request."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+import pytest
+import pytest_asyncio
+
+from disagg.v1 import (
+    decode_pb2,
+    decode_pb2_grpc,
+    prefill_pb2,
+    prefill_pb2_grpc,
+    router_pb2,
+    router_pb2_grpc,
+    types_pb2,
+)
+from tests.conftest import Mesh
+from tests.streams import collect, greedy, request
+
+PROMPT = "def add(a, b):"
+COUNTING = "Count to one thousand: " + ", ".join(str(i) for i in range(1, 40)) + ","
+
+
+async def expect_error(call: Any, code: grpc.StatusCode, *fragments: str) -> str:
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        result = call
+        if hasattr(result, "__aiter__"):
+            await collect(result)
+        else:
+            await result
+    assert info.value.code() == code, info.value.details()
+    details = info.value.details() or ""
+    for fragment in fragments:
+        assert fragment in details, details
+    return details
+
+
+async def still_serves(
+    router: router_pb2_grpc.RouterServiceAsyncStub, model: str = "qwen3-coder:30b"
+) -> None:
+    got = await collect(router.Generate(request(model, PROMPT, 4)))
+    assert got.summary.completion_tokens == 4
+
+
+@pytest.mark.parametrize(
+    ("req", "field"),
+    [
+        (
+            router_pb2.GenerateRequest(model="qwen3-coder:30b", prompt="", sampling=greedy(8)),
+            "prompt",
+        ),
+        (request("qwen3-coder:30b", PROMPT, 0), "sampling.max_tokens"),
+        (request("qwen3-coder:30b", PROMPT, -3), "sampling.max_tokens"),
+        (request("qwen3-coder:30b", PROMPT, 4097), "sampling.max_tokens"),
+        (
+            router_pb2.GenerateRequest(
+                model="qwen3-coder:30b",
+                prompt=PROMPT,
+                sampling=types_pb2.SamplingParams(max_tokens=8, temperature=-0.5),
+            ),
+            "sampling.temperature",
+        ),
+        (
+            router_pb2.GenerateRequest(
+                model="qwen3-coder:30b",
+                prompt=PROMPT,
+                messages=[types_pb2.ChatMessage(role="user", content="hi")],
+                sampling=greedy(8),
+            ),
+            "prompt",
+        ),
+        (
+            router_pb2.GenerateRequest(
+                model="qwen3-coder:30b",
+                messages=[types_pb2.ChatMessage(role="robot", content="hi")],
+                sampling=greedy(8),
+            ),
+            "messages[0].role",
+        ),
+    ],
+)
+async def test_invalid_arguments_name_the_field(
+    router: router_pb2_grpc.RouterServiceAsyncStub, req: router_pb2.GenerateRequest, field: str
+) -> None:
+    details = await expect_error(router.Generate(req), grpc.StatusCode.INVALID_ARGUMENT)
+    assert details.startswith(f"{field}:"), details
+
+
+async def test_prompt_longer_than_the_context(
+    router: router_pb2_grpc.RouterServiceAsyncStub,
+) -> None:
+    prompt = "word " * 5000
+    await expect_error(
+        router.Generate(request("qwen3-coder:30b", prompt, 8)),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "prompt:",
+        "4096",
+    )
+    await still_serves(router)
+
+
+async def test_unknown_model_is_not_found(router: router_pb2_grpc.RouterServiceAsyncStub) -> None:
+    await expect_error(
+        router.Generate(request("llama-9000", PROMPT)),
+        grpc.StatusCode.NOT_FOUND,
+        "llama-9000",
+        "qwen3-coder:30b",
+    )
+
+
+def kv_request(mesh: Mesh, reply: prefill_pb2.PrefillResponse, **overrides: Any) -> Any:
+    fields: dict[str, Any] = dict(
+        prefill_address=mesh.address("prefill-qwen"),
+        kv_handle=reply.kv_handle,
+        first_token_id=reply.first_token_id,
+        prompt_tokens=reply.prompt_tokens,
+        fingerprint=reply.fingerprint,
+        kv_size_bytes=reply.kv_size_bytes,
+    )
+    fields.update(overrides)
+    return decode_pb2.DecodeServiceGenerateRequest(
+        model="qwen3-coder:30b", kv=decode_pb2.KvSource(**fields), sampling=greedy(4)
+    )
+
+
+async def prefill(
+    stub: prefill_pb2_grpc.PrefillServiceAsyncStub, model: str = "qwen3-coder:30b"
+) -> Any:
+    return await stub.Prefill(
+        prefill_pb2.PrefillRequest(model=model, prompt=PROMPT, sampling=greedy(4))
+    )
+
+
+async def test_unknown_kv_handle_is_not_found(
+    mesh: Mesh,
+    prefill_qwen: prefill_pb2_grpc.PrefillServiceAsyncStub,
+    decode_qwen: decode_pb2_grpc.DecodeServiceAsyncStub,
+) -> None:
+    reply = await prefill(prefill_qwen)
+    await expect_error(
+        decode_qwen.Generate(kv_request(mesh, reply, kv_handle="no-such-handle")),
+        grpc.StatusCode.NOT_FOUND,
+        "no-such-handle",
+        "unknown",
+    )
+    # The real handle still works, and the decode node keeps serving.
+    got = await collect(decode_qwen.Generate(kv_request(mesh, reply)))
+    assert got.summary.completion_tokens == 4
+
+
+async def test_reused_kv_handle_is_not_found(
+    mesh: Mesh,
+    prefill_qwen: prefill_pb2_grpc.PrefillServiceAsyncStub,
+    decode_qwen: decode_pb2_grpc.DecodeServiceAsyncStub,
+) -> None:
+    reply = await prefill(prefill_qwen)
+    await collect(decode_qwen.Generate(kv_request(mesh, reply)))
+    await expect_error(
+        decode_qwen.Generate(kv_request(mesh, reply)), grpc.StatusCode.NOT_FOUND, "already fetched"
+    )
+
+
+async def test_expired_kv_handle_is_not_found_and_its_bytes_are_freed(
+    mesh: Mesh,
+    decode_qwen: decode_pb2_grpc.DecodeServiceAsyncStub,
+    router: router_pb2_grpc.RouterServiceAsyncStub,
+) -> None:
+    async with grpc.aio.insecure_channel(mesh.address("prefill-short-ttl")) as channel:
+        stub = prefill_pb2_grpc.PrefillServiceStub(channel)
+        reply = await prefill(stub, "test/short-ttl")
+        await asyncio.sleep(2.5)  # the node's kv_ttl_s is 1
+        await expect_error(
+            decode_qwen.Generate(
+                kv_request(mesh, reply, prefill_address=mesh.address("prefill-short-ttl"))
+            ),
+            grpc.StatusCode.NOT_FOUND,
+            "expired",
+        )
+    await still_serves(router, "test/short-ttl")
+
+
+async def test_fingerprint_mismatch_is_refused_before_any_transfer(
+    mesh: Mesh,
+    prefill_qwen: prefill_pb2_grpc.PrefillServiceAsyncStub,
+    decode_qwen: decode_pb2_grpc.DecodeServiceAsyncStub,
+) -> None:
+    reply = await prefill(prefill_qwen)
+    other = types_pb2.KvFingerprint()
+    other.CopyFrom(reply.fingerprint)
+    other.n_ctx_tokens = 2048
+    await expect_error(
+        decode_qwen.Generate(kv_request(mesh, reply, fingerprint=other)),
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "n_ctx 2048",
+    )
+    # Nothing was fetched: the handle is still there for a correct request.
+    got = await collect(decode_qwen.Generate(kv_request(mesh, reply)))
+    assert got.summary.completion_tokens == 4
+
+
+async def test_wrong_size_is_data_loss(
+    mesh: Mesh,
+    prefill_qwen: prefill_pb2_grpc.PrefillServiceAsyncStub,
+    decode_qwen: decode_pb2_grpc.DecodeServiceAsyncStub,
+) -> None:
+    reply = await prefill(prefill_qwen)
+    await expect_error(
+        decode_qwen.Generate(kv_request(mesh, reply, kv_size_bytes=reply.kv_size_bytes + 1)),
+        grpc.StatusCode.DATA_LOSS,
+    )
+
+
+class CorruptingPrefill(prefill_pb2_grpc.PrefillServiceServicer):
+    """Relays FetchKv from the real prefill node with one byte flipped: damage on the wire."""
+
+    def __init__(self, upstream: prefill_pb2_grpc.PrefillServiceAsyncStub) -> None:
+        self.upstream = upstream
+
+    async def Prefill(self, request: Any, context: Any) -> Any:
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "only FetchKv is relayed")
+
+    async def FetchKv(self, request: Any, context: Any) -> AsyncIterator[Any]:
+        async for chunk in self.upstream.FetchKv(request):
+            if chunk.offset_bytes == 0:
+                data = bytearray(chunk.data)
+                data[len(data) // 2] ^= 0xFF
+                chunk.data = bytes(data)
+            yield chunk
+
+
+@pytest_asyncio.fixture
+async def corrupting_proxy(mesh: Mesh) -> AsyncIterator[str]:
+    async with grpc.aio.insecure_channel(mesh.address("prefill-qwen")) as channel:
+        server = grpc.aio.server()
+        prefill_pb2_grpc.add_PrefillServiceServicer_to_server(
+            CorruptingPrefill(prefill_pb2_grpc.PrefillServiceStub(channel)), server
+        )
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        yield f"127.0.0.1:{port}"
+        await server.stop(None)
+
+
+async def test_corrupted_chunk_is_data_loss_and_the_node_keeps_serving(
+    mesh: Mesh,
+    corrupting_proxy: str,
+    prefill_qwen: prefill_pb2_grpc.PrefillServiceAsyncStub,
+    decode_qwen: decode_pb2_grpc.DecodeServiceAsyncStub,
+    router: router_pb2_grpc.RouterServiceAsyncStub,
+) -> None:
+    reply = await prefill(prefill_qwen)
+    await expect_error(
+        decode_qwen.Generate(kv_request(mesh, reply, prefill_address=corrupting_proxy)),
+        grpc.StatusCode.DATA_LOSS,
+        "checksum",
+    )
+    await still_serves(router)
+
+
+async def test_prefill_stage_deadline(router: router_pb2_grpc.RouterServiceAsyncStub) -> None:
+    await expect_error(
+        router.Generate(request("test/tight-prefill", PROMPT, 4)),
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        "prefill stage",
+        "0.001 s stage deadline",
+    )
+    await still_serves(router)
+
+
+async def test_decode_stage_deadline(router: router_pb2_grpc.RouterServiceAsyncStub) -> None:
+    await expect_error(
+        router.Generate(request("test/tight-decode", COUNTING, 2000)),
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        "decode stage",
+    )
+    await still_serves(router)
+
+
+async def test_callers_deadline(router: router_pb2_grpc.RouterServiceAsyncStub) -> None:
+    await expect_error(
+        router.Generate(request("qwen3-coder:30b", COUNTING, 2000), timeout=0.3),
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+    )
+    await still_serves(router)

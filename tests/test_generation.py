@@ -1,0 +1,161 @@
+"""End to end through router -> prefill -> KV -> decode, against single-process llama.cpp."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import llama_cpp
+import pytest
+
+from disagg.v1 import (
+    decode_pb2,
+    decode_pb2_grpc,
+    prefill_pb2,
+    prefill_pb2_grpc,
+    router_pb2,
+    router_pb2_grpc,
+    types_pb2,
+)
+from tests.conftest import Mesh
+from tests.streams import collect, greedy, reference_tokens, request
+
+SHORT_PROMPT = "def fibonacci(n):"
+
+
+def long_prompt(llm: llama_cpp.Llama, tokens: int = 1000) -> str:
+    """A varied ~`tokens`-token prompt: a student's code file to review."""
+    lines = ["Review the following student submission and list its bugs.", ""]
+    i = 0
+    while len(llm.tokenize("\n".join(lines).encode(), special=True)) < tokens:
+        lines.append(f"def step_{i}(values, factor={i % 7}):")
+        lines.append(f"    # scale every value by {i} and drop those under {i * 3}")
+        lines.append(f"    return [v * factor for v in values if v > {i * 3}]")
+        i += 1
+    return "\n".join(lines)
+
+
+@pytest.mark.parametrize("max_tokens", [48])
+async def test_short_prompt_is_token_identical_to_single_process(
+    router: router_pb2_grpc.RouterServiceAsyncStub, reference_llm: llama_cpp.Llama, max_tokens: int
+) -> None:
+    expected = reference_tokens(reference_llm, SHORT_PROMPT, max_tokens)
+    got = await collect(router.Generate(request("qwen3-coder:30b", SHORT_PROMPT, max_tokens)))
+    assert got.token_ids == expected
+    assert got.text == reference_llm.detokenize(expected).decode()
+    s = got.summary
+    assert s.method == router_pb2.ROUTE_METHOD_DISAGGREGATED
+    assert s.kv_transfer == types_pb2.KV_TRANSFER_STATE
+    assert s.completion_tokens == len(expected)
+    assert s.prompt_tokens == len(reference_llm.tokenize(SHORT_PROMPT.encode(), special=True))
+
+
+async def test_long_prompt_is_token_identical_and_moves_real_kv(
+    router: router_pb2_grpc.RouterServiceAsyncStub, reference_llm: llama_cpp.Llama
+) -> None:
+    prompt = long_prompt(reference_llm)
+    n_prompt = len(reference_llm.tokenize(prompt.encode(), special=True))
+    assert 1000 <= n_prompt < 1100
+    expected = reference_tokens(reference_llm, prompt, 32)
+    got = await collect(router.Generate(request("gpt-oss:120b", prompt, 32), timeout=120))
+    assert got.token_ids == expected
+    s = got.summary
+    assert s.prompt_tokens == n_prompt
+    # Real KV state: ~23 KB per prompt token for SmolLM2-135M, moved prefill -> decode.
+    assert s.kv_transfer_bytes > 15_000 * n_prompt
+    assert s.kv_transfer_duration.ToNanoseconds() > 0
+    assert s.prefill_node == "prefill-gpt-oss" and s.decode_node == "decode-gpt-oss"
+    # The decode node did not evaluate the prompt again: it only loaded the state.
+    assert s.kv_load_duration.ToNanoseconds() < s.prefill_duration.ToNanoseconds()
+
+
+async def test_first_delta_arrives_before_generation_ends(
+    router: router_pb2_grpc.RouterServiceAsyncStub,
+) -> None:
+    got = await collect(
+        router.Generate(request("qwen3-coder:30b", "Count from one to fifty:", 96, stop=[]))
+    )
+    assert got.deltas > 10
+    # Tokens stream as they are made: the first arrives well before the summary.
+    assert got.summary_at - got.first_delta_at > 0.2
+    s = got.summary
+    assert 0 < s.time_to_first_token.ToNanoseconds() < s.total_duration.ToNanoseconds()
+    assert s.decode_tokens_per_second > 0 and s.prefill_tokens_per_second > 0
+
+
+async def test_decode_only_route_generates_whole_on_the_decode_node(
+    router: router_pb2_grpc.RouterServiceAsyncStub, reference_llm: llama_cpp.Llama
+) -> None:
+    expected = reference_tokens(reference_llm, SHORT_PROMPT, 24)
+    got = await collect(router.Generate(request("test/decode-only", SHORT_PROMPT, 24)))
+    assert got.token_ids == expected
+    s = got.summary
+    assert s.method == router_pb2.ROUTE_METHOD_DECODE_ONLY
+    assert s.kv_transfer == types_pb2.KV_TRANSFER_NONE
+    assert s.prefill_node == "" and s.kv_transfer_bytes == 0
+
+
+async def test_chat_messages_use_the_models_template(
+    router: router_pb2_grpc.RouterServiceAsyncStub, reference_llm: llama_cpp.Llama
+) -> None:
+    messages = [types_pb2.ChatMessage(role="user", content="What is 2 + 2?")]
+    got = await collect(
+        router.Generate(
+            router_pb2.GenerateRequest(
+                model="qwen3-coder:30b", messages=messages, sampling=greedy(16)
+            )
+        )
+    )
+    reference_llm.reset()  # type: ignore[no-untyped-call]
+    expected: Any = reference_llm.create_chat_completion(
+        messages=[{"role": "user", "content": "What is 2 + 2?"}], max_tokens=16, temperature=0.0
+    )
+    assert got.text == expected["choices"][0]["message"]["content"]
+
+
+async def test_stop_strings_end_the_text_before_them(
+    router: router_pb2_grpc.RouterServiceAsyncStub, reference_llm: llama_cpp.Llama
+) -> None:
+    full = reference_llm.detokenize(reference_tokens(reference_llm, SHORT_PROMPT, 48)).decode()
+    stop = "return"
+    assert stop in full
+    got = await collect(router.Generate(request("qwen3-coder:30b", SHORT_PROMPT, 48, stop=[stop])))
+    assert got.text == full[: full.index(stop)]
+    assert got.summary.finish_reason == types_pb2.FINISH_REASON_STOP
+
+
+async def test_max_tokens_ends_with_length(router: router_pb2_grpc.RouterServiceAsyncStub) -> None:
+    got = await collect(router.Generate(request("qwen3-coder:30b", SHORT_PROMPT, 5)))
+    assert got.summary.completion_tokens == 5 == len(got.token_ids)
+    assert got.summary.finish_reason == types_pb2.FINISH_REASON_LENGTH
+
+
+async def test_decode_node_pulls_kv_directly_from_the_prefill_node(
+    prefill_qwen: prefill_pb2_grpc.PrefillServiceAsyncStub,
+    decode_qwen: decode_pb2_grpc.DecodeServiceAsyncStub,
+    reference_llm: llama_cpp.Llama,
+    mesh: Mesh,
+) -> None:
+    """The two stages by hand, without the router: what the router does, step by step."""
+    reply = await prefill_qwen.Prefill(
+        prefill_pb2.PrefillRequest(model="qwen3-coder:30b", prompt=SHORT_PROMPT, sampling=greedy(8))
+    )
+    assert reply.kv_size_bytes > 0 and reply.kv_handle
+    got = await collect(
+        decode_qwen.Generate(
+            decode_pb2.DecodeServiceGenerateRequest(
+                model="qwen3-coder:30b",
+                kv=decode_pb2.KvSource(
+                    prefill_address=mesh.address("prefill-qwen"),
+                    kv_handle=reply.kv_handle,
+                    first_token_id=reply.first_token_id,
+                    prompt_tokens=reply.prompt_tokens,
+                    fingerprint=reply.fingerprint,
+                    kv_size_bytes=reply.kv_size_bytes,
+                ),
+                sampling=greedy(8),
+            )
+        )
+    )
+    assert got.token_ids == reference_tokens(reference_llm, SHORT_PROMPT, 8)
+    assert got.token_ids[0] == reply.first_token_id
+    assert got.summary.kv_fetch_bytes == reply.kv_size_bytes

@@ -1,0 +1,82 @@
+"""Health and reflection on every node (probed with the real grpcurl), and ListModels."""
+
+from __future__ import annotations
+
+import json
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from disagg.v1 import router_pb2, router_pb2_grpc
+from tests.conftest import Mesh
+from tests.grpcurl import grpcurl
+
+SERVICE_OF_ROLE = {
+    "router": "disagg.v1.RouterService",
+    "prefill": "disagg.v1.PrefillService",
+    "decode": "disagg.v1.DecodeService",
+}
+
+
+async def test_every_node_reports_serving_per_service(mesh: Mesh) -> None:
+    for node in mesh.topology.nodes:
+        async with grpc.aio.insecure_channel(node.address) as channel:
+            stub: object = health_pb2_grpc.HealthStub(channel)
+            for service in ("", SERVICE_OF_ROLE[node.role]):
+                reply = await stub.Check(health_pb2.HealthCheckRequest(service=service))  # type: ignore[attr-defined]
+                assert reply.status == health_pb2.HealthCheckResponse.SERVING, (node.name, service)
+
+
+@pytest.mark.parametrize("role", ["router", "prefill", "decode"])
+def test_reflection_lists_our_services(mesh: Mesh, role: str) -> None:
+    node = next(n for n in mesh.topology.nodes if n.role == role)
+    listed = grpcurl("-plaintext", node.address, "list")
+    assert listed.returncode == 0, listed.stderr
+    assert set(listed.stdout.split()) == {
+        SERVICE_OF_ROLE[role],
+        "grpc.health.v1.Health",
+        "grpc.reflection.v1alpha.ServerReflection",
+    }
+    described = grpcurl("-plaintext", node.address, "describe", SERVICE_OF_ROLE[role])
+    assert described.returncode == 0 and "rpc " in described.stdout, described.stderr
+
+
+def test_grpcurl_health_check(mesh: Mesh) -> None:
+    out = grpcurl("-plaintext", mesh.router_address, "grpc.health.v1.Health/Check")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == {"status": "SERVING"}
+
+
+def test_grpcurl_streams_a_generation_from_json(mesh: Mesh) -> None:
+    body = {
+        "model": "qwen3-coder:30b",
+        "prompt": "def add(a, b):",
+        "sampling": {"max_tokens": 8, "temperature": 0},
+    }
+    out = grpcurl(
+        "-plaintext",
+        "-d",
+        json.dumps(body),
+        mesh.router_address,
+        "disagg.v1.RouterService/Generate",
+    )
+    assert out.returncode == 0, out.stderr
+    messages = [json.loads(m) for m in out.stdout.replace("}\n{", "}\x00{").split("\x00")]
+    assert all("delta" in m for m in messages[:-1]) and len(messages) > 2
+    summary = messages[-1]["summary"]
+    assert summary["completion_tokens"] == 8
+    assert summary["method"] == "ROUTE_METHOD_DISAGGREGATED"
+
+
+async def test_list_models_is_the_topology(
+    mesh: Mesh, router: router_pb2_grpc.RouterServiceAsyncStub
+) -> None:
+    reply = await router.ListModels(router_pb2.ListModelsRequest())
+    by_name = {m.model: m for m in reply.models}
+    assert set(by_name) == {m.name for m in mesh.topology.models}
+    qwen = by_name["qwen3-coder:30b"]
+    assert [n.name for n in qwen.prefill_nodes] == ["prefill-qwen"]
+    assert [n.name for n in qwen.decode_nodes] == ["decode-qwen"]
+    assert qwen.decode_nodes[0].address == mesh.address("decode-qwen")
+    assert qwen.prefill_deadline.seconds == 60 and qwen.decode_deadline.seconds == 180

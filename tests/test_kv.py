@@ -1,0 +1,122 @@
+"""The KV store (TTL, byte budget, fetch once) and the checked reassembly of a stream."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+
+from services.common.errors import DataLoss, FailedPrecondition, NotFound, ResourceExhausted
+from services.common.kv import KvAssembler, KvChunk, KvStore, StoredKv, iter_chunks
+from services.common.types import Fingerprint
+
+FP = Fingerprint("ab" * 32, 4096, "llama-cpp-python/test")
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def put(store: KvStore, data: bytes) -> str:
+    return store.put(memoryview(data), hashlib.sha256(data).hexdigest(), FP)
+
+
+def test_a_handle_is_fetched_once() -> None:
+    store = KvStore(budget_bytes=1000, ttl_s=10)
+    handle = put(store, b"x" * 100)
+    assert store.bytes_held == 100
+    assert bytes(store.take(handle).data) == b"x" * 100
+    assert store.bytes_held == 0 and len(store) == 0
+    with pytest.raises(NotFound, match="already fetched"):
+        store.take(handle)
+    with pytest.raises(NotFound, match="unknown"):
+        store.take("never-issued")
+
+
+def test_handles_expire_and_free_their_bytes() -> None:
+    clock = Clock()
+    store = KvStore(budget_bytes=1000, ttl_s=5, clock=clock)
+    handle = put(store, b"x" * 400)
+    clock.now = 5.1
+    store.expire()
+    assert store.bytes_held == 0 and len(store) == 0
+    with pytest.raises(NotFound, match="expired"):
+        store.take(handle)
+
+
+def test_the_byte_budget_holds() -> None:
+    clock = Clock()
+    store = KvStore(budget_bytes=1000, ttl_s=5, clock=clock)
+    put(store, b"x" * 600)
+    with pytest.raises(ResourceExhausted, match="KV store full"):
+        put(store, b"y" * 600)
+    assert store.bytes_held == 600
+    clock.now = 6  # the first one expires, which makes room
+    put(store, b"y" * 600)
+    assert store.bytes_held == 600
+
+
+def entry(data: bytes) -> StoredKv:
+    return StoredKv(memoryview(data), hashlib.sha256(data).hexdigest(), FP, expires_at=1e9)
+
+
+DATA = bytes(range(256)) * 40  # 10 KiB
+
+
+def chunks(data: bytes = DATA, size: int = 1024) -> list[KvChunk]:
+    return list(iter_chunks(entry(data), chunk_bytes=size))
+
+
+def assemble(parts: list[KvChunk], size: int = len(DATA), fp: Fingerprint = FP) -> bytes:
+    assembler = KvAssembler(size, fp)
+    for part in parts:
+        assembler.add(part)
+    return bytes(assembler.finish())
+
+
+def test_chunks_round_trip() -> None:
+    parts = chunks()
+    assert len(parts) == 10
+    assert parts[0].fingerprint == FP and all(p.fingerprint is None for p in parts[1:])
+    assert parts[-1].sha256 and not any(p.sha256 for p in parts[:-1])
+    assert all(len(p.data) <= 1024 for p in parts)
+    assert assemble(parts) == DATA
+
+
+@pytest.mark.parametrize(
+    ("name", "mangle"),
+    [
+        ("missing", lambda p: p[:3] + p[4:]),
+        ("duplicated", lambda p: [*p[:4], p[3], *p[4:]]),
+        ("reordered", lambda p: [p[0], p[2], p[1], *p[3:]]),
+        ("truncated", lambda p: p[:-1]),
+    ],
+)
+def test_a_broken_stream_is_data_loss(name: str, mangle: object) -> None:
+    assert callable(mangle)
+    with pytest.raises(DataLoss):
+        assemble(mangle(chunks()))
+
+
+def test_a_flipped_byte_is_data_loss() -> None:
+    parts = chunks()
+    bad = bytearray(parts[5].data)
+    bad[7] ^= 1
+    parts[5] = KvChunk(parts[5].offset, bytes(bad), parts[5].total_size)
+    with pytest.raises(DataLoss, match="checksum"):
+        assemble(parts)
+
+
+def test_a_size_other_than_announced_is_data_loss() -> None:
+    with pytest.raises(DataLoss):
+        assemble(chunks(), size=len(DATA) + 1)
+
+
+def test_a_state_from_another_engine_setup_is_refused() -> None:
+    other = Fingerprint(FP.model_sha256, 2048, FP.engine_version)
+    with pytest.raises(FailedPrecondition, match="n_ctx 2048"):
+        assemble(chunks(), fp=other)

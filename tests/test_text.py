@@ -1,0 +1,55 @@
+"""Token bytes to text: UTF-8 split across tokens, stop strings, end tokens, limits."""
+
+from __future__ import annotations
+
+from services.common.engines.base import GeneratedToken
+from services.common.text import GenerationEnd, TextAssembler, assemble
+from services.common.types import FinishReason, TextChunk
+
+
+def tokens(*pieces: bytes, end: bool = False) -> list[GeneratedToken]:
+    out = [GeneratedToken(i, p, False) for i, p in enumerate(pieces)]
+    if end:
+        out.append(GeneratedToken(99, b"", True))
+    return out
+
+
+def run(
+    pieces: list[GeneratedToken], max_tokens: int = 100, stop: tuple[str, ...] = ()
+) -> tuple[str, GenerationEnd]:
+    items = list(assemble(iter(pieces), max_tokens, stop))
+    end = items[-1]
+    assert isinstance(end, GenerationEnd)
+    text = "".join(i.text for i in items[:-1] if isinstance(i, TextChunk))
+    return text, end
+
+
+def test_a_character_split_across_tokens_comes_out_whole() -> None:
+    euro = "€".encode()
+    assembler = TextAssembler(())
+    assert assembler.feed(0, euro[:1]) is None
+    assert assembler.feed(1, euro[1:2]) is None
+    chunk = assembler.feed(2, euro[2:] + b"!")
+    assert chunk is not None and chunk.text == "€!" and chunk.token_ids == [0, 1, 2]
+
+
+def test_stop_string_across_tokens_is_cut_and_never_sent() -> None:
+    text, end = run(tokens(b"Hello ", b"wor", b"ld and more"), stop=("world",))
+    assert text == "Hello "
+    assert end.finish_reason == FinishReason.STOP and end.completion_tokens == 3
+
+
+def test_text_that_only_looks_like_a_stop_string_is_sent() -> None:
+    text, end = run(tokens(b"a wo", b"rm"), stop=("world",))
+    assert text == "a worm"
+    assert end.finish_reason == FinishReason.LENGTH
+
+
+def test_end_token_is_not_text_and_not_counted() -> None:
+    text, end = run(tokens(b"a", b"b", end=True))
+    assert text == "ab" and end.completion_tokens == 2 and end.finish_reason == FinishReason.STOP
+
+
+def test_max_tokens() -> None:
+    text, end = run(tokens(b"a", b"b", b"c"), max_tokens=2)
+    assert text == "ab" and end.completion_tokens == 2 and end.finish_reason == FinishReason.LENGTH

@@ -1,0 +1,75 @@
+"""Topology files: the shipped ones load; a bad one fails naming the file, key and problem."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from services.common.topology import TopologyError, load_topology
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_local_topology() -> None:
+    t = load_topology(ROOT / "topology/local.toml")
+    assert {m.name for m in t.models} == {"qwen3-coder:30b", "gpt-oss:120b"}
+    assert all(n.host == "127.0.0.1" for n in t.nodes)
+    for m in t.models:
+        assert (m.prefill_deadline_s, m.decode_deadline_s) == (60, 180)
+
+
+def test_seed_topology_is_the_users_four_machines() -> None:
+    t = load_topology(ROOT / "topology/seed.toml")
+    nodes = {n.name: (n.role, n.host, n.model) for n in t.nodes if n.role != "router"}
+    assert nodes == {
+        "dgx-spark-1": ("prefill", "169.254.150.103", "qwen3-coder:30b"),
+        "dgx-spark-2": ("prefill", "169.254.150.104", "gpt-oss:120b"),
+        "mac-studio-1": ("decode", "169.254.150.101", "gpt-oss:120b"),
+        "mac-studio-2": ("decode", "169.254.150.102", "qwen3-coder:30b"),
+    }
+    qwen = t.route("qwen3-coder:30b")
+    assert qwen is not None and (qwen.prefill, qwen.decode) == (["dgx-spark-1"], ["mac-studio-2"])
+
+
+GOOD = (ROOT / "topology/local.toml").read_text()
+
+
+@pytest.mark.parametrize(
+    ("text", "fragments"),
+    [
+        ("[[nodes]\nname = 1", ["not valid TOML", "line 1"]),
+        (GOOD.replace("port = 50062", "port = 70000", 1), ["nodes[2].port", "65535", "70000"]),
+        (GOOD.replace('role = "decode"', 'role = "decoder"', 1), ["nodes[2].role", "decoder"]),
+        (
+            GOOD.replace('decode = ["decode-qwen"]', 'decode = ["nowhere"]'),
+            ["models[0].decode", "nowhere"],
+        ),
+        (
+            GOOD.replace('prefill = ["prefill-qwen"]', 'prefill = ["decode-qwen"]'),
+            ["has role 'decode'"],
+        ),
+        (
+            GOOD.replace("n_ctx = 4096", "n_ctx = 4096\ncolour = 1", 1),
+            ["nodes[1].colour", "Extra inputs"],
+        ),
+        (GOOD.replace("port = 50062", "port = 50061", 1), ["two nodes listen on 127.0.0.1:50061"]),
+        (GOOD.replace('engine = "llama_cpp"\n', "", 1), ["nodes[1]", "needs engine"]),
+    ],
+)
+def test_bad_topology_names_file_key_and_problem(
+    tmp_path: Path, text: str, fragments: list[str]
+) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    with pytest.raises(TopologyError) as info:
+        load_topology(path)
+    message = str(info.value)
+    assert message.startswith(str(path)), message
+    for fragment in fragments:
+        assert fragment in message, message
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(TopologyError, match="no such topology file"):
+        load_topology(tmp_path / "nope.toml")
