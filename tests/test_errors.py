@@ -288,3 +288,19 @@ async def test_callers_deadline(router: router_pb2_grpc.RouterServiceAsyncStub) 
         grpc.StatusCode.DEADLINE_EXCEEDED,
     )
     await still_serves(router)
+
+
+async def test_caller_cancellation_frees_the_engine(
+    router: router_pb2_grpc.RouterServiceAsyncStub,
+) -> None:
+    """Cancel a long stream after its first delta: the decode engine stops at its next token,
+    so the next request on the same nodes is served at once, not after 2,000 tokens."""
+    call = router.Generate(request("qwen3-coder:30b", COUNTING, 2000))
+    async for reply in call:
+        assert reply.HasField("delta")
+        break
+    call.cancel()
+    got = await asyncio.wait_for(
+        collect(router.Generate(request("qwen3-coder:30b", PROMPT, 4))), 10
+    )
+    assert got.summary.completion_tokens == 4
