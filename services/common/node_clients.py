@@ -75,6 +75,7 @@ class PrefillClient:
         return PrefillResult(
             kv_handle=reply.kv_handle,
             first_token_id=reply.first_token_id,
+            first_token_text=reply.first_token_text,
             prompt_tokens=reply.prompt_tokens,
             prefill_seconds=convert.seconds(reply.prefill_duration),
             kv_size_bytes=reply.kv_size_bytes,
@@ -134,6 +135,7 @@ class DecodeClient:
                     prompt_tokens=source.prompt_tokens,
                     fingerprint=convert.fingerprint_to_proto(source.fingerprint),
                     kv_size_bytes=source.kv_size_bytes,
+                    first_token_text=source.first_token_text,
                 )
             )
         else:

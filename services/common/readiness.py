@@ -19,6 +19,9 @@ class Ready(Generic[T]):
     def set(self, value: T) -> None:
         self._value = value
 
+    def is_set(self) -> bool:
+        return self._value is not None
+
     def get(self) -> T:
         if self._value is None:
             raise Unavailable(f"{self._what} is still loading its model; retry shortly")

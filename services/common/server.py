@@ -30,6 +30,8 @@ SERVER_OPTIONS = (
     ("grpc.so_reuseport", 0),
 )
 GRACE_S = 10.0
+HEALTH_PROBE_EVERY_S = 2.0
+HEALTH_PROBE_TIMEOUT_S = 5.0
 
 
 class BindError(Exception):
@@ -43,9 +45,12 @@ async def serve(
     register: Callable[[grpc.aio.Server], None],
     load: Callable[[], Coroutine[Any, Any, None]],
     close: Callable[[], Awaitable[None]],
+    problem: Callable[[], Awaitable[str | None]] | None = None,
 ) -> None:
     """Serve until SIGTERM/SIGINT. `register` adds our servicers; `load` readies the node
-    (health stays NOT_SERVING until it returns); `close` runs after the server stopped."""
+    (health stays NOT_SERVING until it returns); `problem`, polled every few seconds once
+    loaded, turns health NOT_SERVING while it returns a reason (e.g. Ollama down);
+    `close` runs after the server stopped."""
     server = grpc.aio.server(interceptors=[RequestScopeInterceptor()], options=SERVER_OPTIONS)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -73,10 +78,12 @@ async def serve(
     await asyncio.wait({loading, stopping}, return_when=asyncio.FIRST_COMPLETED)
     if loading.done():
         loading.result()  # a failed load ends the process with its error
-        for name in ("", *service_names):
-            await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-        log.info("serving", address=bind_address, load_s=round(time.perf_counter() - started, 2))
+        log.info("loaded", address=bind_address, load_s=round(time.perf_counter() - started, 2))
+        watching = asyncio.create_task(
+            _watch_health(health_servicer, [*service_names], problem or _no_problem)
+        )
         await stopping
+        watching.cancel()
     else:
         loading.cancel()
 
@@ -85,3 +92,32 @@ async def serve(
     await server.stop(GRACE_S)
     await close()
     log.info("stopped")
+
+
+async def _no_problem() -> str | None:
+    return None
+
+
+async def _watch_health(
+    health_servicer: health.aio.HealthServicer,
+    service_names: list[str],
+    problem: Callable[[], Awaitable[str | None]],
+) -> None:
+    """Keep health in step with what the engine can do; log every change."""
+    serving: bool | None = None
+    while True:
+        try:
+            reason = await asyncio.wait_for(problem(), HEALTH_PROBE_TIMEOUT_S)
+        except Exception as exc:  # a probe that fails is a problem, not a crash
+            reason = f"health probe failed: {type(exc).__name__}: {exc}"
+        if (reason is None) != serving:
+            serving = reason is None
+            status = (
+                health_pb2.HealthCheckResponse.SERVING
+                if serving
+                else health_pb2.HealthCheckResponse.NOT_SERVING
+            )
+            for name in ("", *service_names):
+                await health_servicer.set(name, status)
+            log.info("health", status="SERVING" if serving else "NOT_SERVING", reason=reason)
+        await asyncio.sleep(HEALTH_PROBE_EVERY_S)

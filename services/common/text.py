@@ -5,16 +5,9 @@ from __future__ import annotations
 
 import codecs
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 from services.common.engines.base import GeneratedToken
-from services.common.types import FinishReason, TextChunk
-
-
-@dataclass(frozen=True)
-class GenerationEnd:
-    completion_tokens: int
-    finish_reason: FinishReason
+from services.common.types import FinishReason, GenerationEnd, TextChunk
 
 
 class TextAssembler:

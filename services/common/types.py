@@ -80,6 +80,7 @@ class PrefillResult:
     fingerprint: Fingerprint
     kv_ttl_seconds: float
     kv_transfer: KvTransferKind
+    first_token_text: str = ""
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,20 @@ class KvSource:
     prompt_tokens: int
     fingerprint: Fingerprint
     kv_size_bytes: int
+    first_token_text: str = ""
+
+
+@dataclass(frozen=True)
+class GenerationEnd:
+    """How an engine's generation ended; durations in seconds."""
+
+    completion_tokens: int
+    finish_reason: FinishReason
+    prompt_tokens: int = 0
+    # The engine's own evaluation of the prompt (zero when a KV state was loaded).
+    prompt_eval_seconds: float = 0.0
+    kv_load_seconds: float = 0.0
+    decode_seconds: float = 0.0
 
 
 @dataclass

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-
 import grpc
 
 from disagg.v1 import decode_pb2, decode_pb2_grpc
@@ -12,7 +10,6 @@ from services.common.node_clients import ChannelPool
 from services.common.readiness import Ready
 from services.common.server import serve
 from services.common.topology import Node, Topology
-from services.common.worker import EngineWorker
 from services.decode.node import DecodeNode
 from services.decode.servicer import DecodeServicer
 
@@ -21,33 +18,35 @@ SERVICE_NAME = decode_pb2.DESCRIPTOR.services_by_name["DecodeService"].full_name
 
 async def run(topology: Topology, node: Node) -> None:
     ready: Ready[DecodeNode] = Ready(f"decode node {node.name}")
-    worker = EngineWorker(node.name, node.max_queue)
     pool = ChannelPool()
 
     def register(server: grpc.aio.Server) -> None:
         decode_pb2_grpc.add_DecodeServiceServicer_to_server(DecodeServicer(ready), server)
 
     async def load() -> None:
-        engine = await worker.call(lambda: open_engine(topology, node))
         ready.set(
             DecodeNode(
                 name=node.name,
                 models=topology.models_served_by(node.name),
-                engine=engine,
-                worker=worker,
+                engine=await open_engine(topology, node),
                 pool=pool,
                 max_tokens_limit=topology.mesh.max_tokens_limit,
             )
         )
 
+    async def problem() -> str | None:
+        return await ready.get().engine.problem()
+
     async def close() -> None:
         await pool.close()
-        await asyncio.to_thread(worker.shutdown)
+        if ready.is_set():
+            await ready.get().engine.close()
 
     await serve(
         bind_address=node.bind_address,
         service_names=[SERVICE_NAME],
         register=register,
         load=load,
+        problem=problem,
         close=close,
     )

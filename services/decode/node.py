@@ -2,19 +2,17 @@
 
 from __future__ import annotations
 
-import threading
 import time
-from collections.abc import AsyncGenerator, Iterator
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
-from dataclasses import dataclass
 
-from services.common.engines.base import Engine, GeneratedToken
+from services.common.engines.base import Engine
 from services.common.errors import InvalidArgument
 from services.common.kv import KvAssembler, check_fingerprint
 from services.common.node_clients import ChannelPool, PrefillClient
-from services.common.text import GenerationEnd, assemble
 from services.common.types import (
     DecodeStats,
+    GenerationEnd,
     KvSource,
     KvTransferKind,
     Prompt,
@@ -22,19 +20,9 @@ from services.common.types import (
     TextChunk,
 )
 from services.common.validation import check_served, validate_prompt, validate_sampling
-from services.common.worker import EngineWorker
 
 # A KV state larger than this is refused before any byte is fetched.
 MAX_KV_BYTES = 16 << 30
-
-
-@dataclass
-class _EngineTimes:
-    """Written on the engine thread, read after the stream ends."""
-
-    prompt_tokens: int = 0
-    started: float = 0.0
-    first_token: float = 0.0
 
 
 class DecodeNode:
@@ -44,14 +32,12 @@ class DecodeNode:
         name: str,
         models: list[str],
         engine: Engine,
-        worker: EngineWorker,
         pool: ChannelPool,
         max_tokens_limit: int,
     ) -> None:
         self.name = name
         self.models = models
         self.engine = engine
-        self.worker = worker
         self.pool = pool
         self.max_tokens_limit = max_tokens_limit
 
@@ -66,33 +52,16 @@ class DecodeNode:
         arrived = time.perf_counter()
         check_served(model, self.name, self.models)
         validate_sampling(sampling, self.max_tokens_limit)
-        stats = DecodeStats()
-        engine = self.engine
-        times = _EngineTimes()
-
+        stats = DecodeStats(kv_transfer=self.engine.kv_transfer)
         if isinstance(source, KvSource):
             state = await self._fetch_state(source, time_remaining, stats)
-            stats.kv_transfer = KvTransferKind.STATE
-            times.prompt_tokens = source.prompt_tokens
-
-            def tokens(cancel: threading.Event) -> Iterator[GeneratedToken]:
-                return engine.continue_from_state(
-                    state, source.prompt_tokens, source.first_token_id, sampling, cancel
-                )
+            generation = self.engine.continue_from_state(state, source, sampling)
         else:
             validate_prompt(source)
-
-            def tokens(cancel: threading.Event) -> Iterator[GeneratedToken]:
-                prompt_tokens = engine.tokenize(source)
-                times.prompt_tokens = len(prompt_tokens)
-                return engine.generate(prompt_tokens, sampling, cancel)
-
-        def job(cancel: threading.Event) -> Iterator[TextChunk | GenerationEnd]:
-            times.started = time.perf_counter()
-            return assemble(_timed(tokens(cancel), times), sampling.max_tokens, sampling.stop)
-
+            stats.kv_transfer = KvTransferKind.NONE
+            generation = self.engine.generate(source, sampling)
         end: GenerationEnd | None = None
-        async with aclosing(self.worker.stream(job)) as items:
+        async with aclosing(generation) as items:
             async for item in items:
                 if isinstance(item, GenerationEnd):
                     end = item
@@ -100,17 +69,13 @@ class DecodeNode:
                 if not stats.time_to_first_token_seconds:
                     stats.time_to_first_token_seconds = time.perf_counter() - arrived
                 yield item
-        assert end is not None
-        finished = time.perf_counter()
-        ready_at = times.first_token or finished
-        if stats.kv_transfer == KvTransferKind.STATE:
-            stats.kv_load_seconds = ready_at - times.started
-        else:
-            stats.prompt_eval_seconds = ready_at - times.started
-        stats.prompt_tokens = times.prompt_tokens
+        assert end is not None, "an engine's generation ends with a GenerationEnd"
+        stats.prompt_tokens = end.prompt_tokens
         stats.completion_tokens = end.completion_tokens
         stats.finish_reason = end.finish_reason
-        stats.decode_seconds = finished - ready_at
+        stats.kv_load_seconds = end.kv_load_seconds
+        stats.prompt_eval_seconds = end.prompt_eval_seconds
+        stats.decode_seconds = end.decode_seconds
         yield stats
 
     async def _fetch_state(
@@ -136,10 +101,3 @@ class DecodeNode:
         stats.kv_fetch_seconds = time.perf_counter() - started
         stats.kv_fetch_bytes = assembler.received_bytes
         return state
-
-
-def _timed(tokens: Iterator[GeneratedToken], times: _EngineTimes) -> Iterator[GeneratedToken]:
-    for token in tokens:
-        if not times.first_token:
-            times.first_token = time.perf_counter()
-        yield token

@@ -54,5 +54,6 @@ def _source(request: decode_pb2.DecodeServiceGenerateRequest) -> KvSource | Prom
             prompt_tokens=kv.prompt_tokens,
             fingerprint=convert.fingerprint_from_proto(kv.fingerprint),
             kv_size_bytes=kv.kv_size_bytes,
+            first_token_text=kv.first_token_text,
         )
     return convert.prompt_from_proto(request.prompt, request.messages)

@@ -12,7 +12,6 @@ from services.common.kv import KvStore
 from services.common.readiness import Ready
 from services.common.server import serve
 from services.common.topology import Node, Topology
-from services.common.worker import EngineWorker
 from services.prefill.node import PrefillNode
 from services.prefill.servicer import PrefillServicer
 
@@ -21,14 +20,13 @@ SERVICE_NAME = prefill_pb2.DESCRIPTOR.services_by_name["PrefillService"].full_na
 
 async def run(topology: Topology, node: Node) -> None:
     ready: Ready[PrefillNode] = Ready(f"prefill node {node.name}")
-    worker = EngineWorker(node.name, node.max_queue)
     background: set[asyncio.Task[None]] = set()
 
     def register(server: grpc.aio.Server) -> None:
         prefill_pb2_grpc.add_PrefillServiceServicer_to_server(PrefillServicer(ready), server)
 
     async def load() -> None:
-        engine = await worker.call(lambda: open_engine(topology, node))
+        engine = await open_engine(topology, node)
         store = KvStore(budget_bytes=node.kv_budget_bytes, ttl_s=node.kv_ttl_s)
         background.add(asyncio.create_task(store.expire_periodically()))
         ready.set(
@@ -36,21 +34,25 @@ async def run(topology: Topology, node: Node) -> None:
                 name=node.name,
                 models=topology.models_served_by(node.name),
                 engine=engine,
-                worker=worker,
                 store=store,
                 max_tokens_limit=topology.mesh.max_tokens_limit,
             )
         )
 
+    async def problem() -> str | None:
+        return await ready.get().engine.problem()
+
     async def close() -> None:
         for task in background:
             task.cancel()
-        await asyncio.to_thread(worker.shutdown)
+        if ready.is_set():
+            await ready.get().engine.close()
 
     await serve(
         bind_address=node.bind_address,
         service_names=[SERVICE_NAME],
         register=register,
         load=load,
+        problem=problem,
         close=close,
     )

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterator
 
-from services.common.engines.base import Engine, PrefillOutput
+from services.common.engines.base import Engine
 from services.common.kv import KvChunk, KvStore, iter_chunks
 from services.common.types import PrefillResult, Prompt, Sampling
 from services.common.validation import check_served, validate_prompt, validate_sampling
-from services.common.worker import EngineWorker
 
 
 class PrefillNode:
@@ -19,14 +17,12 @@ class PrefillNode:
         name: str,
         models: list[str],
         engine: Engine,
-        worker: EngineWorker,
         store: KvStore,
         max_tokens_limit: int,
     ) -> None:
         self.name = name
         self.models = models
         self.engine = engine
-        self.worker = worker
         self.store = store
         self.max_tokens_limit = max_tokens_limit
 
@@ -34,24 +30,19 @@ class PrefillNode:
         check_served(model, self.name, self.models)
         validate_prompt(prompt)
         validate_sampling(sampling, self.max_tokens_limit)
-        engine = self.engine
-
-        def run() -> tuple[PrefillOutput, str]:
-            out = engine.prefill(engine.tokenize(prompt), sampling)
-            return out, hashlib.sha256(out.kv_state).hexdigest()
-
-        out, digest = await self.worker.call(run)
+        out = await self.engine.prefill(prompt, sampling)
         # The store is only touched from the event loop, so it needs no lock.
-        handle = self.store.put(out.kv_state, digest, engine.fingerprint)
+        handle = self.store.put(out.kv_state, out.kv_sha256, self.engine.fingerprint)
         return PrefillResult(
             kv_handle=handle,
-            first_token_id=out.first_token.token_id,
+            first_token_id=out.first_token_id,
+            first_token_text=out.first_token_text,
             prompt_tokens=out.prompt_tokens,
             prefill_seconds=out.seconds,
             kv_size_bytes=len(out.kv_state),
-            fingerprint=engine.fingerprint,
+            fingerprint=self.engine.fingerprint,
             kv_ttl_seconds=self.store.ttl_s,
-            kv_transfer=engine.kv_transfer,
+            kv_transfer=self.engine.kv_transfer,
         )
 
     def fetch(self, kv_handle: str) -> Iterator[KvChunk]:

@@ -30,6 +30,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         return prefill_pb2.PrefillResponse(
             kv_handle=result.kv_handle,
             first_token_id=result.first_token_id,
+            first_token_text=result.first_token_text,
             prompt_tokens=result.prompt_tokens,
             prefill_duration=convert.duration(result.prefill_seconds),
             kv_size_bytes=result.kv_size_bytes,

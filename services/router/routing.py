@@ -113,6 +113,7 @@ class Router:
                 prompt_tokens=result.prompt_tokens,
                 fingerprint=result.fingerprint,
                 kv_size_bytes=result.kv_size_bytes,
+                first_token_text=result.first_token_text,
             )
         else:
             summary.method = RouteMethod.DECODE_ONLY

@@ -11,20 +11,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class KvSource(_message.Message):
-    __slots__ = ("prefill_address", "kv_handle", "first_token_id", "prompt_tokens", "fingerprint", "kv_size_bytes")
+    __slots__ = ("prefill_address", "kv_handle", "first_token_id", "prompt_tokens", "fingerprint", "kv_size_bytes", "first_token_text")
     PREFILL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     KV_HANDLE_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     KV_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_TEXT_FIELD_NUMBER: _ClassVar[int]
     prefill_address: str
     kv_handle: str
     first_token_id: int
     prompt_tokens: int
     fingerprint: _types_pb2.KvFingerprint
     kv_size_bytes: int
-    def __init__(self, prefill_address: _Optional[str] = ..., kv_handle: _Optional[str] = ..., first_token_id: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., fingerprint: _Optional[_Union[_types_pb2.KvFingerprint, _Mapping]] = ..., kv_size_bytes: _Optional[int] = ...) -> None: ...
+    first_token_text: str
+    def __init__(self, prefill_address: _Optional[str] = ..., kv_handle: _Optional[str] = ..., first_token_id: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., fingerprint: _Optional[_Union[_types_pb2.KvFingerprint, _Mapping]] = ..., kv_size_bytes: _Optional[int] = ..., first_token_text: _Optional[str] = ...) -> None: ...
 
 class DecodeServiceGenerateRequest(_message.Message):
     __slots__ = ("model", "kv", "prompt", "messages", "sampling")

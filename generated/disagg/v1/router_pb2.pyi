@@ -16,9 +16,11 @@ class RouteMethod(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ROUTE_METHOD_UNSPECIFIED: _ClassVar[RouteMethod]
     ROUTE_METHOD_DISAGGREGATED: _ClassVar[RouteMethod]
     ROUTE_METHOD_DECODE_ONLY: _ClassVar[RouteMethod]
+    ROUTE_METHOD_DIRECT_OLLAMA: _ClassVar[RouteMethod]
 ROUTE_METHOD_UNSPECIFIED: RouteMethod
 ROUTE_METHOD_DISAGGREGATED: RouteMethod
 ROUTE_METHOD_DECODE_ONLY: RouteMethod
+ROUTE_METHOD_DIRECT_OLLAMA: RouteMethod
 
 class GenerateRequest(_message.Message):
     __slots__ = ("model", "prompt", "messages", "sampling")
@@ -32,8 +34,22 @@ class GenerateRequest(_message.Message):
     sampling: _types_pb2.SamplingParams
     def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[_types_pb2.ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[_types_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
 
+class FailedAttempt(_message.Message):
+    __slots__ = ("method", "node", "code", "message", "duration")
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    DURATION_FIELD_NUMBER: _ClassVar[int]
+    method: RouteMethod
+    node: str
+    code: str
+    message: str
+    duration: _duration_pb2.Duration
+    def __init__(self, method: _Optional[_Union[RouteMethod, str]] = ..., node: _Optional[str] = ..., code: _Optional[str] = ..., message: _Optional[str] = ..., duration: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
+
 class GenerateSummary(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "finish_reason", "method", "kv_transfer", "prefill_duration", "prefill_tokens_per_second", "kv_transfer_duration", "kv_transfer_bytes", "kv_load_duration", "time_to_first_token", "decode_duration", "decode_tokens_per_second", "total_duration", "prefill_node", "prefill_address", "decode_node", "decode_address")
+    __slots__ = ("prompt_tokens", "completion_tokens", "finish_reason", "method", "kv_transfer", "prefill_duration", "prefill_tokens_per_second", "kv_transfer_duration", "kv_transfer_bytes", "kv_load_duration", "time_to_first_token", "decode_duration", "decode_tokens_per_second", "total_duration", "prefill_node", "prefill_address", "decode_node", "decode_address", "failed_attempts", "decode_prompt_eval_duration")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -52,6 +68,8 @@ class GenerateSummary(_message.Message):
     PREFILL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     DECODE_NODE_FIELD_NUMBER: _ClassVar[int]
     DECODE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    FAILED_ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_PROMPT_EVAL_DURATION_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     finish_reason: _types_pb2.FinishReason
@@ -70,7 +88,9 @@ class GenerateSummary(_message.Message):
     prefill_address: str
     decode_node: str
     decode_address: str
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., finish_reason: _Optional[_Union[_types_pb2.FinishReason, str]] = ..., method: _Optional[_Union[RouteMethod, str]] = ..., kv_transfer: _Optional[_Union[_types_pb2.KvTransfer, str]] = ..., prefill_duration: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., prefill_tokens_per_second: _Optional[float] = ..., kv_transfer_duration: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., kv_transfer_bytes: _Optional[int] = ..., kv_load_duration: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., time_to_first_token: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., decode_duration: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., decode_tokens_per_second: _Optional[float] = ..., total_duration: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., prefill_node: _Optional[str] = ..., prefill_address: _Optional[str] = ..., decode_node: _Optional[str] = ..., decode_address: _Optional[str] = ...) -> None: ...
+    failed_attempts: _containers.RepeatedCompositeFieldContainer[FailedAttempt]
+    decode_prompt_eval_duration: _duration_pb2.Duration
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., finish_reason: _Optional[_Union[_types_pb2.FinishReason, str]] = ..., method: _Optional[_Union[RouteMethod, str]] = ..., kv_transfer: _Optional[_Union[_types_pb2.KvTransfer, str]] = ..., prefill_duration: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., prefill_tokens_per_second: _Optional[float] = ..., kv_transfer_duration: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., kv_transfer_bytes: _Optional[int] = ..., kv_load_duration: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., time_to_first_token: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., decode_duration: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., decode_tokens_per_second: _Optional[float] = ..., total_duration: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., prefill_node: _Optional[str] = ..., prefill_address: _Optional[str] = ..., decode_node: _Optional[str] = ..., decode_address: _Optional[str] = ..., failed_attempts: _Optional[_Iterable[_Union[FailedAttempt, _Mapping]]] = ..., decode_prompt_eval_duration: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("delta", "summary")

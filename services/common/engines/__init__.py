@@ -6,20 +6,22 @@ from services.common.engines.base import Engine
 from services.common.errors import MeshError
 from services.common.models import resolve_model_path
 from services.common.topology import Node, Topology
+from services.common.worker import EngineWorker
 
 
 class EngineUnavailable(MeshError):
     """The node's engine cannot be opened."""
 
 
-def open_engine(topology: Topology, node: Node) -> Engine:
-    """Load the engine the topology names for this node (blocking: call off the loop)."""
+async def open_engine(topology: Topology, node: Node) -> Engine:
+    """Load the engine the topology names for this node."""
     assert node.model is not None
     if node.engine == "llama_cpp":
         from services.common.engines.llama_cpp_engine import LlamaCppEngine
 
         path = resolve_model_path(node.model, topology.source.parent)
-        return LlamaCppEngine(path, n_ctx=node.n_ctx, n_threads=node.n_threads)
+        worker = EngineWorker(node.name, node.max_queue)
+        return await LlamaCppEngine.open(path, node.n_ctx, node.n_threads, worker)
     raise EngineUnavailable(
         f"node {node.name}: engine {node.engine!r} is not available in this version "
         "(only llama_cpp is; the Ollama engine is tracked in its own issue)"

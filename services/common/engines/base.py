@@ -1,17 +1,24 @@
 """The engine interface: what a prefill or decode node needs from a model runtime.
 
-Engine calls block (they run the model): nodes call them from one worker thread per engine
-(see `services/common/worker.py`), never from the event loop.
+Nodes see one asynchronous interface. Blocking runtimes (embedded llama.cpp) run on one
+worker thread behind it (see `services/common/worker.py`); Ollama is asynchronous HTTP.
 """
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Iterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Protocol
 
-from services.common.types import Fingerprint, KvTransferKind, Prompt, Sampling
+from services.common.types import (
+    Fingerprint,
+    GenerationEnd,
+    KvSource,
+    KvTransferKind,
+    Prompt,
+    Sampling,
+    TextChunk,
+)
 
 
 @dataclass(frozen=True)
@@ -25,43 +32,41 @@ class GeneratedToken:
 
 @dataclass
 class PrefillOutput:
-    # The engine's KV state after the prompt: a bytes-like object the engine wrote.
+    # What the decode node needs to continue: real KV state bytes, or token ids as bytes.
     kv_state: memoryview
-    first_token: GeneratedToken
+    kv_sha256: str
+    first_token_id: int
+    # Set by engines that report text rather than token bytes (Ollama).
+    first_token_text: str
     prompt_tokens: int
     seconds: float
 
 
+Generation = AsyncGenerator[TextChunk | GenerationEnd, None]
+
+
 class Engine(Protocol):
-    """A loaded model. Not thread-safe: one call at a time."""
+    """A loaded model behind a node."""
 
     fingerprint: Fingerprint
-    n_ctx: int
     kv_transfer: KvTransferKind
 
-    def tokenize(self, prompt: Prompt) -> list[int]:
-        """Prompt tokens, chat template applied; raises InvalidArgument if too long."""
-        ...
-
-    def prefill(self, tokens: list[int], sampling: Sampling) -> PrefillOutput:
-        """Evaluate the prompt, sample the first token, export the KV state."""
+    async def prefill(self, prompt: Prompt, sampling: Sampling) -> PrefillOutput:
+        """Evaluate the prompt, sample the first token, export what decode needs."""
         ...
 
     def continue_from_state(
-        self,
-        kv_state: memoryview,
-        prompt_tokens: int,
-        first_token: int,
-        sampling: Sampling,
-        cancel: threading.Event,
-    ) -> Iterator[GeneratedToken]:
-        """Load a prefill node's KV state and yield the first token, then new ones."""
+        self, kv_state: memoryview, source: KvSource, sampling: Sampling
+    ) -> Generation:
+        """Continue a prefill node's work: text chunks from the first token on, then the end."""
         ...
 
-    def generate(
-        self, tokens: list[int], sampling: Sampling, cancel: threading.Event
-    ) -> Iterator[GeneratedToken]:
-        """Whole generation on this engine: evaluate the prompt, then yield new tokens."""
+    def generate(self, prompt: Prompt, sampling: Sampling) -> Generation:
+        """Whole generation on this engine: text chunks, then the end."""
         ...
 
-    def close(self) -> None: ...
+    async def problem(self) -> str | None:
+        """None while the engine can serve; otherwise why not (for health checks)."""
+        ...
+
+    async def close(self) -> None: ...

@@ -10,28 +10,41 @@ on a state (size, checksum, fingerprint) happens before it reaches llama.cpp.
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
+import dataclasses
+import hashlib
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import llama_cpp
 from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
-from services.common.engines.base import GeneratedToken, PrefillOutput
+from services.common.engines.base import GeneratedToken, Generation, PrefillOutput
 from services.common.errors import FailedPrecondition, InvalidArgument
 from services.common.models import file_sha256
-from services.common.types import Fingerprint, KvTransferKind, Prompt, Sampling
+from services.common.text import assemble
+from services.common.types import (
+    Fingerprint,
+    GenerationEnd,
+    KvSource,
+    KvTransferKind,
+    Prompt,
+    Sampling,
+    TextChunk,
+)
+from services.common.worker import EngineWorker
 
 SEQ_ID = 0
 ENGINE_VERSION = f"llama-cpp-python/{llama_cpp.__version__}"
 
 
-class LlamaCppEngine:
-    kv_transfer = KvTransferKind.STATE
+class LlamaCppModel:
+    """The blocking core: one llama.cpp context. Not thread-safe: one call at a time."""
 
     def __init__(self, model_path: Path, n_ctx: int, n_threads: int | None = None) -> None:
         self._llm = llama_cpp.Llama(
@@ -87,16 +100,19 @@ class LlamaCppEngine:
 
     # -- prefill ---------------------------------------------------------------------------
 
-    def prefill(self, tokens: list[int], sampling: Sampling) -> PrefillOutput:
+    def prefill(self, prompt: Prompt, sampling: Sampling) -> PrefillOutput:
         started = time.perf_counter()
+        tokens = self.tokenize(prompt)
         self._llm.reset()
         self._llm.eval(tokens)
         self._start_sampler(sampling, seed_offset=0)
-        first = self._token(self._llm.sample())
+        first = self._llm.sample()
         state = self._export_state()
         return PrefillOutput(
             kv_state=state,
-            first_token=first,
+            kv_sha256=hashlib.sha256(state).hexdigest(),
+            first_token_id=first,
+            first_token_text="",
             prompt_tokens=len(tokens),
             seconds=time.perf_counter() - started,
         )
@@ -179,3 +195,85 @@ class LlamaCppEngine:
 
     def close(self) -> None:
         self._llm.close()
+
+
+class LlamaCppEngine:
+    """The asynchronous engine nodes use: a LlamaCppModel on its own worker thread."""
+
+    kv_transfer = KvTransferKind.STATE
+
+    def __init__(self, model: LlamaCppModel, worker: EngineWorker) -> None:
+        self._model = model
+        self._worker = worker
+        self.fingerprint = model.fingerprint
+
+    @classmethod
+    async def open(
+        cls, model_path: Path, n_ctx: int, n_threads: int | None, worker: EngineWorker
+    ) -> LlamaCppEngine:
+        model = await worker.call(lambda: LlamaCppModel(model_path, n_ctx, n_threads))
+        return cls(model, worker)
+
+    async def prefill(self, prompt: Prompt, sampling: Sampling) -> PrefillOutput:
+        return await self._worker.call(lambda: self._model.prefill(prompt, sampling))
+
+    def continue_from_state(
+        self, kv_state: memoryview, source: KvSource, sampling: Sampling
+    ) -> Generation:
+        model = self._model
+
+        def tokens(cancel: threading.Event) -> tuple[int, Iterator[GeneratedToken]]:
+            return source.prompt_tokens, model.continue_from_state(
+                kv_state, source.prompt_tokens, source.first_token_id, sampling, cancel
+            )
+
+        return self._run(tokens, sampling, loads_state=True)
+
+    def generate(self, prompt: Prompt, sampling: Sampling) -> Generation:
+        model = self._model
+
+        def tokens(cancel: threading.Event) -> tuple[int, Iterator[GeneratedToken]]:
+            prompt_tokens = model.tokenize(prompt)
+            return len(prompt_tokens), model.generate(prompt_tokens, sampling, cancel)
+
+        return self._run(tokens, sampling, loads_state=False)
+
+    async def _run(
+        self,
+        tokens: Callable[[threading.Event], tuple[int, Iterator[GeneratedToken]]],
+        sampling: Sampling,
+        loads_state: bool,
+    ) -> Generation:
+        def job(cancel: threading.Event) -> Iterator[TextChunk | GenerationEnd]:
+            started = time.perf_counter()
+            prompt_tokens, stream = tokens(cancel)
+            first_at: list[float] = []  # when the first token came out: the state was ready
+
+            def timed() -> Iterator[GeneratedToken]:
+                for token in stream:
+                    if not first_at:
+                        first_at.append(time.perf_counter())
+                    yield token
+
+            for item in assemble(timed(), sampling.max_tokens, sampling.stop):
+                if isinstance(item, GenerationEnd):
+                    ended = time.perf_counter()
+                    ready = first_at[0] if first_at else ended
+                    item = dataclasses.replace(
+                        item,
+                        prompt_tokens=prompt_tokens,
+                        kv_load_seconds=ready - started if loads_state else 0.0,
+                        prompt_eval_seconds=0.0 if loads_state else ready - started,
+                        decode_seconds=ended - ready,
+                    )
+                yield item
+
+        async for item in self._worker.stream(job):
+            yield item
+
+    async def problem(self) -> str | None:
+        return None
+
+    async def close(self) -> None:
+        await self._worker.call(self._model.close)
+        await asyncio.to_thread(self._worker.shutdown)
