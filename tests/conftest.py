@@ -72,11 +72,21 @@ def write_test_topology(path: Path, edge_cases: bool = True) -> Path:
         parts += [
             engine_node("prefill-short-ttl", "prefill", kv_ttl_s=1.0),
             route("test/short-ttl", ["prefill-short-ttl"], ["decode-qwen"]),
-            route("test/decode-only", [], ["decode-gpt-oss"], mode="decode_only"),
+            route("test/decode-only", [], ["decode-gpt-oss"], chain=["decode_only"]),
             route(
-                "test/tight-prefill", ["prefill-qwen"], ["decode-qwen"], prefill_deadline_s=0.001
+                "test/tight-prefill",
+                ["prefill-qwen"],
+                ["decode-qwen"],
+                chain=["disaggregated"],
+                prefill_deadline_s=0.001,
             ),
-            route("test/tight-decode", ["prefill-qwen"], ["decode-qwen"], decode_deadline_s=0.5),
+            route(
+                "test/tight-decode",
+                ["prefill-qwen"],
+                ["decode-qwen"],
+                chain=["disaggregated"],
+                decode_deadline_s=0.5,
+            ),
         ]
     path.write_text("\n".join(parts))
     return path

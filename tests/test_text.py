@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from services.common.engines.base import GeneratedToken
-from services.common.text import GenerationEnd, TextAssembler, assemble
-from services.common.types import FinishReason, TextChunk
+from services.common.text import TextAssembler, assemble
+from services.common.types import FinishReason, GenerationEnd, TextChunk
 
 
 def tokens(*pieces: bytes, end: bool = False) -> list[GeneratedToken]:

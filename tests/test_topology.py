@@ -42,11 +42,13 @@ GOOD = (ROOT / "topology/local.toml").read_text()
         (GOOD.replace("port = 50062", "port = 70000", 1), ["nodes[2].port", "65535", "70000"]),
         (GOOD.replace('role = "decode"', 'role = "decoder"', 1), ["nodes[2].role", "decoder"]),
         (
-            GOOD.replace('decode = ["decode-qwen"]', 'decode = ["nowhere"]'),
+            GOOD.replace('decode = ["decode-qwen", "decode-gpt-oss"]', 'decode = ["nowhere"]'),
             ["models[0].decode", "nowhere"],
         ),
         (
-            GOOD.replace('prefill = ["prefill-qwen"]', 'prefill = ["decode-qwen"]'),
+            GOOD.replace(
+                'prefill = ["prefill-qwen", "prefill-gpt-oss"]', 'prefill = ["decode-qwen"]'
+            ),
             ["has role 'decode'"],
         ),
         (
@@ -55,6 +57,16 @@ GOOD = (ROOT / "topology/local.toml").read_text()
         ),
         (GOOD.replace("port = 50062", "port = 50061", 1), ["two nodes listen on 127.0.0.1:50061"]),
         (GOOD.replace('engine = "llama_cpp"\n', "", 1), ["nodes[1]", "needs engine"]),
+        (
+            GOOD.replace(
+                'chain = ["disaggregated", "decode_only"]', 'chain = ["direct_ollama"]', 1
+            ),
+            ["models[0]", "needs ollama_url"],
+        ),
+        (
+            GOOD.replace('chain = ["disaggregated", "decode_only"]', 'chain = ["teleport"]', 1),
+            ["models[0].chain[0]", "teleport"],
+        ),
     ],
 )
 def test_bad_topology_names_file_key_and_problem(

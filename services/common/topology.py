@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 Role = Literal["router", "prefill", "decode"]
 EngineName = Literal["llama_cpp", "ollama"]
-RouteMode = Literal["disaggregated", "decode_only"]
+Step = Literal["disaggregated", "decode_only", "direct_ollama"]
 
 NodeName = Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9-]*$", max_length=63)]
 Port = Annotated[int, Field(ge=1, le=65535)]
@@ -35,6 +35,10 @@ class MeshSettings(_Strict):
 
     # Largest max_tokens a request may ask for.
     max_tokens_limit: Annotated[int, Field(ge=1, le=1_000_000)] = 4096
+    # A node that failed is skipped by the router for this long (passive health).
+    cooldown_s: Annotated[float, Field(ge=0, le=3600)] = 10.0
+    # How often the router checks grpc.health.v1 of every node.
+    health_check_every_s: Annotated[float, Field(gt=0, le=3600)] = 1.0
 
 
 class Node(_Strict):
@@ -53,7 +57,9 @@ class Node(_Strict):
     model: str | None = None
     n_ctx: Annotated[int, Field(ge=256, le=1_048_576)] = 4096
     n_threads: Annotated[int, Field(ge=1, le=1024)] | None = None
-    ollama_url: str | None = None
+    # ollama only: the server's URL, and how long it keeps the model loaded after a request.
+    ollama_url: str = "http://127.0.0.1:11434"
+    ollama_keep_alive: str = "30m"
     # prefill only: how long a KV handle stays fetchable, and the KV store's size.
     kv_ttl_s: PositiveSeconds = 60.0
     kv_budget_bytes: Annotated[int, Field(ge=1 << 20)] = 2 << 30
@@ -82,16 +88,29 @@ class ModelRoute(_Strict):
     """One [[models]] entry: a logical model and the nodes that serve it."""
 
     name: str = Field(min_length=1)
-    mode: RouteMode = "disaggregated"
+    # The steps the router tries in order until one serves the request:
+    # disaggregated (a prefill node, then a decode node), decode_only (whole generation on a
+    # decode node), direct_ollama (the router calls ollama_url itself, bypassing the mesh).
+    chain: list[Step] = Field(default=["disaggregated", "decode_only"], min_length=1)
+    # Nodes in order of preference; unhealthy or cooling-down ones are skipped.
     prefill: list[NodeName] = []
-    decode: list[NodeName] = Field(min_length=1)
+    decode: list[NodeName] = []
     prefill_deadline_s: PositiveSeconds = 60.0
     decode_deadline_s: PositiveSeconds = 180.0
+    # direct_ollama: the Ollama server and model tag (default: this logical model's name).
+    ollama_url: str | None = None
+    ollama_model: str | None = None
 
     @model_validator(mode="after")
-    def _prefill_when_disaggregated(self) -> ModelRoute:
-        if self.mode == "disaggregated" and not self.prefill:
-            raise ValueError("mode 'disaggregated' needs at least one prefill node")
+    def _steps_have_what_they_need(self) -> ModelRoute:
+        if len(set(self.chain)) != len(self.chain):
+            raise ValueError("chain: a step is listed twice")
+        if "disaggregated" in self.chain and not (self.prefill and self.decode):
+            raise ValueError("chain step 'disaggregated' needs prefill and decode nodes")
+        if "decode_only" in self.chain and not self.decode:
+            raise ValueError("chain step 'decode_only' needs decode nodes")
+        if "direct_ollama" in self.chain and not self.ollama_url:
+            raise ValueError("chain step 'direct_ollama' needs ollama_url")
         return self
 
 

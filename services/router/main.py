@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 
 from disagg.v1 import router_pb2, router_pb2_grpc
 from services.common.node_clients import ChannelPool
 from services.common.server import serve
 from services.common.topology import Node, Topology
+from services.router.node_health import NodeHealth
 from services.router.routing import Router
 from services.router.servicer import RouterServicer
 
@@ -16,19 +19,31 @@ SERVICE_NAME = router_pb2.DESCRIPTOR.services_by_name["RouterService"].full_name
 
 async def run(topology: Topology, node: Node) -> None:
     pool = ChannelPool()
+    health = NodeHealth(
+        [n for n in topology.nodes if n.role != "router"],
+        pool,
+        every_s=topology.mesh.health_check_every_s,
+        cooldown_s=topology.mesh.cooldown_s,
+    )
+    router = Router(topology, pool, health)
+    background: set[asyncio.Task[None]] = set()
 
     def register(server: grpc.aio.Server) -> None:
-        router_pb2_grpc.add_RouterServiceServicer_to_server(
-            RouterServicer(Router(topology, pool)), server
-        )
+        router_pb2_grpc.add_RouterServiceServicer_to_server(RouterServicer(router), server)
 
     async def load() -> None:
-        return None  # the router holds no model
+        background.add(asyncio.create_task(health.watch()))
+
+    async def close() -> None:
+        for task in background:
+            task.cancel()
+        await router.close()
+        await pool.close()
 
     await serve(
         bind_address=node.bind_address,
         service_names=[SERVICE_NAME],
         register=register,
         load=load,
-        close=pool.close,
+        close=close,
     )

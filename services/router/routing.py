@@ -1,24 +1,32 @@
-"""The router's logic: pick the nodes of a logical model, run prefill then decode, relay
-the text, and add up the metrics. Plain Python; the servicer does the protobuf."""
+"""The router's logic: walk a logical model's fallback chain, run prefill then decode (or a
+whole generation), relay the text, and add up the metrics. Plain Python; the servicer does
+the protobuf.
+
+A failure before any text reached the caller moves on to the next attempt (logged, and listed
+in the summary). A failure after text was sent is never retried: that would send duplicated
+text. The stream ends with the error, whose message says how much was delivered.
+"""
 
 from __future__ import annotations
 
 import enum
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Iterator
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 import structlog
 
-from services.common.errors import DeadlineExceeded, NotFound, UpstreamError
+from services.common.engines.ollama_engine import OllamaEngine
+from services.common.errors import DeadlineExceeded, MeshError, NotFound, UpstreamError
 from services.common.node_clients import ChannelPool, DecodeClient, PrefillClient
 from services.common.retries import call_with_retries
-from services.common.topology import ModelRoute, Node, Topology
+from services.common.topology import ModelRoute, Node, Step, Topology
 from services.common.types import (
     DecodeStats,
     FinishReason,
+    GenerationEnd,
     KvSource,
     KvTransferKind,
     PrefillResult,
@@ -27,13 +35,47 @@ from services.common.types import (
     TextChunk,
 )
 from services.common.validation import validate_prompt, validate_sampling
+from services.router.node_health import NodeHealth
 
 log = structlog.get_logger("router")
+
+# Errors that say the request itself is wrong, or that the caller gave up: another node
+# would answer the same, so the chain stops there.
+FINAL_CODES = frozenset(
+    {
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.CANCELLED,
+        grpc.StatusCode.OUT_OF_RANGE,
+        grpc.StatusCode.UNAUTHENTICATED,
+        grpc.StatusCode.PERMISSION_DENIED,
+    }
+)
+# Errors that say a node itself is in trouble: it is skipped for a cool-down.
+NODE_TROUBLE_CODES = frozenset(
+    {
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.INTERNAL,
+        grpc.StatusCode.UNKNOWN,
+        grpc.StatusCode.DATA_LOSS,
+    }
+)
+DIRECT_OLLAMA_MAX_IN_FLIGHT = 64
 
 
 class RouteMethod(enum.Enum):
     DISAGGREGATED = "disaggregated"
     DECODE_ONLY = "decode_only"
+    DIRECT_OLLAMA = "direct_ollama"
+
+
+@dataclass
+class FailedAttempt:
+    method: RouteMethod
+    node: str
+    code: str
+    message: str
+    seconds: float
 
 
 @dataclass
@@ -50,6 +92,7 @@ class RouteSummary:
     kv_transfer_seconds: float = 0.0
     kv_transfer_bytes: int = 0
     kv_load_seconds: float = 0.0
+    decode_prompt_eval_seconds: float = 0.0
     time_to_first_token_seconds: float = 0.0
     decode_seconds: float = 0.0
     decode_tokens_per_second: float = 0.0
@@ -58,6 +101,7 @@ class RouteSummary:
     prefill_address: str = ""
     decode_node: str = ""
     decode_address: str = ""
+    failed_attempts: list[FailedAttempt] = field(default_factory=list)
 
 
 class _Clock:
@@ -78,10 +122,33 @@ class _Clock:
         return (left, True) if left < stage_limit_s else (stage_limit_s, False)
 
 
+class CallerDeadlineExceeded(DeadlineExceeded):
+    """The caller's own deadline ran out: nothing further is tried."""
+
+
+@dataclass
+class _Attempt:
+    method: RouteMethod
+    prefill: Node | None = None
+    decode: Node | None = None
+    # The node being called when a failure happens, to blame it.
+    current: Node | None = None
+
+    @property
+    def label(self) -> str:
+        if self.method == RouteMethod.DISAGGREGATED:
+            prefill = self.prefill.name if self.prefill else "?"
+            decode = self.decode.name if self.decode else "?"
+            return f"{prefill} -> {decode}"
+        return self.decode.name if self.decode else ""
+
+
 class Router:
-    def __init__(self, topology: Topology, pool: ChannelPool) -> None:
+    def __init__(self, topology: Topology, pool: ChannelPool, health: NodeHealth) -> None:
         self.topology = topology
         self.pool = pool
+        self.health = health
+        self._direct: dict[str, OllamaEngine] = {}
 
     def routes(self) -> list[tuple[ModelRoute, list[Node], list[Node]]]:
         t = self.topology
@@ -92,48 +159,50 @@ class Router:
     async def generate(
         self, model: str, prompt: Prompt, sampling: Sampling, time_remaining: float | None
     ) -> AsyncGenerator[TextChunk | RouteSummary, None]:
-        """Text chunks as the decode node makes them, then one RouteSummary."""
+        """Text chunks as they are made, then one RouteSummary."""
         clock = _Clock(time_remaining)
         route = self._route(model)
         validate_prompt(prompt)
         validate_sampling(sampling, self.topology.mesh.max_tokens_limit)
-        summary = RouteSummary()
-        source: KvSource | Prompt = prompt
-        if route.mode == "disaggregated":
-            prefill_node = self.topology.node(route.prefill[0])
-            result = await self._prefill(route, prefill_node, prompt, sampling, clock)
-            summary.method = RouteMethod.DISAGGREGATED
-            summary.prefill_node, summary.prefill_address = prefill_node.name, prefill_node.address
-            summary.prefill_seconds = result.prefill_seconds
-            summary.prompt_tokens = result.prompt_tokens
-            source = KvSource(
-                prefill_address=prefill_node.address,
-                kv_handle=result.kv_handle,
-                first_token_id=result.first_token_id,
-                prompt_tokens=result.prompt_tokens,
-                fingerprint=result.fingerprint,
-                kv_size_bytes=result.kv_size_bytes,
-                first_token_text=result.first_token_text,
-            )
-        else:
-            summary.method = RouteMethod.DECODE_ONLY
-        decode_node = self.topology.node(route.decode[0])
-        summary.decode_node, summary.decode_address = decode_node.name, decode_node.address
-        stats: DecodeStats | None = None
-        async with aclosing(self._decode(route, decode_node, source, sampling, clock)) as events:
-            async for event in events:
-                if isinstance(event, DecodeStats):
-                    stats = event
+        failed: list[FailedAttempt] = []
+        last_error: MeshError | None = None
+        for step in route.chain:
+            for attempt in self._attempts(step, route):
+                started = time.perf_counter()
+                summary = RouteSummary(method=attempt.method)
+                delivered = 0
+                try:
+                    events = self._run(attempt, route, prompt, sampling, clock, summary)
+                    async with aclosing(events) as stream:
+                        async for chunk in stream:
+                            if not delivered:
+                                summary.time_to_first_token_seconds = clock.elapsed()
+                            delivered += 1
+                            yield chunk
+                except MeshError as exc:
+                    self._blame(attempt, exc)
+                    if delivered:
+                        raise _midstream_error(exc, attempt, delivered) from exc
+                    if exc.code in FINAL_CODES or isinstance(exc, CallerDeadlineExceeded):
+                        raise
+                    failed.append(_failure(attempt, exc, time.perf_counter() - started))
+                    last_error = exc
+                    log.warning(
+                        "attempt failed, trying the next",
+                        method=attempt.method.value,
+                        node=attempt.current.name if attempt.current else attempt.label,
+                        code=exc.code.name,
+                        error=exc.message,
+                    )
                     continue
-                if not summary.time_to_first_token_seconds:
-                    summary.time_to_first_token_seconds = clock.elapsed()
-                yield event
-        if stats is None:
-            raise UpstreamError(
-                grpc.StatusCode.DATA_LOSS,
-                f"decode node {decode_node.address} ended the stream without a summary",
-            )
-        yield self._finish(summary, stats, clock)
+                for node in (attempt.prefill, attempt.decode):
+                    if node is not None:
+                        self.health.succeeded(node)
+                summary.failed_attempts = failed
+                summary.total_seconds = clock.elapsed()
+                yield summary
+                return
+        raise _exhausted(route, failed, last_error)
 
     def _route(self, model: str) -> ModelRoute:
         route = self.topology.route(model)
@@ -141,6 +210,71 @@ class Router:
             known = ", ".join(m.name for m in self.topology.models)
             raise NotFound(f"model {model!r} is not served here; models: {known}")
         return route
+
+    def _attempts(self, step: Step, route: ModelRoute) -> Iterator[_Attempt]:
+        """The attempts of one step, healthy nodes first (topology validation guarantees
+        each step has the nodes it needs)."""
+        prefill = self.health.pick([self.topology.node(n) for n in route.prefill])
+        decode = self.health.pick([self.topology.node(n) for n in route.decode])
+        if step == "direct_ollama":
+            yield _Attempt(RouteMethod.DIRECT_OLLAMA)
+        elif step == "disaggregated":
+            yield _Attempt(RouteMethod.DISAGGREGATED, prefill=prefill[0], decode=decode[0])
+        else:
+            for node in decode:
+                yield _Attempt(RouteMethod.DECODE_ONLY, decode=node)
+
+    def _blame(self, attempt: _Attempt, exc: MeshError) -> None:
+        if attempt.current is not None and exc.code in NODE_TROUBLE_CODES:
+            if not isinstance(exc, CallerDeadlineExceeded):
+                self.health.failed(attempt.current)
+
+    async def _run(
+        self,
+        attempt: _Attempt,
+        route: ModelRoute,
+        prompt: Prompt,
+        sampling: Sampling,
+        clock: _Clock,
+        summary: RouteSummary,
+    ) -> AsyncGenerator[TextChunk, None]:
+        """One attempt: relays its text and fills in summary."""
+        if attempt.method == RouteMethod.DIRECT_OLLAMA:
+            async for chunk in self._direct_ollama(route, prompt, sampling, clock, summary):
+                yield chunk
+            return
+        source: KvSource | Prompt = prompt
+        if attempt.prefill is not None:
+            attempt.current = attempt.prefill
+            result = await self._prefill(route, attempt.prefill, prompt, sampling, clock)
+            summary.prefill_node = attempt.prefill.name
+            summary.prefill_address = attempt.prefill.address
+            summary.prefill_seconds = result.prefill_seconds
+            summary.prompt_tokens = result.prompt_tokens
+            source = KvSource(
+                prefill_address=attempt.prefill.address,
+                kv_handle=result.kv_handle,
+                first_token_id=result.first_token_id,
+                prompt_tokens=result.prompt_tokens,
+                fingerprint=result.fingerprint,
+                kv_size_bytes=result.kv_size_bytes,
+                first_token_text=result.first_token_text,
+            )
+        assert attempt.decode is not None
+        attempt.current = attempt.decode
+        summary.decode_node, summary.decode_address = attempt.decode.name, attempt.decode.address
+        stats: DecodeStats | None = None
+        async for event in self._decode(route, attempt.decode, source, sampling, clock):
+            if isinstance(event, DecodeStats):
+                stats = event
+            else:
+                yield event
+        if stats is None:
+            raise UpstreamError(
+                grpc.StatusCode.DATA_LOSS,
+                f"decode node {attempt.decode.address} ended the stream without a summary",
+            )
+        _add_decode_stats(summary, stats)
 
     async def _prefill(
         self, route: ModelRoute, node: Node, prompt: Prompt, sampling: Sampling, clock: _Clock
@@ -171,36 +305,99 @@ class Router:
         except UpstreamError as exc:
             raise _stage_error(exc, "decode", node, timeout, caller_bound) from exc
 
-    @staticmethod
-    def _finish(summary: RouteSummary, stats: DecodeStats, clock: _Clock) -> RouteSummary:
-        summary.prompt_tokens = summary.prompt_tokens or stats.prompt_tokens
-        summary.completion_tokens = stats.completion_tokens
-        summary.finish_reason = stats.finish_reason
-        summary.kv_transfer = stats.kv_transfer
-        summary.kv_transfer_seconds = stats.kv_fetch_seconds
-        summary.kv_transfer_bytes = stats.kv_fetch_bytes
-        summary.kv_load_seconds = stats.kv_load_seconds
-        if summary.method == RouteMethod.DECODE_ONLY:
-            summary.prefill_seconds = stats.prompt_eval_seconds
-        summary.decode_seconds = stats.decode_seconds
-        if summary.prefill_seconds > 0:
-            summary.prefill_tokens_per_second = summary.prompt_tokens / summary.prefill_seconds
-        if stats.decode_seconds > 0:
-            summary.decode_tokens_per_second = stats.completion_tokens / stats.decode_seconds
-        summary.total_seconds = clock.elapsed()
-        return summary
+    async def _direct_ollama(
+        self,
+        route: ModelRoute,
+        prompt: Prompt,
+        sampling: Sampling,
+        clock: _Clock,
+        summary: RouteSummary,
+    ) -> AsyncGenerator[TextChunk, None]:
+        """The user's old path: the router calls Ollama's HTTP API itself, still streaming."""
+        assert route.ollama_url is not None
+        engine = self._direct.get(route.name)
+        if engine is None:
+            engine = OllamaEngine(
+                url=route.ollama_url,
+                model=route.ollama_model or route.name,
+                n_ctx=0,
+                max_in_flight=DIRECT_OLLAMA_MAX_IN_FLIGHT,
+                timeout_s=route.decode_deadline_s,
+            )
+            self._direct[route.name] = engine
+        summary.decode_node = summary.decode_address = route.ollama_url
+        # Bounded by the caller's deadline, and by decode_deadline_s between two chunks.
+        async with aclosing(engine.generate(prompt, sampling)) as items:
+            async for item in items:
+                if isinstance(item, GenerationEnd):
+                    summary.prompt_tokens = item.prompt_tokens
+                    summary.completion_tokens = item.completion_tokens
+                    summary.finish_reason = item.finish_reason
+                    summary.prefill_seconds = item.prompt_eval_seconds
+                    summary.decode_prompt_eval_seconds = item.prompt_eval_seconds
+                    summary.decode_seconds = item.decode_seconds
+                    _rates(summary)
+                else:
+                    yield item
+
+    async def close(self) -> None:
+        for engine in self._direct.values():
+            await engine.close()
+
+
+def _add_decode_stats(summary: RouteSummary, stats: DecodeStats) -> None:
+    summary.prompt_tokens = summary.prompt_tokens or stats.prompt_tokens
+    summary.completion_tokens = stats.completion_tokens
+    summary.finish_reason = stats.finish_reason
+    summary.kv_transfer = stats.kv_transfer
+    summary.kv_transfer_seconds = stats.kv_fetch_seconds
+    summary.kv_transfer_bytes = stats.kv_fetch_bytes
+    summary.kv_load_seconds = stats.kv_load_seconds
+    summary.decode_prompt_eval_seconds = stats.prompt_eval_seconds
+    if summary.method == RouteMethod.DECODE_ONLY:
+        summary.prefill_seconds = stats.prompt_eval_seconds
+    summary.decode_seconds = stats.decode_seconds
+    _rates(summary)
+
+
+def _rates(summary: RouteSummary) -> None:
+    if summary.prefill_seconds > 0:
+        summary.prefill_tokens_per_second = summary.prompt_tokens / summary.prefill_seconds
+    if summary.decode_seconds > 0:
+        summary.decode_tokens_per_second = summary.completion_tokens / summary.decode_seconds
 
 
 def _stage_error(
     exc: UpstreamError, stage: str, node: Node, timeout: float, caller_bound: bool
-) -> UpstreamError | DeadlineExceeded:
+) -> MeshError:
     if exc.code != grpc.StatusCode.DEADLINE_EXCEEDED:
         return exc
-    limit = (
-        f"the caller's deadline passed ({timeout:.3f} s were left when the stage began)"
-        if caller_bound
-        else f"its {timeout:g} s stage deadline passed"
+    where = f"{stage} stage on node {node.name} ({node.address})"
+    if caller_bound:
+        return CallerDeadlineExceeded(
+            f"{where} ran out of time: the caller's deadline passed "
+            f"({timeout:.3f} s were left when the stage began)"
+        )
+    return DeadlineExceeded(f"{where} ran out of time: its {timeout:g} s stage deadline passed")
+
+
+def _failure(attempt: _Attempt, exc: MeshError, seconds: float) -> FailedAttempt:
+    node = attempt.current.name if attempt.current else attempt.label
+    return FailedAttempt(attempt.method, node, exc.code.name, exc.message, seconds)
+
+
+def _midstream_error(exc: MeshError, attempt: _Attempt, delivered: int) -> MeshError:
+    node = attempt.current.name if attempt.current else attempt.label
+    return UpstreamError(
+        exc.code,
+        f"{exc.message} — failed on {node} after {delivered} text deltas were delivered; "
+        "not retried, so no text is sent twice",
     )
-    return DeadlineExceeded(
-        f"{stage} stage on node {node.name} ({node.address}) ran out of time: {limit}"
+
+
+def _exhausted(route: ModelRoute, failed: list[FailedAttempt], last: MeshError | None) -> MeshError:
+    tried = "; ".join(
+        f"{f.method.value}{' on ' + f.node if f.node else ''}: {f.code} {f.message}" for f in failed
     )
+    code = last.code if last is not None else grpc.StatusCode.UNAVAILABLE
+    return UpstreamError(code, f"every step of {route.name}'s chain failed: {tried}")

@@ -18,6 +18,7 @@ Context = grpc.aio.ServicerContext[Any, Any]
 ROUTE_METHOD_TO_PROTO = {
     RouteMethod.DISAGGREGATED: router_pb2.ROUTE_METHOD_DISAGGREGATED,
     RouteMethod.DECODE_ONLY: router_pb2.ROUTE_METHOD_DECODE_ONLY,
+    RouteMethod.DIRECT_OLLAMA: router_pb2.ROUTE_METHOD_DIRECT_OLLAMA,
 }
 
 
@@ -89,4 +90,15 @@ def summary_to_proto(s: RouteSummary) -> router_pb2.GenerateSummary:
         prefill_address=s.prefill_address,
         decode_node=s.decode_node,
         decode_address=s.decode_address,
+        decode_prompt_eval_duration=convert.duration(s.decode_prompt_eval_seconds),
+        failed_attempts=[
+            router_pb2.FailedAttempt(
+                method=ROUTE_METHOD_TO_PROTO[f.method],
+                node=f.node,
+                code=f.code,
+                message=f.message,
+                duration=convert.duration(f.seconds),
+            )
+            for f in s.failed_attempts
+        ],
     )

@@ -22,7 +22,14 @@ async def open_engine(topology: Topology, node: Node) -> Engine:
         path = resolve_model_path(node.model, topology.source.parent)
         worker = EngineWorker(node.name, node.max_queue)
         return await LlamaCppEngine.open(path, node.n_ctx, node.n_threads, worker)
-    raise EngineUnavailable(
-        f"node {node.name}: engine {node.engine!r} is not available in this version "
-        "(only llama_cpp is; the Ollama engine is tracked in its own issue)"
-    )
+    if node.engine == "ollama":
+        from services.common.engines.ollama_engine import OllamaEngine
+
+        return OllamaEngine(
+            url=node.ollama_url,
+            model=node.model,
+            n_ctx=node.n_ctx,
+            max_in_flight=max(node.max_queue, 1),
+            keep_alive=node.ollama_keep_alive,
+        )
+    raise EngineUnavailable(f"node {node.name}: unknown engine {node.engine!r}")

@@ -1,0 +1,284 @@
+"""Ollama (the `ollama` package's AsyncClient): the engine for the user's machines.
+
+What Ollama's HTTP API can and cannot do for disaggregation:
+- It exposes no KV cache. `/api/generate` returns `context`, a list of token ids, not KV
+  state. Given `context`, a server detokenizes it and evaluates it again in full; only its
+  own prefix cache can save work. So an Ollama prefill node hands over token ids
+  (`KvTransferKind.TOKEN_IDS`) and the decode node's prompt evaluation is reported.
+- `num_predict: 1` evaluates the whole prompt and samples one token (`0` is not
+  "prefill only"). `/api/chat` returns no `context`, so chat messages cannot be handed over:
+  the prefill node refuses them (FAILED_PRECONDITION) and the router's chain moves on.
+- Every `*_duration` is nanoseconds; `prompt_eval_count` counts cached tokens too.
+- Errors: an HTTP error is `ResponseError` with `.status_code`; an `{"error": …}` line
+  mid-stream is `ResponseError` with status -1; an unreachable server is `ConnectionError`,
+  or a raw `httpx.ConnectError` on a stream's first read; timeouts are raw httpx timeouts.
+  `_mapped_errors` turns each into the mesh's errors, in one place.
+- Closing a stream stops generation on the server: the caller's cancellation closes it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+import time
+from array import array
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+import ollama
+
+from services.common.engines.base import Generation, PrefillOutput
+from services.common.errors import (
+    DataLoss,
+    FailedPrecondition,
+    InvalidArgument,
+    MeshError,
+    NotFound,
+    ResourceExhausted,
+    Unavailable,
+)
+from services.common.types import (
+    Fingerprint,
+    FinishReason,
+    GenerationEnd,
+    KvSource,
+    KvTransferKind,
+    Prompt,
+    Sampling,
+    TextChunk,
+)
+
+ENGINE_VERSION = "ollama"
+# Renders the new part of a request as nothing, so the prompt is exactly the detokenized
+# `context`: the decode node continues the prefill node's text instead of a new chat turn.
+CONTINUE_TEMPLATE = "{{ .Prompt }}"
+NS = 1e9
+
+
+class OllamaEngine:
+    kv_transfer = KvTransferKind.TOKEN_IDS
+
+    def __init__(
+        self,
+        url: str,
+        model: str,
+        n_ctx: int,
+        max_in_flight: int,
+        keep_alive: str = "30m",
+        timeout_s: float = 120.0,
+    ) -> None:
+        self.url = url
+        self.model = model
+        self.n_ctx = n_ctx
+        self.keep_alive = keep_alive
+        self._client = ollama.AsyncClient(host=url, timeout=httpx.Timeout(timeout_s, connect=5.0))
+        self._max_in_flight = max_in_flight
+        self._in_flight = 0
+        # The model's digest is learned from the server (problem() refreshes it).
+        self.fingerprint = Fingerprint("", n_ctx, ENGINE_VERSION)
+        self.loaded_in_memory = False
+
+    # -- health ----------------------------------------------------------------------------
+
+    async def problem(self) -> str | None:
+        try:
+            async with self._mapped_errors():
+                tags = await self._client.list()
+                running = await self._client.ps()
+        except MeshError as exc:
+            return exc.message
+        digest = next((m.digest for m in tags.models if m.model == self.model), None)
+        if digest is None:
+            return (
+                f"model {self.model!r} is not on the Ollama server at {self.url} "
+                f"(ollama pull {self.model})"
+            )
+        self.fingerprint = Fingerprint(digest, self.n_ctx, ENGINE_VERSION)
+        self.loaded_in_memory = any(m.model == self.model for m in running.models)
+        return None
+
+    # -- prefill ---------------------------------------------------------------------------
+
+    async def prefill(self, prompt: Prompt, sampling: Sampling) -> PrefillOutput:
+        if prompt.messages:
+            raise FailedPrecondition(
+                "an Ollama prefill node cannot hand over chat messages: Ollama's chat API "
+                "returns no context; route this model with decode_only"
+            )
+        started = time.perf_counter()
+        async with self._admitted(), self._mapped_errors():
+            reply = await self._client.generate(
+                model=self.model,
+                prompt=prompt.text,
+                options=self._options(sampling, num_predict=1),
+                keep_alive=self.keep_alive,
+            )
+        ids = list(reply.context or [])
+        if not ids:
+            raise Unavailable(f"Ollama at {self.url} returned no context for the prompt")
+        state = memoryview(_ids_to_bytes(ids))
+        return PrefillOutput(
+            kv_state=state,
+            kv_sha256=hashlib.sha256(state).hexdigest(),
+            first_token_id=ids[-1],
+            first_token_text=reply.response or "",
+            prompt_tokens=reply.prompt_eval_count or 0,
+            seconds=time.perf_counter() - started,
+        )
+
+    # -- decode ----------------------------------------------------------------------------
+
+    async def continue_from_state(
+        self, kv_state: memoryview, source: KvSource, sampling: Sampling
+    ) -> Generation:
+        ids = _bytes_to_ids(kv_state)
+        completion = 0
+        if source.first_token_text:
+            completion = 1
+            yield TextChunk(text=source.first_token_text)
+        if sampling.max_tokens <= completion:
+            yield GenerationEnd(completion, FinishReason.LENGTH, prompt_tokens=source.prompt_tokens)
+            return
+        async with self._admitted():
+            async for item in self._stream(
+                self._client.generate(
+                    model=self.model,
+                    prompt="",
+                    context=ids,
+                    template=CONTINUE_TEMPLATE,
+                    options=self._options(sampling, num_predict=sampling.max_tokens - completion),
+                    keep_alive=self.keep_alive,
+                    stream=True,
+                ),
+                already=completion,
+            ):
+                yield item
+
+    async def generate(self, prompt: Prompt, sampling: Sampling) -> Generation:
+        options = self._options(sampling, num_predict=sampling.max_tokens)
+        async with self._admitted():
+            if prompt.messages:
+                chat = self._client.chat(
+                    model=self.model,
+                    messages=[{"role": m.role, "content": m.content} for m in prompt.messages],
+                    options=options,
+                    keep_alive=self.keep_alive,
+                    stream=True,
+                )
+                stream = self._stream(chat, already=0)
+            else:
+                stream = self._stream(
+                    self._client.generate(
+                        model=self.model,
+                        prompt=prompt.text,
+                        options=options,
+                        keep_alive=self.keep_alive,
+                        stream=True,
+                    ),
+                    already=0,
+                )
+            async for item in stream:
+                yield item
+
+    async def _stream(self, request: Any, already: int) -> Generation:
+        """Relay an NDJSON stream of /api/generate or /api/chat as chunks, then the end."""
+        async with self._mapped_errors():
+            parts: AsyncIterator[Any] = await request
+            try:
+                async for part in parts:
+                    text = part.response if hasattr(part, "response") else part.message.content
+                    if text:
+                        yield TextChunk(text=text)
+                    if part.done:
+                        yield GenerationEnd(
+                            completion_tokens=already + (part.eval_count or 0),
+                            finish_reason=(
+                                FinishReason.LENGTH
+                                if part.done_reason == "length"
+                                else FinishReason.STOP
+                            ),
+                            prompt_tokens=part.prompt_eval_count or 0,
+                            prompt_eval_seconds=(part.prompt_eval_duration or 0) / NS,
+                            kv_load_seconds=(part.load_duration or 0) / NS,
+                            decode_seconds=(part.eval_duration or 0) / NS,
+                        )
+                        return
+            finally:
+                # Closing the response stops generation on the Ollama server.
+                aclose = getattr(parts, "aclose", None)
+                if aclose is not None:
+                    await aclose()
+        raise Unavailable(f"Ollama at {self.url} ended the stream without its final message")
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def _options(self, sampling: Sampling, num_predict: int) -> dict[str, Any]:
+        options: dict[str, Any] = {
+            "num_predict": num_predict,
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
+        }
+        if self.n_ctx > 0:  # 0: the server's own setting
+            options["num_ctx"] = self.n_ctx
+        if sampling.seed is not None:
+            options["seed"] = sampling.seed
+        if sampling.stop:
+            options["stop"] = list(sampling.stop)
+        return options
+
+    @asynccontextmanager
+    async def _admitted(self) -> AsyncIterator[None]:
+        if self._in_flight >= self._max_in_flight:
+            raise ResourceExhausted(
+                f"node busy: {self._in_flight} requests already in flight to Ollama; retry later"
+            )
+        self._in_flight += 1
+        try:
+            yield
+        finally:
+            self._in_flight -= 1
+
+    @asynccontextmanager
+    async def _mapped_errors(self) -> AsyncIterator[None]:
+        where = f"Ollama at {self.url}"
+        try:
+            yield
+        except ollama.ResponseError as exc:
+            message = f"{where}: {exc.error}"
+            if exc.status_code == 404:
+                raise NotFound(message) from None
+            if exc.status_code == 400:
+                raise InvalidArgument("prompt", message) from None
+            if exc.status_code == 429:
+                raise ResourceExhausted(message) from None
+            raise Unavailable(
+                message if exc.status_code >= 0 else f"{where} failed mid-stream: {exc.error}"
+            ) from None
+        except (ConnectionError, httpx.ConnectError):
+            raise Unavailable(f"{where} is unreachable") from None
+        except httpx.TimeoutException as exc:
+            raise Unavailable(f"{where} timed out ({type(exc).__name__})") from None
+        except httpx.TransportError as exc:
+            raise Unavailable(f"{where} dropped the connection: {type(exc).__name__}") from None
+
+    async def close(self) -> None:
+        await self._client.close()  # type: ignore[no-untyped-call]
+
+
+def _ids_to_bytes(ids: list[int]) -> bytes:
+    packed = array("I", ids)
+    if sys.byteorder == "big":
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def _bytes_to_ids(data: memoryview) -> list[int]:
+    if len(data) % 4:
+        raise DataLoss(f"token-id state of {len(data)} bytes is not a whole number of ids")
+    packed = array("I")
+    packed.frombytes(data)
+    if sys.byteorder == "big":
+        packed.byteswap()
+    return packed.tolist()
