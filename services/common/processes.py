@@ -68,12 +68,14 @@ class MeshProcesses:
         timeout_s: float = 300.0,
         progress: Callable[[str], None] | None = None,
         every_s: float = 2.0,
+        names: list[str] | None = None,
     ) -> None:
-        """Return once every started node reports SERVING; raise MeshStartError if one exits
-        or the time runs out. progress() gets a line every `every_s` seconds."""
+        """Return once every started node (or those named) reports SERVING; raise
+        MeshStartError if one exits or the time runs out. progress() gets a line every
+        `every_s` seconds."""
         started = time.monotonic()
         last_report = started
-        pending = {name: "starting" for name in self.procs}
+        pending = {name: "starting" for name in (names or self.procs)}
         channels = {
             name: grpc.aio.insecure_channel(self.topology.node(name).address) for name in pending
         }

@@ -200,8 +200,9 @@ class OllamaEngine:
                                 else FinishReason.STOP
                             ),
                             prompt_tokens=part.prompt_eval_count or 0,
+                            # The decode side's own prompt evaluation: with token ids
+                            # this is the prefill done again.
                             prompt_eval_seconds=(part.prompt_eval_duration or 0) / NS,
-                            kv_load_seconds=(part.load_duration or 0) / NS,
                             decode_seconds=(part.eval_duration or 0) / NS,
                         )
                         return

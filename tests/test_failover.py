@@ -1,0 +1,120 @@
+"""Killed and hung nodes are routed around, within the user's 5 s failover target, and a
+dead node costs at most one failed attempt. Real llama.cpp nodes; the tests run in order."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import statistics
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+import pytest_asyncio
+
+from disagg.v1 import router_pb2, router_pb2_grpc
+from services.common.processes import MeshProcesses
+from services.common.topology import load_topology
+from tests.conftest import engine_node, free_port, route
+from tests.streams import Collected, collect, request
+
+MODEL = "qwen3-coder:30b"
+FAILOVER_TARGET_S = 5.0
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MeshProcesses]:
+    folder: Path = tmp_path_factory.mktemp("failover")
+    parts = [
+        "[mesh]\ncooldown_s = 30\nhealth_check_every_s = 0.5\n",
+        f'[[nodes]]\nname = "router"\nrole = "router"\nhost = "127.0.0.1"\nport = {free_port()}\n',
+        engine_node("prefill-a", "prefill"),
+        engine_node("decode-a", "decode"),
+        engine_node("decode-b", "decode"),
+        engine_node("decode-c", "decode"),
+        route(
+            MODEL,
+            ["prefill-a"],
+            ["decode-a", "decode-b", "decode-c"],
+            chain=["disaggregated", "decode_only"],
+            decode_deadline_s=3,
+        ),
+    ]
+    path = folder / "topology.toml"
+    path.write_text("\n".join(parts))
+    processes = MeshProcesses(load_topology(path), folder / "logs")
+    processes.start()
+    try:
+        asyncio.run(processes.wait_serving(timeout_s=240))
+        yield processes
+    finally:
+        for proc in processes.procs.values():
+            proc.send_signal(signal.SIGCONT)
+        processes.stop()
+
+
+@pytest_asyncio.fixture
+async def router(mesh: MeshProcesses) -> AsyncIterator[router_pb2_grpc.RouterServiceAsyncStub]:
+    async with grpc.aio.insecure_channel(mesh.topology.router.address) as channel:
+        yield router_pb2_grpc.RouterServiceStub(channel)
+
+
+async def timed(router: router_pb2_grpc.RouterServiceAsyncStub) -> tuple[float, Collected]:
+    started = time.perf_counter()
+    got = await collect(router.Generate(request(MODEL, "def add(a, b):", 8), timeout=60))
+    return time.perf_counter() - started, got
+
+
+async def baseline(router: router_pb2_grpc.RouterServiceAsyncStub) -> float:
+    times = [(await timed(router))[0] for _ in range(3)]
+    return statistics.median(times)
+
+
+async def test_killed_decode_node_is_routed_around_within_5_s(
+    mesh: MeshProcesses, router: router_pb2_grpc.RouterServiceAsyncStub
+) -> None:
+    usual = await baseline(router)
+    mesh.procs["decode-a"].kill()
+    mesh.procs["decode-a"].wait()
+    took, got = await timed(router)
+    assert got.summary.completion_tokens == 8
+    assert took - usual < FAILOVER_TARGET_S, (took, usual)
+    failed_nodes = [f.node for f in got.summary.failed_attempts]
+    assert failed_nodes in ([], ["decode-a"]), failed_nodes
+    # The dead node costs at most that one attempt: later requests skip it.
+    for _ in range(3):
+        _, later = await timed(router)
+        assert not later.summary.failed_attempts
+        assert later.summary.method == router_pb2.ROUTE_METHOD_DISAGGREGATED
+        assert later.summary.decode_node == "decode-b"
+
+
+async def test_hung_decode_node_is_routed_around_within_5_s(
+    mesh: MeshProcesses, router: router_pb2_grpc.RouterServiceAsyncStub
+) -> None:
+    usual = await baseline(router)
+    hung = mesh.procs["decode-b"]
+    hung.send_signal(signal.SIGSTOP)
+    try:
+        took, got = await timed(router)
+    finally:
+        hung.send_signal(signal.SIGCONT)
+    assert got.summary.completion_tokens == 8
+    assert got.summary.decode_node == "decode-c"
+    assert took - usual < FAILOVER_TARGET_S, (took, usual)
+    for failure in got.summary.failed_attempts:
+        assert failure.node == "decode-b" and failure.code == "DEADLINE_EXCEEDED"
+
+
+async def test_killed_prefill_node_falls_back_to_whole_generation(
+    mesh: MeshProcesses, router: router_pb2_grpc.RouterServiceAsyncStub
+) -> None:
+    usual = await baseline(router)
+    mesh.procs["prefill-a"].kill()
+    mesh.procs["prefill-a"].wait()
+    took, got = await timed(router)
+    assert got.summary.completion_tokens == 8
+    assert got.summary.method == router_pb2.ROUTE_METHOD_DECODE_ONLY
+    assert took - usual < FAILOVER_TARGET_S, (took, usual)

@@ -1,0 +1,260 @@
+"""Ollama as an engine for prefill and decode nodes, direct Ollama from the router, and the
+fallback chain, against an Ollama HTTP API server inside the tests (tests/fake_ollama.py)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+import pytest_asyncio
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from disagg.v1 import router_pb2, router_pb2_grpc, types_pb2
+from services.common.processes import MeshProcesses
+from services.common.topology import Topology, load_topology
+from tests.conftest import free_port, route
+from tests.fake_ollama import FakeOllama
+from tests.streams import collect
+
+MODEL = "qwen3-coder:30b"
+PROMPT = "def add(a, b):"
+
+
+def ollama_node(name: str, role: str, url: str) -> str:
+    return (
+        f'[[nodes]]\nname = "{name}"\nrole = "{role}"\nhost = "127.0.0.1"\nport = {free_port()}\n'
+        f'engine = "ollama"\nmodel = "{MODEL}"\nollama_url = "{url}"\nn_ctx = 8192\n'
+    )
+
+
+@dataclass
+class OllamaMesh:
+    topology: Topology
+    processes: MeshProcesses
+    nodes_ollama: FakeOllama  # the Ollama server behind the prefill and decode nodes
+    direct_ollama: FakeOllama  # the one the router calls itself (direct_ollama)
+
+
+@pytest.fixture(scope="module")
+def ollama_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[OllamaMesh]:
+    folder: Path = tmp_path_factory.mktemp("ollama-mesh")
+    nodes_ollama, direct_ollama = FakeOllama().start(), FakeOllama().start()
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    parts = [
+        "[mesh]\ncooldown_s = 0.5\nhealth_check_every_s = 0.5\n",
+        f'[[nodes]]\nname = "router"\nrole = "router"\nhost = "127.0.0.1"\nport = {free_port()}\n',
+        ollama_node("prefill-ollama", "prefill", nodes_ollama.url),
+        ollama_node("decode-ollama", "decode", nodes_ollama.url),
+        ollama_node("prefill-dead", "prefill", dead),
+        ollama_node("decode-dead", "decode", dead),
+        route(
+            MODEL,
+            ["prefill-ollama"],
+            ["decode-ollama"],
+            chain=["disaggregated", "decode_only", "direct_ollama"],
+            ollama_url=direct_ollama.url,
+        ),
+        route("ollama/decode-only", [], ["decode-ollama"], chain=["decode_only"]),
+        route(
+            "ollama/direct",
+            [],
+            [],
+            chain=["direct_ollama"],
+            ollama_url=direct_ollama.url,
+            ollama_model=MODEL,
+        ),
+        route(
+            "ollama/direct-unknown-model",
+            [],
+            [],
+            chain=["direct_ollama"],
+            ollama_url=direct_ollama.url,
+            ollama_model="llama-9000",
+        ),
+        route(
+            "ollama/dead-nodes",
+            ["prefill-dead"],
+            ["decode-dead"],
+            chain=["disaggregated", "decode_only", "direct_ollama"],
+            ollama_url=direct_ollama.url,
+            ollama_model=MODEL,
+        ),
+    ]
+    path = folder / "topology.toml"
+    path.write_text("\n".join(parts))
+    topology = load_topology(path)
+    processes = MeshProcesses(topology, folder / "logs")
+    processes.start()
+    try:
+        asyncio.run(
+            processes.wait_serving(
+                timeout_s=60, names=["router", "prefill-ollama", "decode-ollama"]
+            )
+        )
+        yield OllamaMesh(topology, processes, nodes_ollama, direct_ollama)
+    finally:
+        processes.stop()
+        nodes_ollama.stop()
+        direct_ollama.stop()
+
+
+@pytest_asyncio.fixture
+async def router(ollama_mesh: OllamaMesh) -> AsyncIterator[router_pb2_grpc.RouterServiceAsyncStub]:
+    ollama_mesh.nodes_ollama.reset()
+    ollama_mesh.direct_ollama.reset()
+    async with grpc.aio.insecure_channel(ollama_mesh.topology.router.address) as channel:
+        yield router_pb2_grpc.RouterServiceStub(channel)
+
+
+def ollama_request(
+    model: str, max_tokens: int = 8, **sampling: object
+) -> router_pb2.GenerateRequest:
+    return router_pb2.GenerateRequest(
+        model=model,
+        prompt=PROMPT,
+        sampling=types_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, **sampling),  # type: ignore[arg-type]
+    )
+
+
+async def test_disaggregated_over_ollama_moves_token_ids_and_says_so(
+    router: router_pb2_grpc.RouterServiceAsyncStub, ollama_mesh: OllamaMesh
+) -> None:
+    got = await collect(router.Generate(ollama_request(MODEL, 8, top_p=0.5, seed=7, stop=["zzz"])))
+    s = got.summary
+    assert s.method == router_pb2.ROUTE_METHOD_DISAGGREGATED
+    assert s.kv_transfer == types_pb2.KV_TRANSFER_TOKEN_IDS
+    assert s.prefill_node == "prefill-ollama" and s.decode_node == "decode-ollama"
+    # Honest metrics: the decode machine evaluated the prompt again.
+    assert s.decode_prompt_eval_duration.ToNanoseconds() > 0
+    assert s.completion_tokens == 8 and not s.failed_attempts
+    # The same text as whole generation on the decode node.
+    whole = await collect(router.Generate(ollama_request("ollama/decode-only", 8)))
+    assert got.text == whole.text and whole.summary.method == router_pb2.ROUTE_METHOD_DECODE_ONLY
+    # Our options reached Ollama with its names and units.
+    fake = ollama_mesh.nodes_ollama
+    prefill = next(b for p, b in fake.requests if p == "/api/generate" and b.get("stream") is False)
+    assert prefill["options"]["num_predict"] == 1 and prefill["prompt"] == PROMPT
+    decode = next(b for p, b in fake.requests if p == "/api/generate" and "context" in b)
+    assert decode["options"] == {
+        "num_predict": 7,
+        "temperature": 0.0,
+        "top_p": 0.5,
+        "seed": 7,
+        "stop": ["zzz"],
+        "num_ctx": 8192,
+    }
+    assert decode["keep_alive"] == "30m" and decode["template"] == "{{ .Prompt }}"
+
+
+async def test_chat_messages_fall_through_to_decode_only(
+    router: router_pb2_grpc.RouterServiceAsyncStub, ollama_mesh: OllamaMesh
+) -> None:
+    req = router_pb2.GenerateRequest(
+        model=MODEL,
+        messages=[types_pb2.ChatMessage(role="user", content="Grade this.")],
+        sampling=types_pb2.SamplingParams(max_tokens=4, temperature=0.0),
+    )
+    got = await collect(router.Generate(req))
+    assert got.summary.method == router_pb2.ROUTE_METHOD_DECODE_ONLY
+    [failure] = got.summary.failed_attempts
+    assert failure.code == "FAILED_PRECONDITION" and "chat" in failure.message
+    assert any(p == "/api/chat" for p, _ in ollama_mesh.nodes_ollama.requests)
+
+
+async def test_direct_ollama_streams_and_unknown_model_is_not_found(
+    router: router_pb2_grpc.RouterServiceAsyncStub, ollama_mesh: OllamaMesh
+) -> None:
+    got = await collect(router.Generate(ollama_request("ollama/direct", 6)))
+    assert got.summary.method == router_pb2.ROUTE_METHOD_DIRECT_OLLAMA
+    assert got.summary.decode_address == ollama_mesh.direct_ollama.url
+    assert got.deltas >= 6 and got.summary.completion_tokens == 6
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await collect(router.Generate(ollama_request("ollama/direct-unknown-model")))
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+    assert "model 'llama-9000' not found" in (info.value.details() or "")
+
+
+async def test_ollama_500_on_the_nodes_falls_back_to_direct_ollama(
+    router: router_pb2_grpc.RouterServiceAsyncStub, ollama_mesh: OllamaMesh
+) -> None:
+    ollama_mesh.nodes_ollama.status = 500
+    try:
+        got = await collect(router.Generate(ollama_request(MODEL, 5)))
+    finally:
+        ollama_mesh.nodes_ollama.status = 0
+    s = got.summary
+    assert s.method == router_pb2.ROUTE_METHOD_DIRECT_OLLAMA and s.completion_tokens == 5
+    assert [(f.method, f.code) for f in s.failed_attempts] == [
+        (router_pb2.ROUTE_METHOD_DISAGGREGATED, "UNAVAILABLE"),
+        (router_pb2.ROUTE_METHOD_DECODE_ONLY, "UNAVAILABLE"),
+    ]
+    assert all("fake failure 500" in f.message for f in s.failed_attempts)
+    # tenacity retried the prefill call on UNAVAILABLE: 3 attempts reached Ollama.
+    prefills = [
+        b
+        for p, b in ollama_mesh.nodes_ollama.requests
+        if p == "/api/generate" and b.get("stream") is False
+    ]
+    assert len(prefills) == 3
+
+
+async def test_unreachable_ollama_behind_the_nodes_falls_back_to_direct_ollama(
+    router: router_pb2_grpc.RouterServiceAsyncStub, ollama_mesh: OllamaMesh
+) -> None:
+    got = await collect(router.Generate(ollama_request("ollama/dead-nodes", 4)))
+    assert got.summary.method == router_pb2.ROUTE_METHOD_DIRECT_OLLAMA
+    assert {f.code for f in got.summary.failed_attempts} <= {"UNAVAILABLE"}
+
+
+async def test_a_node_with_its_ollama_down_is_not_serving(ollama_mesh: OllamaMesh) -> None:
+    """Health follows Ollama (checked every 2 s): wait up to 6 s for the expected status."""
+    for name, expected in (("decode-dead", "NOT_SERVING"), ("decode-ollama", "SERVING")):
+        async with grpc.aio.insecure_channel(ollama_mesh.topology.node(name).address) as channel:
+            stub: object = health_pb2_grpc.HealthStub(channel)
+            for _ in range(30):
+                reply = await stub.Check(health_pb2.HealthCheckRequest())  # type: ignore[attr-defined]
+                status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+                if status == expected:
+                    break
+                await asyncio.sleep(0.2)
+            assert status == expected, name
+
+
+async def test_failure_after_text_was_sent_is_not_retried_and_says_how_much_arrived(
+    router: router_pb2_grpc.RouterServiceAsyncStub, ollama_mesh: OllamaMesh
+) -> None:
+    ollama_mesh.nodes_ollama.drop_after = 3
+    received: list[str] = []
+    try:
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            async for reply in router.Generate(ollama_request(MODEL, 10)):
+                received.append(reply.delta.text)
+    finally:
+        ollama_mesh.nodes_ollama.drop_after = -1
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    # The first token (from the prefill node) and 3 streamed words; nothing twice, and no
+    # other step was tried after text had been sent.
+    assert len(received) == 4
+    assert "after 4 text deltas were delivered" in (info.value.details() or "")
+    assert not ollama_mesh.direct_ollama.requests
+
+
+async def test_caller_cancellation_stops_the_ollama_stream(
+    router: router_pb2_grpc.RouterServiceAsyncStub, ollama_mesh: OllamaMesh
+) -> None:
+    fake = ollama_mesh.nodes_ollama
+    fake.delay_s = 0.2
+    before = fake.disconnects
+    try:
+        call = router.Generate(ollama_request("ollama/decode-only", 100))
+        async for _ in call:
+            break
+        call.cancel()
+        await asyncio.to_thread(fake.disconnected.wait, 5)
+    finally:
+        fake.delay_s = 0.0
+    assert fake.disconnects == before + 1
