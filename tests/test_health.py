@@ -8,7 +8,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from disagg.v1 import router_pb2, router_pb2_grpc
+from disagg.v1 import node_pb2, node_pb2_grpc, router_pb2, router_pb2_grpc, types_pb2
 from tests.conftest import Mesh
 from tests.grpcurl import grpcurl
 
@@ -33,10 +33,12 @@ def test_reflection_lists_our_services(mesh: Mesh, role: str) -> None:
     node = next(n for n in mesh.topology.nodes if n.role == role)
     listed = grpcurl("-plaintext", node.address, "list")
     assert listed.returncode == 0, listed.stderr
+    node_service = set() if role == "router" else {"disagg.v1.NodeService"}
     assert set(listed.stdout.split()) == {
         SERVICE_OF_ROLE[role],
         "grpc.health.v1.Health",
         "grpc.reflection.v1alpha.ServerReflection",
+        *node_service,
     }
     described = grpcurl("-plaintext", node.address, "describe", SERVICE_OF_ROLE[role])
     assert described.returncode == 0 and "rpc " in described.stdout, described.stderr
@@ -80,3 +82,16 @@ async def test_list_models_is_the_topology(
     assert [n.name for n in qwen.decode_nodes] == ["decode-qwen"]
     assert qwen.decode_nodes[0].address == mesh.address("decode-qwen")
     assert qwen.prefill_deadline.seconds == 60 and qwen.decode_deadline.seconds == 180
+
+
+async def test_node_info_of_a_prefill_node(mesh: Mesh) -> None:
+    async with grpc.aio.insecure_channel(mesh.address("prefill-qwen")) as channel:
+        info = await node_pb2_grpc.NodeServiceStub(channel).GetNodeInfo(
+            node_pb2.GetNodeInfoRequest()
+        )
+    assert (info.name, info.role, info.engine) == ("prefill-qwen", "prefill", "llama_cpp")
+    assert info.ready and not info.problem and info.model_loaded_in_memory
+    assert info.kv_transfer == types_pb2.KV_TRANSFER_STATE
+    assert len(info.fingerprint.model_sha256) == 64 and info.fingerprint.n_ctx_tokens == 4096
+    assert "qwen3-coder:30b" in info.models
+    assert info.kv_store_bytes >= 0 and info.kv_store_handles >= 0

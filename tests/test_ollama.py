@@ -13,7 +13,7 @@ import pytest
 import pytest_asyncio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from disagg.v1 import router_pb2, router_pb2_grpc, types_pb2
+from disagg.v1 import node_pb2, node_pb2_grpc, router_pb2, router_pb2_grpc, types_pb2
 from services.common.processes import MeshProcesses
 from services.common.topology import Topology, load_topology
 from tests.conftest import free_port, route
@@ -258,3 +258,18 @@ async def test_caller_cancellation_stops_the_ollama_stream(
     finally:
         fake.delay_s = 0.0
     assert fake.disconnects == before + 1
+
+
+async def test_node_info_says_whether_ollama_holds_the_model_in_memory(
+    router: router_pb2_grpc.RouterServiceAsyncStub, ollama_mesh: OllamaMesh
+) -> None:
+    await collect(router.Generate(ollama_request("ollama/decode-only", 2)))
+    for name, ready, loaded in (("decode-ollama", True, True), ("decode-dead", False, False)):
+        address = ollama_mesh.topology.node(name).address
+        async with grpc.aio.insecure_channel(address) as channel:
+            info = await node_pb2_grpc.NodeServiceStub(channel).GetNodeInfo(
+                node_pb2.GetNodeInfoRequest()
+            )
+        assert (info.ready, info.model_loaded_in_memory) == (ready, loaded), name
+        assert info.kv_transfer == types_pb2.KV_TRANSFER_TOKEN_IDS
+    assert "unreachable" in info.problem

@@ -7,6 +7,8 @@ import grpc
 from disagg.v1 import decode_pb2, decode_pb2_grpc
 from services.common.engines import open_engine
 from services.common.node_clients import ChannelPool
+from services.common.node_info import SERVICE_NAME as NODE_SERVICE_NAME
+from services.common.node_info import add_node_service, describer, engine_of
 from services.common.readiness import Ready
 from services.common.server import serve
 from services.common.topology import Node, Topology
@@ -22,6 +24,7 @@ async def run(topology: Topology, node: Node) -> None:
 
     def register(server: grpc.aio.Server) -> None:
         decode_pb2_grpc.add_DecodeServiceServicer_to_server(DecodeServicer(ready), server)
+        add_node_service(server, describer(topology, node, engine_of(ready)))
 
     async def load() -> None:
         ready.set(
@@ -44,7 +47,7 @@ async def run(topology: Topology, node: Node) -> None:
 
     await serve(
         bind_address=node.bind_address,
-        service_names=[SERVICE_NAME],
+        service_names=[SERVICE_NAME, NODE_SERVICE_NAME],
         register=register,
         load=load,
         problem=problem,

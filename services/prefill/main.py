@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 import grpc
 
 from disagg.v1 import prefill_pb2, prefill_pb2_grpc
 from services.common.engines import open_engine
 from services.common.kv import KvStore
+from services.common.node_info import SERVICE_NAME as NODE_SERVICE_NAME
+from services.common.node_info import add_node_service, describer, engine_of
 from services.common.readiness import Ready
 from services.common.server import serve
 from services.common.topology import Node, Topology
@@ -18,12 +21,17 @@ from services.prefill.servicer import PrefillServicer
 SERVICE_NAME = prefill_pb2.DESCRIPTOR.services_by_name["PrefillService"].full_name
 
 
+def store_of(ready: Ready[PrefillNode]) -> Callable[[], KvStore | None]:
+    return lambda: ready.get().store if ready.is_set() else None
+
+
 async def run(topology: Topology, node: Node) -> None:
     ready: Ready[PrefillNode] = Ready(f"prefill node {node.name}")
     background: set[asyncio.Task[None]] = set()
 
     def register(server: grpc.aio.Server) -> None:
         prefill_pb2_grpc.add_PrefillServiceServicer_to_server(PrefillServicer(ready), server)
+        add_node_service(server, describer(topology, node, engine_of(ready), store_of(ready)))
 
     async def load() -> None:
         engine = await open_engine(topology, node)
@@ -50,7 +58,7 @@ async def run(topology: Topology, node: Node) -> None:
 
     await serve(
         bind_address=node.bind_address,
-        service_names=[SERVICE_NAME],
+        service_names=[SERVICE_NAME, NODE_SERVICE_NAME],
         register=register,
         load=load,
         problem=problem,

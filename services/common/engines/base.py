@@ -50,6 +50,8 @@ class Engine(Protocol):
 
     fingerprint: Fingerprint
     kv_transfer: KvTransferKind
+    # Whether the model sits in memory now (Ollama unloads idle models).
+    loaded_in_memory: bool
 
     async def prefill(self, prompt: Prompt, sampling: Sampling) -> PrefillOutput:
         """Evaluate the prompt, sample the first token, export what decode needs."""

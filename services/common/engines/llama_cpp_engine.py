@@ -201,6 +201,7 @@ class LlamaCppEngine:
     """The asynchronous engine nodes use: a LlamaCppModel on its own worker thread."""
 
     kv_transfer = KvTransferKind.STATE
+    loaded_in_memory = True
 
     def __init__(self, model: LlamaCppModel, worker: EngineWorker) -> None:
         self._model = model

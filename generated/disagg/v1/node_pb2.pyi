@@ -1,0 +1,40 @@
+from disagg.v1 import types_pb2 as _types_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class GetNodeInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetNodeInfoResponse(_message.Message):
+    __slots__ = ("name", "role", "engine", "engine_model", "models", "fingerprint", "kv_transfer", "ready", "problem", "model_loaded_in_memory", "kv_store_handles", "kv_store_bytes")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_MODEL_FIELD_NUMBER: _ClassVar[int]
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_FIELD_NUMBER: _ClassVar[int]
+    READY_FIELD_NUMBER: _ClassVar[int]
+    PROBLEM_FIELD_NUMBER: _ClassVar[int]
+    MODEL_LOADED_IN_MEMORY_FIELD_NUMBER: _ClassVar[int]
+    KV_STORE_HANDLES_FIELD_NUMBER: _ClassVar[int]
+    KV_STORE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    role: str
+    engine: str
+    engine_model: str
+    models: _containers.RepeatedScalarFieldContainer[str]
+    fingerprint: _types_pb2.KvFingerprint
+    kv_transfer: _types_pb2.KvTransfer
+    ready: bool
+    problem: str
+    model_loaded_in_memory: bool
+    kv_store_handles: int
+    kv_store_bytes: int
+    def __init__(self, name: _Optional[str] = ..., role: _Optional[str] = ..., engine: _Optional[str] = ..., engine_model: _Optional[str] = ..., models: _Optional[_Iterable[str]] = ..., fingerprint: _Optional[_Union[_types_pb2.KvFingerprint, _Mapping]] = ..., kv_transfer: _Optional[_Union[_types_pb2.KvTransfer, str]] = ..., ready: _Optional[bool] = ..., problem: _Optional[str] = ..., model_loaded_in_memory: _Optional[bool] = ..., kv_store_handles: _Optional[int] = ..., kv_store_bytes: _Optional[int] = ...) -> None: ...

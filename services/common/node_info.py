@@ -1,0 +1,103 @@
+"""NodeService: every prefill and decode node tells what it is and how it is doing."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from disagg.v1 import node_pb2, node_pb2_grpc
+from services.common import convert
+from services.common.engines.base import Engine
+from services.common.kv import KvStore
+from services.common.readiness import Ready
+from services.common.topology import Node, Topology
+from services.common.types import Fingerprint, KvTransferKind
+
+SERVICE_NAME = node_pb2.DESCRIPTOR.services_by_name["NodeService"].full_name
+
+
+@dataclass
+class NodeStatus:
+    name: str
+    role: str
+    engine: str
+    engine_model: str
+    models: list[str] = field(default_factory=list)
+    fingerprint: Fingerprint | None = None
+    kv_transfer: KvTransferKind = KvTransferKind.NONE
+    ready: bool = False
+    problem: str = ""
+    model_loaded_in_memory: bool = False
+    kv_store_handles: int = 0
+    kv_store_bytes: int = 0
+
+
+def describer(
+    topology: Topology,
+    node: Node,
+    engine: Callable[[], Engine | None],
+    store: Callable[[], KvStore | None] = lambda: None,
+) -> Callable[[], Awaitable[NodeStatus]]:
+    """How a node builds its NodeStatus from its engine (None while loading) and KV store."""
+
+    async def describe() -> NodeStatus:
+        status = NodeStatus(
+            name=node.name,
+            role=node.role,
+            engine=node.engine or "",
+            engine_model=node.model or "",
+            models=topology.models_served_by(node.name),
+        )
+        current = engine()
+        if current is None:
+            status.problem = "loading the model"
+            return status
+        problem = await current.problem()
+        status.fingerprint = current.fingerprint
+        status.kv_transfer = current.kv_transfer
+        status.ready = problem is None
+        status.problem = problem or ""
+        status.model_loaded_in_memory = current.loaded_in_memory
+        kv = store()
+        if kv is not None:
+            status.kv_store_handles, status.kv_store_bytes = len(kv), kv.bytes_held
+        return status
+
+    return describe
+
+
+def engine_of(ready: Ready[Any]) -> Callable[[], Engine | None]:
+    return lambda: ready.get().engine if ready.is_set() else None
+
+
+class NodeServicer(node_pb2_grpc.NodeServiceServicer):
+    def __init__(self, describe: Callable[[], Awaitable[NodeStatus]]) -> None:
+        self._describe = describe
+
+    async def GetNodeInfo(
+        self, request: node_pb2.GetNodeInfoRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> node_pb2.GetNodeInfoResponse:
+        s = await self._describe()
+        return node_pb2.GetNodeInfoResponse(
+            name=s.name,
+            role=s.role,
+            engine=s.engine,
+            engine_model=s.engine_model,
+            models=s.models,
+            fingerprint=convert.fingerprint_to_proto(s.fingerprint) if s.fingerprint else None,
+            kv_transfer=convert.KV_TRANSFER_TO_PROTO[s.kv_transfer],
+            ready=s.ready,
+            problem=s.problem,
+            model_loaded_in_memory=s.model_loaded_in_memory,
+            kv_store_handles=s.kv_store_handles,
+            kv_store_bytes=s.kv_store_bytes,
+        )
+
+
+def add_node_service(
+    server: grpc.aio.Server, describe: Callable[[], Awaitable[NodeStatus]]
+) -> None:
+    node_pb2_grpc.add_NodeServiceServicer_to_server(NodeServicer(describe), server)
