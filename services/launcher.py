@@ -13,10 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-import grpc
-from google.protobuf.duration_pb2 import Duration
-
-from disagg.v1 import router_pb2, router_pb2_grpc, types_pb2
+from disagg_mesh import AsyncMeshClient, GenerateCall, MeshError, Metrics
 from services.common.processes import MeshProcesses, MeshStartError
 from services.common.topology import TopologyError, load_topology
 
@@ -33,42 +30,26 @@ def say(line: str = "") -> None:
     print(line, flush=True)
 
 
-async def stream_example(address: str, model: str, max_tokens: int) -> router_pb2.GenerateSummary:
-    async with grpc.aio.insecure_channel(address) as channel:
-        stub = router_pb2_grpc.RouterServiceStub(channel)
-        request = router_pb2.GenerateRequest(
-            model=model,
-            messages=[
-                types_pb2.ChatMessage(role="user", content=EXAMPLES.get(model, DEFAULT_EXAMPLE))
-            ],
-            sampling=types_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0),
-        )
-        summary = router_pb2.GenerateSummary()
-        async for reply in stub.Generate(request, timeout=240):
-            if reply.HasField("delta"):
-                sys.stdout.write(reply.delta.text)
-                sys.stdout.flush()
-            else:
-                summary = reply.summary
-        say()
-        return summary
-
-
-def ms(d: Duration) -> float:
-    return d.ToNanoseconds() / 1e6
-
-
-def describe(s: router_pb2.GenerateSummary) -> str:
-    method = router_pb2.RouteMethod.Name(s.method).removeprefix("ROUTE_METHOD_").lower()
-    kv = types_pb2.KvTransfer.Name(s.kv_transfer).removeprefix("KV_TRANSFER_").lower()
-    return (
-        f"  {method} via {s.prefill_node or '-'} -> {s.decode_node} | kv {kv} "
-        f"{s.kv_transfer_bytes / 1e6:.1f} MB in {ms(s.kv_transfer_duration):.1f} ms\n"
-        f"  prompt {s.prompt_tokens} tok, prefill {ms(s.prefill_duration):.0f} ms "
-        f"({s.prefill_tokens_per_second:.0f} tok/s) | completion {s.completion_tokens} tok, "
-        f"decode {ms(s.decode_duration):.0f} ms ({s.decode_tokens_per_second:.0f} tok/s) | "
-        f"TTFT {ms(s.time_to_first_token):.0f} ms | total {ms(s.total_duration):.0f} ms"
+async def stream_example(address: str, model: str, max_tokens: int) -> Metrics:
+    """Stream one example generation through the router to the terminal."""
+    call = GenerateCall(
+        model=model,
+        messages=[{"role": "user", "content": EXAMPLES.get(model, DEFAULT_EXAMPLE)}],
+        max_tokens=max_tokens,
+        temperature=0.0,
+        timeout=240,
     )
+    metrics: Metrics | None = None
+    async with AsyncMeshClient(address) as mesh:
+        async for item in mesh.stream(call):
+            if isinstance(item, Metrics):
+                metrics = item
+            else:
+                sys.stdout.write(item)
+                sys.stdout.flush()
+    say()
+    assert metrics is not None  # the client raises if the stream ends without them
+    return metrics
 
 
 async def main_async(args: argparse.Namespace) -> int:
@@ -96,8 +77,8 @@ async def main_async(args: argparse.Namespace) -> int:
         router = topology.router.address
         for route in topology.models:
             say(f"\n>> {route.name}: streaming an example through the router at {router}")
-            summary = await stream_example(router, route.name, args.max_tokens)
-            say(describe(summary))
+            metrics = await stream_example(router, route.name, args.max_tokens)
+            say(f"   {metrics.one_line()}")
         if args.exit_after_examples:
             return 0
         say(f"\n>> mesh serving; router at {router}. Ctrl-C stops every node.")
@@ -106,8 +87,8 @@ async def main_async(args: argparse.Namespace) -> int:
     except MeshStartError as exc:
         say(f"error: {exc}")
         return 1
-    except grpc.aio.AioRpcError as exc:
-        say(f"\nerror: the example request failed: {exc.code().name}: {exc.details()}")
+    except MeshError as exc:
+        say(f"\nerror: the example request failed: {exc}")
         return 1
     finally:
         say(">> stopping every node")

@@ -39,7 +39,7 @@ def test_launcher_starts_the_mesh_streams_examples_and_stops_everything(tmp_path
     assert "all nodes SERVING" in text
     for model in ("qwen3-coder:30b", "gpt-oss:120b"):
         assert f">> {model}: streaming an example" in text
-    assert text.count("disaggregated via") >= 2 and "completion 12 tok" in text
+    assert text.count("disaggregated via") >= 2 and "| 12 tok in " in text
     assert ">> stopped" in text and "non-zero exits" not in text
     # Every node it started is gone.
     ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True, check=True)

@@ -7,6 +7,7 @@ syntax error) and what is wrong.
 
 from __future__ import annotations
 
+import os
 import tomllib
 from pathlib import Path
 from typing import Annotated, Literal
@@ -130,6 +131,17 @@ class Topology(_Strict):
 
     def route(self, model: str) -> ModelRoute | None:
         return next((m for m in self.models if m.name == model), None)
+
+    def threads_for(self, node: Node) -> int:
+        """n_threads when the topology sets none: this machine's cores, shared by the
+        pipelines whose engine nodes live on the same host (a pipeline's prefill and decode
+        nodes take turns, so two engine nodes count as one busy engine). One node per
+        machine gets every core; the local mesh's 4 nodes on 2 cores get 1 thread each, as
+        llama.cpp's spinning threads slow down badly when cores are oversubscribed."""
+        if node.n_threads:
+            return node.n_threads
+        engines_here = sum(1 for n in self.nodes if n.role != "router" and n.host == node.host)
+        return max(1, (os.cpu_count() or 1) // max(1, engines_here // 2))
 
     def models_served_by(self, node_name: str) -> list[str]:
         return [m.name for m in self.models if node_name in (*m.prefill, *m.decode)]

@@ -21,7 +21,7 @@ async def open_engine(topology: Topology, node: Node) -> Engine:
 
         path = resolve_model_path(node.model, topology.source.parent)
         worker = EngineWorker(node.name, node.max_queue)
-        return await LlamaCppEngine.open(path, node.n_ctx, node.n_threads, worker)
+        return await LlamaCppEngine.open(path, node.n_ctx, topology.threads_for(node), worker)
     if node.engine == "ollama":
         from services.common.engines.ollama_engine import OllamaEngine
 

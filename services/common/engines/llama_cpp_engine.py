@@ -14,7 +14,6 @@ import asyncio
 import ctypes
 import dataclasses
 import hashlib
-import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -46,12 +45,13 @@ ENGINE_VERSION = f"llama-cpp-python/{llama_cpp.__version__}"
 class LlamaCppModel:
     """The blocking core: one llama.cpp context. Not thread-safe: one call at a time."""
 
-    def __init__(self, model_path: Path, n_ctx: int, n_threads: int | None = None) -> None:
+    def __init__(self, model_path: Path, n_ctx: int, n_threads: int) -> None:
         self._llm = llama_cpp.Llama(
             model_path=str(model_path),
             n_ctx=n_ctx,
-            # llama-cpp-python's default is half the cores; a node owns its machine's.
-            n_threads=n_threads or os.cpu_count() or 1,
+            # Prompt evaluation too: its default is every core, whatever n_threads says.
+            n_threads=n_threads,
+            n_threads_batch=n_threads,
             n_batch=512,
             verbose=False,
         )
@@ -210,7 +210,7 @@ class LlamaCppEngine:
 
     @classmethod
     async def open(
-        cls, model_path: Path, n_ctx: int, n_threads: int | None, worker: EngineWorker
+        cls, model_path: Path, n_ctx: int, n_threads: int, worker: EngineWorker
     ) -> LlamaCppEngine:
         model = await worker.call(lambda: LlamaCppModel(model_path, n_ctx, n_threads))
         return cls(model, worker)

@@ -1,0 +1,277 @@
+"""`disagg`: the mesh from a terminal.
+
+    disagg generate --model qwen3-coder:30b "Review this code: ..."   # streams, then metrics
+    echo "prompt" | disagg generate --model gpt-oss:120b -            # prompt from stdin
+    disagg status [--watch]                                           # every node's health
+    disagg models                                                     # logical models, routes
+
+The router's address: --router, else $DISAGG_ROUTER, else the router of --topology
+(default topology/local.toml), else 127.0.0.1:50051.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from disagg.v1 import node_pb2, node_pb2_grpc
+from disagg_mesh.client import DEFAULT_ADDRESS, GenerateCall, MeshClient, TlsFiles
+from disagg_mesh.errors import MeshError
+from disagg_mesh.metrics import Metrics
+
+HINTS = {
+    grpc.StatusCode.UNAVAILABLE: "is the mesh running? `make run` starts the local one; "
+    "`disagg status` shows which node is down",
+    grpc.StatusCode.NOT_FOUND: "`disagg models` lists the models the router serves",
+    grpc.StatusCode.DEADLINE_EXCEEDED: "raise --timeout, or lower --max-tokens",
+    grpc.StatusCode.RESOURCE_EXHAUSTED: "the nodes are busy: retry in a moment",
+    grpc.StatusCode.UNAUTHENTICATED: "pass --token",
+}
+
+
+class CliError(Exception):
+    """One line for the user, and the exit code."""
+
+    def __init__(self, message: str, code: int = 1) -> None:
+        super().__init__(message)
+        self.exit_code = code
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return int(args.run(args))
+    except MeshError as exc:
+        hint = HINTS.get(exc.code)
+        print(f"error: {exc}" + (f" ({hint})" if hint else ""), file=sys.stderr)
+        return 1
+    except CliError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="disagg", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--router", help="router address host:port")
+    parser.add_argument("--topology", default="topology/local.toml", help="topology TOML file")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds per call")
+    parser.add_argument("--token", default=os.environ.get("DISAGG_TOKEN"), help="bearer token")
+    parser.add_argument("--ca", type=Path, help="CA certificate (PEM): use TLS")
+    parser.add_argument("--cert", type=Path, help="client certificate (PEM), for mutual TLS")
+    parser.add_argument("--key", type=Path, help="client key (PEM), for mutual TLS")
+    commands = parser.add_subparsers(required=True, metavar="COMMAND")
+
+    gen = commands.add_parser("generate", help="stream a generation, then its metrics")
+    gen.add_argument("--model", "-m", required=True)
+    gen.add_argument("prompt", help="the prompt, or - to read it from stdin")
+    gen.add_argument("--max-tokens", type=int, default=512)
+    gen.add_argument("--temperature", type=float, help="0 is greedy (default: server's, 0.8)")
+    gen.add_argument("--top-p", type=float)
+    gen.add_argument("--seed", type=int)
+    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    gen.add_argument("--json", action="store_true", help="one JSON object: text and metrics")
+    gen.set_defaults(run=_generate)
+
+    status = commands.add_parser("status", help="health of every node of the topology")
+    status.add_argument("--watch", nargs="?", type=float, const=2.0, metavar="SECONDS")
+    status.add_argument("--json", action="store_true")
+    status.set_defaults(run=_status)
+
+    models = commands.add_parser("models", help="the logical models and their routes")
+    models.add_argument("--json", action="store_true")
+    models.set_defaults(run=_models)
+    return parser
+
+
+def _topology(args: argparse.Namespace) -> Any:
+    from services.common.topology import TopologyError, load_topology
+
+    try:
+        return load_topology(args.topology)
+    except TopologyError as exc:
+        raise CliError(str(exc), 2) from None
+
+
+def _router_address(args: argparse.Namespace) -> str:
+    if args.router:
+        return str(args.router)
+    if os.environ.get("DISAGG_ROUTER"):
+        return os.environ["DISAGG_ROUTER"]
+    if Path(args.topology).is_file():
+        return str(_topology(args).router.address)
+    return DEFAULT_ADDRESS
+
+
+def _client(args: argparse.Namespace) -> MeshClient:
+    tls = TlsFiles(args.ca, args.cert, args.key) if args.ca else None
+    return MeshClient(_router_address(args), timeout=args.timeout, tls=tls, token=args.token)
+
+
+# -- generate ------------------------------------------------------------------------------
+
+
+def _generate(args: argparse.Namespace) -> int:
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    call = GenerateCall(
+        model=args.model,
+        prompt=prompt,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        seed=args.seed,
+        stop=args.stop,
+    )
+    with _client(args) as mesh:
+        if args.json:
+            result = mesh.generate(call)
+            print(json.dumps({"text": result.text, "metrics": result.metrics.as_dict()}, indent=2))
+            return 0
+        metrics: Metrics | None = None
+        for item in mesh.stream(call):
+            if isinstance(item, Metrics):
+                metrics = item
+            else:
+                sys.stdout.write(item)
+                sys.stdout.flush()
+        sys.stdout.write("\n")
+        if metrics is not None:
+            print(metrics.one_line(), file=sys.stderr)
+    return 0
+
+
+# -- models --------------------------------------------------------------------------------
+
+
+def _models(args: argparse.Namespace) -> int:
+    with _client(args) as mesh:
+        routes = mesh.list_models()
+    rows = [
+        {
+            "model": r.model,
+            "prefill": ", ".join(f"{n.name} ({n.address})" for n in r.prefill_nodes) or "-",
+            "decode": ", ".join(f"{n.name} ({n.address})" for n in r.decode_nodes) or "-",
+            "deadlines": f"{r.prefill_deadline.ToSeconds()} s / {r.decode_deadline.ToSeconds()} s",
+        }
+        for r in routes
+    ]
+    print(json.dumps(rows, indent=2) if args.json else _table(rows))
+    return 0
+
+
+# -- status --------------------------------------------------------------------------------
+
+
+@dataclass
+class NodeRow:
+    node: str
+    role: str
+    address: str
+    engine: str
+    model: str
+    health: str
+    latency_ms: float | None
+    note: str
+
+
+def _status(args: argparse.Namespace) -> int:
+    topology = _topology(args)
+    while True:
+        rows = asyncio.run(_check_all(topology, args))
+        down = [r for r in rows if r.health != "SERVING"]
+        if args.json:
+            print(json.dumps([r.__dict__ for r in rows], indent=2))
+        else:
+            if args.watch:
+                print("\033[2J\033[H", end="")
+                print(f"{time.strftime('%H:%M:%S')}  {args.topology}  (Ctrl-C to stop)")
+            print(_table([_status_cells(r) for r in rows]))
+            print(f"{len(rows) - len(down)} of {len(rows)} nodes SERVING")
+        if not args.watch:
+            return 1 if down else 0
+        time.sleep(args.watch)
+
+
+def _status_cells(r: NodeRow) -> dict[str, str]:
+    return {
+        "node": r.node,
+        "role": r.role,
+        "address": r.address,
+        "engine": r.engine or "-",
+        "model": r.model or "-",
+        "health": r.health,
+        "latency": f"{r.latency_ms:.1f} ms" if r.latency_ms is not None else "-",
+        "note": r.note,
+    }
+
+
+async def _check_all(topology: Any, args: argparse.Namespace) -> list[NodeRow]:
+    return list(await asyncio.gather(*(_check(node, args) for node in topology.nodes)))
+
+
+async def _check(node: Any, args: argparse.Namespace) -> NodeRow:
+    row = NodeRow(
+        node.name, node.role, node.address, node.engine or "", node.model or "", "", None, ""
+    )
+    if args.ca:
+        creds = TlsFiles(args.ca, args.cert, args.key).credentials()
+        channel = grpc.aio.secure_channel(node.address, creds)
+    else:
+        channel = grpc.aio.insecure_channel(node.address)
+    async with channel:
+        health: Any = health_pb2_grpc.HealthStub(channel)
+        started = time.perf_counter()
+        try:
+            reply = await health.Check(health_pb2.HealthCheckRequest(), timeout=2.0)
+            row.latency_ms = (time.perf_counter() - started) * 1000
+            row.health = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+        except grpc.aio.AioRpcError as exc:
+            row.health = "DOWN" if exc.code() == grpc.StatusCode.UNAVAILABLE else exc.code().name
+            row.note = (exc.details() or "")[:80]
+            return row
+        if node.role == "router":
+            return row
+        info_stub: Any = node_pb2_grpc.NodeServiceStub(channel)
+        try:
+            info = await info_stub.GetNodeInfo(node_pb2.GetNodeInfoRequest(), timeout=5.0)
+        except grpc.aio.AioRpcError as exc:
+            row.note = f"node info: {exc.code().name}"
+            return row
+        notes = []
+        if info.problem:
+            notes.append(info.problem)
+        if node.engine == "ollama":
+            notes.append("model in memory" if info.model_loaded_in_memory else "model not loaded")
+        if node.role == "prefill":
+            notes.append(f"kv {info.kv_store_handles} held, {info.kv_store_bytes / 1e6:.1f} MB")
+        row.note = "; ".join(notes)
+    return row
+
+
+def _table(rows: list[dict[str, str]]) -> str:
+    if not rows:
+        return "(none)"
+    keys = list(rows[0])
+    widths = {k: max(len(k), *(len(str(r[k])) for r in rows)) for k in keys}
+    lines = ["  ".join(k.upper().ljust(widths[k]) for k in keys)]
+    lines += ["  ".join(str(r[k]).ljust(widths[k]) for k in keys) for r in rows]
+    return "\n".join(line.rstrip() for line in lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,213 @@
+"""The Python client (sync and asyncio), the `disagg` CLI and the example grader, against
+the real mesh."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from disagg_mesh import (
+    AsyncMeshClient,
+    GenerateCall,
+    InvalidRequest,
+    MeshClient,
+    Metrics,
+    ModelNotFound,
+    Result,
+    Unavailable,
+)
+from tests.conftest import ROOT, Mesh, free_port
+
+PROMPT = "def add(a, b):"
+METRIC_NAMES = {
+    "prefill_time", "decode_time", "total_time", "prompt_tokens", "completion_tokens",
+    "total_tokens", "prefill_speed", "decode_speed", "method", "prefill_server",
+    "decode_server", "ttft", "kv_bytes", "kv_transfer_time",
+}  # fmt: skip
+
+
+def test_sync_generate_returns_text_and_the_graders_metrics(mesh: Mesh) -> None:
+    with MeshClient(mesh.router_address) as client:
+        result = client.generate("qwen3-coder:30b", PROMPT, max_tokens=8, temperature=0.0)
+    m = result.metrics
+    assert result.text and m.completion_tokens == 8
+    assert METRIC_NAMES <= set(m.as_dict())
+    assert m.total_tokens == m.prompt_tokens + m.completion_tokens
+    assert m.method == "disaggregated" and m.kv_transfer == "state"
+    assert m.prefill_server == mesh.address("prefill-qwen")
+    assert m.decode_server == mesh.address("decode-qwen")
+    assert 0 < m.ttft < m.total_time and m.kv_bytes > 0 and m.decode_speed > 0
+
+
+def test_sync_stream_yields_text_then_metrics(mesh: Mesh) -> None:
+    with MeshClient(mesh.router_address) as client:
+        items = list(client.stream("gpt-oss:120b", PROMPT, max_tokens=6, temperature=0.0))
+    assert all(isinstance(i, str) for i in items[:-1]) and len(items) > 2
+    assert isinstance(items[-1], Metrics)
+
+
+def test_sync_gather_keeps_order_and_one_failure_does_not_cancel_the_other(mesh: Mesh) -> None:
+    calls = [
+        GenerateCall("qwen3-coder:30b", PROMPT, max_tokens=4, temperature=0.0),
+        GenerateCall("no-such-model", PROMPT, max_tokens=4),
+        GenerateCall("gpt-oss:120b", PROMPT, max_tokens=4, temperature=0.0),
+    ]
+    with MeshClient(mesh.router_address) as client:
+        first, second, third = client.gather(*calls)
+    assert isinstance(first, Result) and first.metrics.decode_node == "decode-qwen"
+    assert isinstance(second, ModelNotFound) and "no-such-model" in second.message
+    assert isinstance(third, Result) and third.metrics.decode_node == "decode-gpt-oss"
+
+
+async def test_async_client_grades_with_both_models_at_once(mesh: Mesh) -> None:
+    async with AsyncMeshClient(mesh.router_address) as client:
+        analysis, feedback = await client.gather(
+            GenerateCall("qwen3-coder:30b", PROMPT, max_tokens=6, temperature=0.0),
+            GenerateCall(
+                "gpt-oss:120b",
+                messages=[{"role": "user", "content": "Feedback on: " + PROMPT}],
+                max_tokens=6,
+                temperature=0.0,
+            ),
+        )
+        assert isinstance(analysis, Result) and isinstance(feedback, Result)
+        with pytest.raises(InvalidRequest) as info:
+            await client.generate("qwen3-coder:30b", PROMPT, max_tokens=0)
+        assert info.value.message.startswith("sampling.max_tokens:")
+        with pytest.raises(ModelNotFound):
+            await client.gather(
+                GenerateCall("qwen3-coder:30b", PROMPT, max_tokens=4),
+                GenerateCall("no-such-model", PROMPT),
+                cancel_on_error=True,
+            )
+
+
+async def test_async_list_models(mesh: Mesh) -> None:
+    async with AsyncMeshClient(mesh.router_address) as client:
+        routes = await client.list_models()
+    assert {r.model for r in routes} == {m.name for m in mesh.topology.models}
+
+
+def test_unreachable_router_is_unavailable() -> None:
+    with MeshClient(f"127.0.0.1:{free_port()}", timeout=5) as client, pytest.raises(Unavailable):
+        client.generate("qwen3-coder:30b", PROMPT, max_tokens=4)
+
+
+def disagg(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "disagg_mesh.cli", *args],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        check=False,
+    )
+
+
+def test_cli_generate_streams_then_prints_one_summary_line(mesh: Mesh) -> None:
+    out = disagg(
+        "--router",
+        mesh.router_address,
+        "generate",
+        "-m",
+        "qwen3-coder:30b",
+        "--max-tokens",
+        "8",
+        "--temperature",
+        "0",
+        PROMPT,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip()
+    [summary] = out.stderr.strip().splitlines()
+    assert (
+        summary.startswith("disaggregated via prefill-qwen -> decode-qwen") and "8 tok" in summary
+    )
+
+
+def test_cli_generate_json_from_stdin(mesh: Mesh) -> None:
+    out = disagg(
+        "--router",
+        mesh.router_address,
+        "generate",
+        "-m",
+        "gpt-oss:120b",
+        "--max-tokens",
+        "4",
+        "--json",
+        "-",
+        stdin=PROMPT,
+    )
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    assert METRIC_NAMES <= set(data["metrics"]) and data["metrics"]["completion_tokens"] == 4
+
+
+def test_cli_errors_are_one_line_with_a_hint(mesh: Mesh) -> None:
+    out = disagg("--router", mesh.router_address, "generate", "-m", "nope", PROMPT)
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    assert (
+        out.stderr.count("\n") == 1 and "NOT_FOUND" in out.stderr and "disagg models" in out.stderr
+    )
+    out = disagg(
+        "--router", f"127.0.0.1:{free_port()}", "--timeout", "5", "generate", "-m", "x", PROMPT
+    )
+    assert out.returncode == 1 and "UNAVAILABLE" in out.stderr and "make run" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_cli_models(mesh: Mesh) -> None:
+    out = disagg("--router", mesh.router_address, "models")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[0].split() == ["MODEL", "PREFILL", "DECODE", "DEADLINES"]
+    assert "qwen3-coder:30b" in out.stdout and "decode-qwen" in out.stdout
+
+
+def test_cli_status_shows_every_node_and_fails_when_one_is_down(mesh: Mesh, tmp_path: Path) -> None:
+    topology = mesh.topology.source
+    out = disagg("--topology", str(topology), "status")
+    assert out.returncode == 0, out.stdout + out.stderr
+    for node in mesh.topology.nodes:
+        assert node.name in out.stdout
+    assert f"{len(mesh.topology.nodes)} of {len(mesh.topology.nodes)} nodes SERVING" in out.stdout
+    with_dead = tmp_path / "topology.toml"
+    with_dead.write_text(
+        topology.read_text() + f'\n[[nodes]]\nname = "ghost"\nrole = "decode"\nhost = "127.0.0.1"\n'
+        f'port = {free_port()}\nengine = "llama_cpp"\nmodel = "x.gguf"\n'
+    )
+    out = disagg("--topology", str(with_dead), "status", "--json")
+    assert out.returncode == 1
+    rows = {r["node"]: r for r in json.loads(out.stdout)}
+    assert rows["ghost"]["health"] == "DOWN" and rows["router"]["health"] == "SERVING"
+
+
+def test_console_script_is_installed() -> None:
+    script = Path(sys.executable).parent / "disagg"
+    out = subprocess.run([str(script), "--help"], capture_output=True, text=True, check=False)
+    assert out.returncode == 0 and "generate" in out.stdout
+
+
+def test_example_grader_grades_one_submission_with_both_models(mesh: Mesh) -> None:
+    out = subprocess.run(
+        [
+            sys.executable,
+            "examples/grade_submission.py",
+            "--router",
+            mesh.router_address,
+            "--max-tokens",
+            "12",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        check=False,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "== Code analysis" in out.stdout and "== Feedback" in out.stdout
+    assert out.stdout.count("-- disaggregated via") == 2 and "both in parallel" in out.stdout
