@@ -111,6 +111,31 @@ def _call(
     )
 
 
+def _item(reply: router_pb2.GenerateResponse) -> str | Metrics:
+    if reply.HasField("delta"):
+        return reply.delta.text
+    return Metrics.from_summary(reply.summary)
+
+
+class _Collector:
+    """Builds a Result from a stream's items."""
+
+    def __init__(self) -> None:
+        self.parts: list[str] = []
+        self.metrics: Metrics | None = None
+
+    def add(self, item: str | Metrics) -> None:
+        if isinstance(item, Metrics):
+            self.metrics = item
+        else:
+            self.parts.append(item)
+
+    def result(self, address: str) -> Result:
+        if self.metrics is None:
+            raise MeshError(grpc.StatusCode.DATA_LOSS, "stream ended without metrics", address)
+        return Result("".join(self.parts), self.metrics)
+
+
 class AsyncMeshClient:
     """asyncio client. Use `async with AsyncMeshClient(...) as mesh:` or call close()."""
 
@@ -151,10 +176,7 @@ class AsyncMeshClient:
         )
         try:
             async for reply in rpc:
-                if reply.HasField("delta"):
-                    yield reply.delta.text
-                else:
-                    yield Metrics.from_summary(reply.summary)
+                yield _item(reply)
         except grpc.aio.AioRpcError as exc:
             raise from_rpc_error(exc, s.address) from None
         finally:
@@ -162,18 +184,10 @@ class AsyncMeshClient:
 
     async def generate(self, model: str | GenerateCall, prompt: str = "", **kwargs: Any) -> Result:
         """The whole text and its metrics."""
-        parts: list[str] = []
-        metrics: Metrics | None = None
+        collector = _Collector()
         async for item in self.stream(model, prompt, **kwargs):
-            if isinstance(item, Metrics):
-                metrics = item
-            else:
-                parts.append(item)
-        if metrics is None:
-            raise MeshError(
-                grpc.StatusCode.DATA_LOSS, "stream ended without metrics", self._settings.address
-            )
-        return Result("".join(parts), metrics)
+            collector.add(item)
+        return collector.result(self._settings.address)
 
     async def gather(
         self, *calls: GenerateCall, cancel_on_error: bool = False
@@ -244,10 +258,7 @@ class MeshClient:
         )
         try:
             for reply in rpc:
-                if reply.HasField("delta"):
-                    yield reply.delta.text
-                else:
-                    yield Metrics.from_summary(reply.summary)
+                yield _item(reply)
         except grpc.RpcError as exc:
             raise from_rpc_error(exc, s.address) from None
         finally:
@@ -255,18 +266,10 @@ class MeshClient:
 
     def generate(self, model: str | GenerateCall, prompt: str = "", **kwargs: Any) -> Result:
         """The whole text and its metrics."""
-        parts: list[str] = []
-        metrics: Metrics | None = None
+        collector = _Collector()
         for item in self.stream(model, prompt, **kwargs):
-            if isinstance(item, Metrics):
-                metrics = item
-            else:
-                parts.append(item)
-        if metrics is None:
-            raise MeshError(
-                grpc.StatusCode.DATA_LOSS, "stream ended without metrics", self._settings.address
-            )
-        return Result("".join(parts), metrics)
+            collector.add(item)
+        return collector.result(self._settings.address)
 
     def gather(self, *calls: GenerateCall) -> list[Result | MeshError]:
         """Run calls at once on threads; results in order, a failed call's slot holds its

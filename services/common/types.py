@@ -123,3 +123,12 @@ class DecodeStats:
     prompt_eval_seconds: float = 0.0
     decode_seconds: float = 0.0
     time_to_first_token_seconds: float = 0.0
+
+    def add_end(self, end: GenerationEnd) -> None:
+        """Take in what the engine reported when its generation ended."""
+        self.prompt_tokens = end.prompt_tokens
+        self.completion_tokens = end.completion_tokens
+        self.finish_reason = end.finish_reason
+        self.kv_load_seconds = end.kv_load_seconds
+        self.prompt_eval_seconds = end.prompt_eval_seconds
+        self.decode_seconds = end.decode_seconds

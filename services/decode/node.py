@@ -70,12 +70,7 @@ class DecodeNode:
                     stats.time_to_first_token_seconds = time.perf_counter() - arrived
                 yield item
         assert end is not None, "an engine's generation ends with a GenerationEnd"
-        stats.prompt_tokens = end.prompt_tokens
-        stats.completion_tokens = end.completion_tokens
-        stats.finish_reason = end.finish_reason
-        stats.kv_load_seconds = end.kv_load_seconds
-        stats.prompt_eval_seconds = end.prompt_eval_seconds
-        stats.decode_seconds = end.decode_seconds
+        stats.add_end(end)
         yield stats
 
     async def _fetch_state(

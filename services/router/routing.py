@@ -330,13 +330,9 @@ class Router:
         async with aclosing(engine.generate(prompt, sampling)) as items:
             async for item in items:
                 if isinstance(item, GenerationEnd):
-                    summary.prompt_tokens = item.prompt_tokens
-                    summary.completion_tokens = item.completion_tokens
-                    summary.finish_reason = item.finish_reason
-                    summary.prefill_seconds = item.prompt_eval_seconds
-                    summary.decode_prompt_eval_seconds = item.prompt_eval_seconds
-                    summary.decode_seconds = item.decode_seconds
-                    _rates(summary)
+                    stats = DecodeStats()
+                    stats.add_end(item)
+                    _add_decode_stats(summary, stats)
                 else:
                     yield item
 
@@ -354,13 +350,9 @@ def _add_decode_stats(summary: RouteSummary, stats: DecodeStats) -> None:
     summary.kv_transfer_bytes = stats.kv_fetch_bytes
     summary.kv_load_seconds = stats.kv_load_seconds
     summary.decode_prompt_eval_seconds = stats.prompt_eval_seconds
-    if summary.method == RouteMethod.DECODE_ONLY:
+    if summary.method != RouteMethod.DISAGGREGATED:  # the prompt was evaluated there
         summary.prefill_seconds = stats.prompt_eval_seconds
     summary.decode_seconds = stats.decode_seconds
-    _rates(summary)
-
-
-def _rates(summary: RouteSummary) -> None:
     if summary.prefill_seconds > 0:
         summary.prefill_tokens_per_second = summary.prompt_tokens / summary.prefill_seconds
     if summary.decode_seconds > 0:
