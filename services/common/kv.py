@@ -35,7 +35,7 @@ class StoredKv:
 @dataclass(frozen=True)
 class KvChunk:
     offset: int
-    data: bytes
+    data: bytes | memoryview
     total_size: int
     # Set on the last chunk only.
     sha256: str = ""
@@ -114,7 +114,7 @@ def iter_chunks(entry: StoredKv, chunk_bytes: int = CHUNK_BYTES) -> Iterator[KvC
     for offset in offsets:
         yield KvChunk(
             offset=offset,
-            data=bytes(entry.data[offset : offset + chunk_bytes]),
+            data=entry.data[offset : offset + chunk_bytes],  # a view: copied once, on the wire
             total_size=total,
             sha256=entry.sha256 if offset == last else "",
             fingerprint=entry.fingerprint if offset == 0 else None,

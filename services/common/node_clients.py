@@ -7,7 +7,7 @@ They speak protobuf on the wire and plain Python to their callers. A failed call
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import grpc
 
@@ -15,10 +15,12 @@ from disagg.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from services.common import convert
 from services.common.errors import UpstreamError
 from services.common.kv import KvChunk
+from services.common.kv_wire import parse_fetch_kv_response
 from services.common.logging import outgoing_metadata
 from services.common.types import DecodeStats, KvSource, PrefillResult, Prompt, Sampling, TextChunk
 
 MAX_MESSAGE_BYTES = 8 * 1024 * 1024
+FETCH_KV_METHOD = "/disagg.v1.PrefillService/FetchKv"
 CHANNEL_OPTIONS = (
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -55,7 +57,13 @@ def _fail(role: str, address: str, exc: grpc.aio.AioRpcError) -> NoReturn:
 class PrefillClient:
     def __init__(self, pool: ChannelPool, address: str) -> None:
         self.address = address
-        self._stub = prefill_pb2_grpc.PrefillServiceStub(pool.get(address))
+        channel = pool.get(address)
+        self._stub = prefill_pb2_grpc.PrefillServiceStub(channel)
+        self._fetch_kv_raw: Any = channel.unary_stream(
+            FETCH_KV_METHOD,
+            request_serializer=prefill_pb2.FetchKvRequest.SerializeToString,
+            response_deserializer=None,
+        )
 
     async def prefill(
         self, model: str, prompt: Prompt, sampling: Sampling, timeout_s: float
@@ -87,24 +95,15 @@ class PrefillClient:
     async def fetch_kv(
         self, kv_handle: str, timeout_s: float | None
     ) -> AsyncGenerator[KvChunk, None]:
-        call = self._stub.FetchKv(
+        # Raw replies, read by kv_wire without copying the KV bytes again.
+        call = self._fetch_kv_raw(
             prefill_pb2.FetchKvRequest(kv_handle=kv_handle),
             timeout=timeout_s,
             metadata=outgoing_metadata(),
         )
         try:
-            async for reply in call:
-                yield KvChunk(
-                    offset=reply.offset_bytes,
-                    data=reply.data,
-                    total_size=reply.total_size_bytes,
-                    sha256=reply.sha256,
-                    fingerprint=(
-                        convert.fingerprint_from_proto(reply.fingerprint)
-                        if reply.HasField("fingerprint")
-                        else None
-                    ),
-                )
+            async for raw in call:
+                yield parse_fetch_kv_response(raw)
         except grpc.aio.AioRpcError as exc:
             _fail("prefill", self.address, exc)
         finally:

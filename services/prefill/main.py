@@ -7,7 +7,6 @@ from collections.abc import Callable
 
 import grpc
 
-from disagg.v1 import prefill_pb2, prefill_pb2_grpc
 from services.common.engines import open_engine
 from services.common.kv import KvStore
 from services.common.node_info import SERVICE_NAME as NODE_SERVICE_NAME
@@ -16,9 +15,7 @@ from services.common.readiness import Ready
 from services.common.server import serve
 from services.common.topology import Node, Topology
 from services.prefill.node import PrefillNode
-from services.prefill.servicer import PrefillServicer
-
-SERVICE_NAME = prefill_pb2.DESCRIPTOR.services_by_name["PrefillService"].full_name
+from services.prefill.servicer import SERVICE_NAME, PrefillServicer, add_prefill_service
 
 
 def store_of(ready: Ready[PrefillNode]) -> Callable[[], KvStore | None]:
@@ -30,7 +27,7 @@ async def run(topology: Topology, node: Node) -> None:
     background: set[asyncio.Task[None]] = set()
 
     def register(server: grpc.aio.Server) -> None:
-        prefill_pb2_grpc.add_PrefillServiceServicer_to_server(PrefillServicer(ready), server)
+        add_prefill_service(PrefillServicer(ready), server)
         add_node_service(server, describer(topology, node, engine_of(ready), store_of(ready)))
 
     async def load() -> None:

@@ -7,15 +7,17 @@ from typing import Any
 
 import grpc
 
-from disagg.v1 import prefill_pb2, prefill_pb2_grpc
+from disagg.v1 import prefill_pb2
 from services.common import convert
+from services.common.kv_wire import encode_fetch_kv_response
 from services.common.readiness import Ready
 from services.prefill.node import PrefillNode
 
 Context = grpc.aio.ServicerContext[Any, Any]
+SERVICE_NAME = prefill_pb2.DESCRIPTOR.services_by_name["PrefillService"].full_name
 
 
-class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
+class PrefillServicer:
     def __init__(self, node: Ready[PrefillNode]) -> None:
         self._node = node
 
@@ -41,14 +43,25 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
 
     async def FetchKv(
         self, request: prefill_pb2.FetchKvRequest, context: Context
-    ) -> AsyncIterator[prefill_pb2.FetchKvResponse]:
+    ) -> AsyncIterator[bytes]:
+        """Yields serialized FetchKvResponse messages (see kv_wire: one copy per chunk)."""
         for chunk in self._node.get().fetch(request.kv_handle):
-            yield prefill_pb2.FetchKvResponse(
-                offset_bytes=chunk.offset,
-                data=chunk.data,
-                total_size_bytes=chunk.total_size,
-                sha256=chunk.sha256,
-                fingerprint=(
-                    convert.fingerprint_to_proto(chunk.fingerprint) if chunk.fingerprint else None
-                ),
-            )
+            yield encode_fetch_kv_response(chunk)
+
+
+def add_prefill_service(servicer: PrefillServicer, server: grpc.aio.Server) -> None:
+    """Like the generated add_PrefillServiceServicer_to_server, except that FetchKv's replies
+    are already serialized."""
+    handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {
+        "Prefill": grpc.unary_unary_rpc_method_handler(
+            servicer.Prefill,
+            request_deserializer=prefill_pb2.PrefillRequest.FromString,
+            response_serializer=prefill_pb2.PrefillResponse.SerializeToString,
+        ),
+        "FetchKv": grpc.unary_stream_rpc_method_handler(
+            servicer.FetchKv,
+            request_deserializer=prefill_pb2.FetchKvRequest.FromString,
+            response_serializer=None,
+        ),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
