@@ -180,7 +180,13 @@ class Bench:
                 for _ in range(self.repeats):
                     reply = await self._prefill(prefill, prompt)
                     summary, *_ = await timed_stream(decode, self._kv_request(reply, 1))
-                    handoff.append(secs(summary.kv_fetch_duration) + secs(summary.kv_load_duration))
+                    # Ready to generate: pulled, checked, loaded. With Ollama (token ids) the
+                    # decode side's own prompt evaluation is part of the handoff too.
+                    handoff.append(
+                        secs(summary.kv_fetch_duration)
+                        + secs(summary.kv_load_duration)
+                        + secs(summary.prompt_eval_duration)
+                    )
                     kv_bytes, tokens = reply.kv_size_bytes, reply.prompt_tokens
                     whole = decode_pb2.DecodeServiceGenerateRequest(
                         model=self.model, prompt=prompt, sampling=greedy(1)
@@ -206,27 +212,37 @@ class Bench:
 
     # 2 -------------------------------------------------------------------------------------
     async def overhead(self, prompt_tokens: int, new_tokens: int) -> dict[str, Any]:
-        """The whole request through the mesh against one process doing the same."""
+        """The whole request through the mesh against one process doing the same, the two
+        alternating so that the machine's drift hits both alike."""
         prompt = self.prompts.of_tokens(prompt_tokens)
         request = router_pb2.GenerateRequest(
             model=self.model, prompt=prompt, sampling=greedy(new_tokens)
         )
-        mesh_s = []
+        single = self._single_process(prompt, new_tokens)
+        mesh_s: list[float] = []
+        single_s: list[float] = []
+        stages: dict[str, list[float]] = {"prefill": [], "kv": [], "decode": []}
         async with grpc.aio.insecure_channel(self.router) as rc:
             router: Any = router_pb2_grpc.RouterServiceStub(rc)
             for attempt in range(self.repeats + 1):  # the first is a warm-up
-                _, _, total, _ = await timed_stream(router, request)
+                summary, _, total, _ = await timed_stream(router, request)
+                alone = single() if single else 0.0
                 if attempt:
                     mesh_s.append(total)
-        baseline = self._single_process(prompt, new_tokens)
+                    single_s.append(alone)
+                    stages["prefill"].append(secs(summary.prefill_duration))
+                    kv = secs(summary.kv_transfer_duration) + secs(summary.kv_load_duration)
+                    stages["kv"].append(kv)
+                    stages["decode"].append(secs(summary.decode_duration))
         result: dict[str, Any] = {
             "prompt_tokens": prompt_tokens,
             "new_tokens": new_tokens,
             "mesh_s": mesh_s,
-            "single_process_s": baseline,
+            "mesh_stages_s": stages,
+            "single_process_s": single_s if single else [],
         }
-        if baseline:
-            result["mesh_over_single_process"] = median(mesh_s) / median(baseline)
+        if single:
+            result["mesh_over_single_process"] = median(mesh_s) / median(single_s)
         return result
 
     # 3 -------------------------------------------------------------------------------------
@@ -271,10 +287,11 @@ class Bench:
             "relay_tokens_per_s_ratio": median(via_rate) / median(direct_rate),
         }
 
-    def _single_process(self, prompt: str, new_tokens: int) -> list[float]:
-        """The same generation in one process (this one), as without the mesh."""
+    def _single_process(self, prompt: str, new_tokens: int) -> Callable[[], float] | None:
+        """A function timing the same generation in one process (this one), as without the
+        mesh; None when the topology's engine is not llama.cpp."""
         if self.prefill.engine != "llama_cpp" or self.prefill.model is None:
-            return []
+            return None
         import llama_cpp
 
         threads = self.topology.threads_for(self.prefill)
@@ -286,28 +303,34 @@ class Bench:
             n_batch=512,
             verbose=False,
         )
-        times = []
-        for _ in range(self.repeats + 1):  # the first is a warm-up
+
+        def run() -> float:
             llm.reset()  # type: ignore[no-untyped-call]
             started = time.perf_counter()
             for _chunk in llm.create_completion(
                 prompt, max_tokens=new_tokens, temperature=0.0, stream=True
             ):
                 pass
-            times.append(time.perf_counter() - started)
-        llm.close()
-        return times[1:]
+            return time.perf_counter() - started
+
+        return run
 
     # 4 -------------------------------------------------------------------------------------
     async def kv_throughput(self, target_bytes: int) -> dict[str, Any]:
         """FetchKv as a decode node receives it (its own client, services.common.node_clients),
-        against the ceiling. The first fetch is a warm-up."""
+        each fetch followed at once by the ceiling's stream of the same size. The first pair
+        is a warm-up."""
         prompt = self.prompts.of_tokens(max(256, target_bytes // 23_000))
-        fetch_rates, sizes = [], []
+        fetch_rates: list[float] = []
+        ceiling_rates: list[float] = []
+        sizes: list[int] = []
         pool = ChannelPool()
         try:
             client = PrefillClient(pool, self.prefill.address)
-            async with grpc.aio.insecure_channel(self.prefill.address) as pc:
+            async with (
+                grpc.aio.insecure_channel(self.prefill.address) as pc,
+                ByteStreamCeiling() as ceiling,
+            ):
                 prefill: Any = prefill_pb2_grpc.PrefillServiceStub(pc)
                 for attempt in range(self.repeats + 1):
                     reply = await self._prefill(prefill, prompt)
@@ -315,17 +338,19 @@ class Bench:
                     received = 0
                     async for chunk in client.fetch_kv(reply.kv_handle, 600):
                         received += len(chunk.data)
+                    fetch_rate = received / (time.perf_counter() - started)
+                    ceiling_rate = await ceiling.rate(received)
                     if attempt:
-                        fetch_rates.append(received / (time.perf_counter() - started))
+                        fetch_rates.append(fetch_rate)
+                        ceiling_rates.append(ceiling_rate)
                         sizes.append(received)
         finally:
             await pool.close()
-        ceiling = await _byte_stream_ceiling(int(median([float(s) for s in sizes])), self.repeats)
         return {
             "state_bytes": sizes,
             "fetchkv_bytes_per_s": fetch_rates,
-            "plain_stream_bytes_per_s": ceiling,
-            "fetchkv_over_ceiling": median(fetch_rates) / median(ceiling),
+            "plain_stream_bytes_per_s": ceiling_rates,
+            "fetchkv_over_ceiling": median(fetch_rates) / median(ceiling_rates),
         }
 
     # 5 -------------------------------------------------------------------------------------
@@ -381,30 +406,35 @@ class Bench:
         return rows
 
 
-async def _byte_stream_ceiling(size: int, repeats: int) -> list[float]:
-    """A plain gRPC stream of `size` bytes in 1 MiB messages between two processes."""
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, str(ROOT / "bench/byte_stream_server.py"), stdout=asyncio.subprocess.PIPE
-    )
-    try:
-        assert proc.stdout is not None
-        port = int(await proc.stdout.readline())
-        rates = []
-        async with grpc.aio.insecure_channel(
+class ByteStreamCeiling:
+    """A plain gRPC stream of N bytes in 1 MiB messages from another process: the ceiling
+    for FetchKv (bench/byte_stream_server.py)."""
+
+    async def __aenter__(self) -> ByteStreamCeiling:
+        self._proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            str(ROOT / "bench/byte_stream_server.py"),
+            stdout=asyncio.subprocess.PIPE,
+        )
+        assert self._proc.stdout is not None
+        port = int(await self._proc.stdout.readline())
+        self._channel = grpc.aio.insecure_channel(
             f"127.0.0.1:{port}", options=[("grpc.max_receive_message_length", 8 * MiB)]
-        ) as channel:
-            stream: Any = channel.unary_stream("/bench.Bytes/Stream")
-            for attempt in range(repeats + 1):  # the first is a warm-up
-                started = time.perf_counter()
-                received = 0
-                async for chunk in stream(str(size).encode()):
-                    received += len(chunk)
-                if attempt:
-                    rates.append(received / (time.perf_counter() - started))
-        return rates
-    finally:
-        proc.terminate()
-        await proc.wait()
+        )
+        self._stream: Any = self._channel.unary_stream("/bench.Bytes/Stream")
+        return self
+
+    async def rate(self, size: int) -> float:
+        started = time.perf_counter()
+        received = 0
+        async for chunk in self._stream(str(size).encode()):
+            received += len(chunk)
+        return received / (time.perf_counter() - started)
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self._channel.close()
+        self._proc.terminate()
+        await self._proc.wait()
 
 
 def machine() -> dict[str, Any]:

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from disagg_mesh import AsyncMeshClient, GenerateCall, MeshError, Metrics
+from services.common.auth import TokenError, token_from_topology
 from services.common.processes import MeshProcesses, MeshStartError
 from services.common.topology import TopologyError, load_topology
 
@@ -30,7 +31,9 @@ def say(line: str = "") -> None:
     print(line, flush=True)
 
 
-async def stream_example(address: str, model: str, max_tokens: int) -> Metrics:
+async def stream_example(
+    address: str, model: str, max_tokens: int, token: str | None = None
+) -> Metrics:
     """Stream one example generation through the router to the terminal."""
     call = GenerateCall(
         model=model,
@@ -40,7 +43,7 @@ async def stream_example(address: str, model: str, max_tokens: int) -> Metrics:
         timeout=240,
     )
     metrics: Metrics | None = None
-    async with AsyncMeshClient(address) as mesh:
+    async with AsyncMeshClient(address, token=token) as mesh:
         async for item in mesh.stream(call):
             if isinstance(item, Metrics):
                 metrics = item
@@ -54,6 +57,7 @@ async def stream_example(address: str, model: str, max_tokens: int) -> Metrics:
 
 async def main_async(args: argparse.Namespace) -> int:
     topology = load_topology(args.topology)
+    token = token_from_topology(topology)  # before starting anything: fail fast
     mesh = MeshProcesses(topology, Path(args.log_dir))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -77,7 +81,7 @@ async def main_async(args: argparse.Namespace) -> int:
         router = topology.router.address
         for route in topology.models:
             say(f"\n>> {route.name}: streaming an example through the router at {router}")
-            metrics = await stream_example(router, route.name, args.max_tokens)
+            metrics = await stream_example(router, route.name, args.max_tokens, token)
             say(f"   {metrics.one_line()}")
         if args.exit_after_examples:
             return 0
@@ -111,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return asyncio.run(main_async(args))
-    except TopologyError as exc:
+    except (TopologyError, TokenError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 

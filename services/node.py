@@ -11,6 +11,7 @@ import sys
 
 import structlog
 
+from services.common.auth import TokenError, token_from_topology, use_token
 from services.common.logging import configure_logging
 from services.common.models import ModelFileError
 from services.common.server import BindError
@@ -34,7 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         topology = load_topology(args.topology)
         node = topology.node(args.node)
-    except TopologyError as exc:
+        use_token(token_from_topology(topology))
+    except (TopologyError, TokenError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     log.info(

@@ -38,6 +38,12 @@ def free_port() -> int:
             return port
 
 
+def router_node() -> str:
+    return (
+        f'[[nodes]]\nname = "router"\nrole = "router"\nhost = "127.0.0.1"\nport = {free_port()}\n'
+    )
+
+
 def engine_node(name: str, role: str, **extra: object) -> str:
     lines = [
         "[[nodes]]",
@@ -69,7 +75,7 @@ def write_test_topology(path: Path, edge_cases: bool = True) -> Path:
     """The local topology on free ports, plus (edge_cases) routes that exercise limits."""
     parts = [
         "[mesh]\nmax_tokens_limit = 4096\n",
-        f'[[nodes]]\nname = "router"\nrole = "router"\nhost = "127.0.0.1"\nport = {free_port()}\n',
+        router_node(),
         engine_node("prefill-qwen", "prefill"),
         engine_node("decode-qwen", "decode"),
         engine_node("prefill-gpt-oss", "prefill"),

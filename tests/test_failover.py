@@ -17,7 +17,7 @@ import pytest_asyncio
 from disagg.v1 import router_pb2, router_pb2_grpc
 from services.common.processes import MeshProcesses
 from services.common.topology import load_topology
-from tests.conftest import engine_node, free_port, route
+from tests.conftest import engine_node, route, router_node
 from tests.streams import Collected, collect, request
 
 MODEL = "qwen3-coder:30b"
@@ -29,7 +29,7 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MeshProcesses]:
     folder: Path = tmp_path_factory.mktemp("failover")
     parts = [
         "[mesh]\ncooldown_s = 30\nhealth_check_every_s = 0.5\n",
-        f'[[nodes]]\nname = "router"\nrole = "router"\nhost = "127.0.0.1"\nport = {free_port()}\n',
+        router_node(),
         engine_node("prefill-a", "prefill"),
         engine_node("decode-a", "decode"),
         engine_node("decode-b", "decode"),

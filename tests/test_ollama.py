@@ -16,7 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from disagg.v1 import node_pb2, node_pb2_grpc, router_pb2, router_pb2_grpc, types_pb2
 from services.common.processes import MeshProcesses
 from services.common.topology import Topology, load_topology
-from tests.conftest import free_port, route
+from tests.conftest import free_port, route, router_node
 from tests.fake_ollama import FakeOllama
 from tests.streams import collect
 
@@ -46,7 +46,7 @@ def ollama_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[OllamaMesh
     dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     parts = [
         "[mesh]\ncooldown_s = 0.5\nhealth_check_every_s = 0.5\n",
-        f'[[nodes]]\nname = "router"\nrole = "router"\nhost = "127.0.0.1"\nport = {free_port()}\n',
+        router_node(),
         ollama_node("prefill-ollama", "prefill", nodes_ollama.url),
         ollama_node("decode-ollama", "decode", nodes_ollama.url),
         ollama_node("prefill-dead", "prefill", dead),

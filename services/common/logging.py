@@ -14,6 +14,8 @@ from typing import Any
 
 import structlog
 
+from services.common.auth import outgoing_auth
+
 REQUEST_ID_KEY = "x-request-id"
 
 
@@ -52,6 +54,6 @@ def current_request_id() -> str | None:
 
 
 def outgoing_metadata() -> tuple[tuple[str, str], ...]:
-    """Metadata for a call to another node: carries the current request id on."""
+    """Metadata for a call to another node: the current request id, and the mesh's token."""
     request_id = current_request_id()
-    return ((REQUEST_ID_KEY, request_id),) if request_id else ()
+    return (((REQUEST_ID_KEY, request_id),) if request_id else ()) + outgoing_auth()

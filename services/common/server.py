@@ -19,6 +19,7 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from services.common.auth import TokenInterceptor, configured_token
 from services.common.grpc_status import RequestScopeInterceptor
 from services.common.node_clients import MAX_MESSAGE_BYTES
 
@@ -51,7 +52,11 @@ async def serve(
     (health stays NOT_SERVING until it returns); `problem`, polled every few seconds once
     loaded, turns health NOT_SERVING while it returns a reason (e.g. Ollama down);
     `close` runs after the server stopped."""
-    server = grpc.aio.server(interceptors=[RequestScopeInterceptor()], options=SERVER_OPTIONS)
+    interceptors: list[grpc.aio.ServerInterceptor] = [RequestScopeInterceptor()]
+    token = configured_token()
+    if token is not None:
+        interceptors.insert(0, TokenInterceptor(token))  # refused calls go no further
+    server = grpc.aio.server(interceptors=interceptors, options=SERVER_OPTIONS)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     register(server)

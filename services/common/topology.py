@@ -42,6 +42,14 @@ class MeshSettings(_Strict):
     health_check_every_s: Annotated[float, Field(gt=0, le=3600)] = 1.0
 
 
+class SecuritySettings(_Strict):
+    """[security]"""
+
+    # Name of the environment variable holding a shared bearer token. When set, every node
+    # requires `authorization: Bearer <token>` on every service but health.
+    token_env: str | None = Field(default=None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
 class Node(_Strict):
     """One [[nodes]] entry: a process of the mesh."""
 
@@ -117,6 +125,7 @@ class ModelRoute(_Strict):
 
 class Topology(_Strict):
     mesh: MeshSettings = MeshSettings()
+    security: SecuritySettings = SecuritySettings()
     nodes: list[Node] = Field(min_length=1)
     models: list[ModelRoute] = Field(min_length=1)
     # Where the file was read from; model paths are relative to its folder.
