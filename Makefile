@@ -42,7 +42,7 @@ test: venv lint  ## lint, then the whole test suite (real processes, real model)
 	$(PY) -m pytest
 
 bench: venv  ## benchmarks on a fresh local mesh (ratios; results in bench/results/)
-	$(PY) bench/parallel_pipelines.py --topology $(TOPOLOGY)
+	$(PY) bench/run.py --topology $(TOPOLOGY)
 
 clean:  ## remove the virtual environment and caches
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .run

@@ -4,7 +4,7 @@ time, and the node serves the next request."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
@@ -216,49 +216,69 @@ async def test_wrong_size_is_data_loss(
     )
 
 
-class CorruptingPrefill(prefill_pb2_grpc.PrefillServiceServicer):
-    """Relays FetchKv from the real prefill node with one byte flipped: damage on the wire."""
+def flip_a_byte(chunks: list[Any]) -> list[Any]:
+    data = bytearray(chunks[1].data)
+    data[len(data) // 2] ^= 0xFF
+    chunks[1].data = bytes(data)
+    return chunks
+
+
+MANGLES: dict[str, Callable[[list[Any]], list[Any]]] = {
+    "flipped byte": flip_a_byte,
+    "chunk missing": lambda c: [c[0], *c[2:]],
+    "chunk duplicated": lambda c: [c[0], c[1], c[1], *c[2:]],
+    "chunks reordered": lambda c: [c[0], c[2], c[1], *c[3:]],
+    "stream truncated": lambda c: c[:-1],
+}
+
+
+class ManglingPrefill(prefill_pb2_grpc.PrefillServiceServicer):
+    """Relays FetchKv from the real prefill node, damaged on the way: garbage on the wire."""
 
     def __init__(self, upstream: prefill_pb2_grpc.PrefillServiceAsyncStub) -> None:
         self.upstream = upstream
+        self.mangle: Callable[[list[Any]], list[Any]] = lambda c: c
 
     async def Prefill(self, request: Any, context: Any) -> Any:
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, "only FetchKv is relayed")
 
     async def FetchKv(self, request: Any, context: Any) -> AsyncIterator[Any]:
-        async for chunk in self.upstream.FetchKv(request):
-            if chunk.offset_bytes == 0:
-                data = bytearray(chunk.data)
-                data[len(data) // 2] ^= 0xFF
-                chunk.data = bytes(data)
+        chunks = [chunk async for chunk in self.upstream.FetchKv(request)]
+        assert len(chunks) >= 4, "the test needs a state of several chunks"
+        for chunk in self.mangle(chunks):
             yield chunk
 
 
 @pytest_asyncio.fixture
-async def corrupting_proxy(mesh: Mesh) -> AsyncIterator[str]:
+async def mangling_proxy(mesh: Mesh) -> AsyncIterator[tuple[str, ManglingPrefill]]:
     async with grpc.aio.insecure_channel(mesh.address("prefill-qwen")) as channel:
         server = grpc.aio.server()
-        prefill_pb2_grpc.add_PrefillServiceServicer_to_server(
-            CorruptingPrefill(prefill_pb2_grpc.PrefillServiceStub(channel)), server
-        )
+        proxy = ManglingPrefill(prefill_pb2_grpc.PrefillServiceStub(channel))
+        prefill_pb2_grpc.add_PrefillServiceServicer_to_server(proxy, server)
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
-        yield f"127.0.0.1:{port}"
+        yield f"127.0.0.1:{port}", proxy
         await server.stop(None)
 
 
-async def test_corrupted_chunk_is_data_loss_and_the_node_keeps_serving(
+@pytest.mark.parametrize("damage", list(MANGLES))
+async def test_a_damaged_kv_stream_is_data_loss_and_the_node_keeps_serving(
     mesh: Mesh,
-    corrupting_proxy: str,
+    mangling_proxy: tuple[str, ManglingPrefill],
     prefill_qwen: prefill_pb2_grpc.PrefillServiceAsyncStub,
     decode_qwen: decode_pb2_grpc.DecodeServiceAsyncStub,
     router: router_pb2_grpc.RouterServiceAsyncStub,
+    damage: str,
 ) -> None:
-    reply = await prefill(prefill_qwen)
+    address, proxy = mangling_proxy
+    proxy.mangle = MANGLES[damage]
+    # ~250 tokens: a state of 5 chunks of 1 MiB.
+    reply = await prefill_qwen.Prefill(
+        prefill_pb2.PrefillRequest(model="qwen3-coder:30b", prompt=COUNTING * 3, sampling=greedy(4))
+    )
     await expect_error(
-        decode_qwen.Generate(kv_request(mesh, reply, prefill_address=corrupting_proxy)),
+        decode_qwen.Generate(kv_request(mesh, reply, prefill_address=address)),
         grpc.StatusCode.DATA_LOSS,
-        "checksum",
     )
     await still_serves(router)
 

@@ -7,7 +7,7 @@ import hashlib
 import pytest
 
 from services.common.errors import DataLoss, FailedPrecondition, NotFound, ResourceExhausted
-from services.common.kv import KvAssembler, KvChunk, KvStore, StoredKv, iter_chunks
+from services.common.kv import KvAssembler, KvChunk, KvStore, split_chunks
 from services.common.types import Fingerprint
 
 FP = Fingerprint("ab" * 32, 4096, "llama-cpp-python/test")
@@ -22,14 +22,14 @@ class Clock:
 
 
 def put(store: KvStore, data: bytes) -> str:
-    return store.put(memoryview(data), hashlib.sha256(data).hexdigest(), FP)
+    return store.put([data], len(data))
 
 
 def test_a_handle_is_fetched_once() -> None:
     store = KvStore(budget_bytes=1000, ttl_s=10)
     handle = put(store, b"x" * 100)
     assert store.bytes_held == 100
-    assert bytes(store.take(handle).data) == b"x" * 100
+    assert store.take(handle).messages == [b"x" * 100]
     assert store.bytes_held == 0 and len(store) == 0
     with pytest.raises(NotFound, match="already fetched"):
         store.take(handle)
@@ -60,15 +60,11 @@ def test_the_byte_budget_holds() -> None:
     assert store.bytes_held == 600
 
 
-def entry(data: bytes) -> StoredKv:
-    return StoredKv(memoryview(data), hashlib.sha256(data).hexdigest(), FP, expires_at=1e9)
-
-
 DATA = bytes(range(256)) * 40  # 10 KiB
 
 
 def chunks(data: bytes = DATA, size: int = 1024) -> list[KvChunk]:
-    return list(iter_chunks(entry(data), chunk_bytes=size))
+    return list(split_chunks(memoryview(data), hashlib.sha256(data).hexdigest(), FP, size))
 
 
 def assemble(parts: list[KvChunk], size: int = len(DATA), fp: Fingerprint = FP) -> bytes:

@@ -26,9 +26,10 @@ _TOMBSTONES = 4096
 
 @dataclass
 class StoredKv:
-    data: memoryview
-    sha256: str
-    fingerprint: Fingerprint
+    # The FetchKv stream, already serialized (see kv_wire.encode_state): fetching it copies
+    # nothing more.
+    messages: list[bytes]
+    size_bytes: int
     expires_at: float
 
 
@@ -59,9 +60,9 @@ class KvStore:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def put(self, data: memoryview, sha256: str, fingerprint: Fingerprint) -> str:
+    def put(self, messages: list[bytes], size: int) -> str:
+        """Keep a state's serialized FetchKv messages; `size` is the state's bytes."""
         self.expire()
-        size = len(data)
         if self.bytes_held + size > self.budget_bytes:
             raise ResourceExhausted(
                 f"KV store full: {self.bytes_held} of {self.budget_bytes} bytes held by "
@@ -69,10 +70,7 @@ class KvStore:
             )
         handle = secrets.token_urlsafe(18)
         self._entries[handle] = StoredKv(
-            data=data,
-            sha256=sha256,
-            fingerprint=fingerprint,
-            expires_at=self._clock() + self.ttl_s,
+            messages=messages, size_bytes=size, expires_at=self._clock() + self.ttl_s
         )
         self.bytes_held += size
         return handle
@@ -101,23 +99,27 @@ class KvStore:
             self.expire()
 
     def _forget(self, handle: str, entry: StoredKv, why: str) -> None:
-        self.bytes_held -= len(entry.data)
+        self.bytes_held -= entry.size_bytes
         self._gone[handle] = why
         while len(self._gone) > _TOMBSTONES:
             self._gone.popitem(last=False)
 
 
-def iter_chunks(entry: StoredKv, chunk_bytes: int = CHUNK_BYTES) -> Iterator[KvChunk]:
-    total = len(entry.data)
+def split_chunks(
+    data: memoryview, sha256: str, fingerprint: Fingerprint, chunk_bytes: int = CHUNK_BYTES
+) -> Iterator[KvChunk]:
+    """A state as FetchKv sends it: views of at most chunk_bytes, the fingerprint on the
+    first, the checksum of the whole on the last."""
+    total = len(data)
     offsets = range(0, total, chunk_bytes)
     last = offsets[-1] if total else 0
     for offset in offsets:
         yield KvChunk(
             offset=offset,
-            data=entry.data[offset : offset + chunk_bytes],  # a view: copied once, on the wire
+            data=data[offset : offset + chunk_bytes],
             total_size=total,
-            sha256=entry.sha256 if offset == last else "",
-            fingerprint=entry.fingerprint if offset == 0 else None,
+            sha256=sha256 if offset == last else "",
+            fingerprint=fingerprint if offset == 0 else None,
         )
 
 

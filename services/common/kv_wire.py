@@ -14,7 +14,8 @@ from __future__ import annotations
 from disagg.v1 import types_pb2
 from services.common import convert
 from services.common.errors import DataLoss
-from services.common.kv import KvChunk
+from services.common.kv import KvChunk, split_chunks
+from services.common.types import Fingerprint
 
 _VARINT, _I64, _LEN, _I32 = 0, 1, 2, 5
 
@@ -106,3 +107,8 @@ def parse_fetch_kv_response(raw: bytes) -> KvChunk:
     return KvChunk(
         offset=offset, data=data, total_size=total, sha256=sha256, fingerprint=fingerprint
     )
+
+
+def encode_state(data: memoryview, sha256: str, fingerprint: Fingerprint) -> list[bytes]:
+    """The whole FetchKv stream of a state, serialized: the one copy of its bytes."""
+    return [encode_fetch_kv_response(c) for c in split_chunks(data, sha256, fingerprint)]

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import asyncio
 
 from services.common.engines.base import Engine
-from services.common.kv import KvChunk, KvStore, iter_chunks
+from services.common.kv import KvStore
+from services.common.kv_wire import encode_state
 from services.common.types import PrefillResult, Prompt, Sampling
 from services.common.validation import check_served, validate_prompt, validate_sampling
 
@@ -31,8 +32,11 @@ class PrefillNode:
         validate_prompt(prompt)
         validate_sampling(sampling, self.max_tokens_limit)
         out = await self.engine.prefill(prompt, sampling)
+        fingerprint = self.engine.fingerprint
+        # Serialized off the event loop, once: FetchKv then only hands the messages out.
+        messages = await asyncio.to_thread(encode_state, out.kv_state, out.kv_sha256, fingerprint)
         # The store is only touched from the event loop, so it needs no lock.
-        handle = self.store.put(out.kv_state, out.kv_sha256, self.engine.fingerprint)
+        handle = self.store.put(messages, len(out.kv_state))
         return PrefillResult(
             kv_handle=handle,
             first_token_id=out.first_token_id,
@@ -45,6 +49,6 @@ class PrefillNode:
             kv_transfer=self.engine.kv_transfer,
         )
 
-    def fetch(self, kv_handle: str) -> Iterator[KvChunk]:
-        """The state's chunks; the handle is gone once this is called."""
-        return iter_chunks(self.store.take(kv_handle))
+    def fetch(self, kv_handle: str) -> list[bytes]:
+        """The state's serialized FetchKv messages; the handle is gone once this is called."""
+        return self.store.take(kv_handle).messages

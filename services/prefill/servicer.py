@@ -9,7 +9,6 @@ import grpc
 
 from disagg.v1 import prefill_pb2
 from services.common import convert
-from services.common.kv_wire import encode_fetch_kv_response
 from services.common.readiness import Ready
 from services.prefill.node import PrefillNode
 
@@ -44,9 +43,9 @@ class PrefillServicer:
     async def FetchKv(
         self, request: prefill_pb2.FetchKvRequest, context: Context
     ) -> AsyncIterator[bytes]:
-        """Yields serialized FetchKvResponse messages (see kv_wire: one copy per chunk)."""
-        for chunk in self._node.get().fetch(request.kv_handle):
-            yield encode_fetch_kv_response(chunk)
+        """Yields FetchKvResponse messages serialized when the state was stored (kv_wire)."""
+        for message in self._node.get().fetch(request.kv_handle):
+            yield message
 
 
 def add_prefill_service(servicer: PrefillServicer, server: grpc.aio.Server) -> None:
