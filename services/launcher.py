@@ -13,9 +13,10 @@ import sys
 import time
 from pathlib import Path
 
-from disagg_mesh import AsyncMeshClient, GenerateCall, MeshError, Metrics
+from disagg_mesh import AsyncMeshClient, GenerateCall, MeshError, Metrics, TlsFiles
 from services.common.auth import TokenError, token_from_topology
 from services.common.processes import MeshProcesses, MeshStartError
+from services.common.tls import tls_paths
 from services.common.topology import TopologyError, load_topology
 
 EXAMPLES = {
@@ -32,7 +33,7 @@ def say(line: str = "") -> None:
 
 
 async def stream_example(
-    address: str, model: str, max_tokens: int, token: str | None = None
+    address: str, model: str, max_tokens: int, token: str | None, tls: TlsFiles | None
 ) -> Metrics:
     """Stream one example generation through the router to the terminal."""
     call = GenerateCall(
@@ -43,7 +44,7 @@ async def stream_example(
         timeout=240,
     )
     metrics: Metrics | None = None
-    async with AsyncMeshClient(address, token=token) as mesh:
+    async with AsyncMeshClient(address, token=token, tls=tls) as mesh:
         async for item in mesh.stream(call):
             if isinstance(item, Metrics):
                 metrics = item
@@ -58,6 +59,9 @@ async def stream_example(
 async def main_async(args: argparse.Namespace) -> int:
     topology = load_topology(args.topology)
     token = token_from_topology(topology)  # before starting anything: fail fast
+    paths = tls_paths(topology, topology.router)
+    # The examples call the router as the router's own calls go out (its certificate).
+    client_tls = TlsFiles(paths.ca_file, paths.cert_file, paths.key_file) if paths else None
     mesh = MeshProcesses(topology, Path(args.log_dir))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -81,7 +85,7 @@ async def main_async(args: argparse.Namespace) -> int:
         router = topology.router.address
         for route in topology.models:
             say(f"\n>> {route.name}: streaming an example through the router at {router}")
-            metrics = await stream_example(router, route.name, args.max_tokens, token)
+            metrics = await stream_example(router, route.name, args.max_tokens, token, client_tls)
             say(f"   {metrics.one_line()}")
         if args.exit_after_examples:
             return 0

@@ -31,16 +31,23 @@ CHANNEL_OPTIONS = (
 )
 
 
+def open_channel(address: str, credentials: grpc.ChannelCredentials | None) -> grpc.aio.Channel:
+    if credentials is None:
+        return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+    return grpc.aio.secure_channel(address, credentials, options=CHANNEL_OPTIONS)
+
+
 class ChannelPool:
     """One channel per address, reused for every call."""
 
-    def __init__(self) -> None:
+    def __init__(self, credentials: grpc.ChannelCredentials | None = None) -> None:
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._credentials = credentials
 
     def get(self, address: str) -> grpc.aio.Channel:
         channel = self._channels.get(address)
         if channel is None:
-            channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            channel = open_channel(address, self._credentials)
             self._channels[address] = channel
         return channel
 

@@ -18,6 +18,8 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.common.node_clients import open_channel
+from services.common.tls import tls_for
 from services.common.topology import Node, Topology
 
 
@@ -76,9 +78,7 @@ class MeshProcesses:
         started = time.monotonic()
         last_report = started
         pending = {name: "starting" for name in (names or self.procs)}
-        channels = {
-            name: grpc.aio.insecure_channel(self.topology.node(name).address) for name in pending
-        }
+        channels = {name: self._channel(self.topology.node(name)) for name in pending}
         try:
             while pending:
                 for name in list(pending):
@@ -105,6 +105,11 @@ class MeshProcesses:
         finally:
             for channel in channels.values():
                 await channel.close()
+
+    def _channel(self, node: Node) -> grpc.aio.Channel:
+        """A channel to the node as the mesh's own nodes reach it (TLS when configured)."""
+        tls = tls_for(self.topology, node)
+        return open_channel(node.address, tls.channel_credentials() if tls else None)
 
     def stop_node(self, name: str, sig: int = signal.SIGTERM, grace_s: float = 15.0) -> int | None:
         proc = self.procs.pop(name, None)

@@ -47,6 +47,7 @@ async def serve(
     load: Callable[[], Coroutine[Any, Any, None]],
     close: Callable[[], Awaitable[None]],
     problem: Callable[[], Awaitable[str | None]] | None = None,
+    credentials: grpc.ServerCredentials | None = None,
 ) -> None:
     """Serve until SIGTERM/SIGINT. `register` adds our servicers; `load` readies the node
     (health stays NOT_SERVING until it returns); `problem`, polled every few seconds once
@@ -66,7 +67,10 @@ async def serve(
     for name in ("", *service_names):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     try:
-        server.add_insecure_port(bind_address)
+        if credentials is None:
+            server.add_insecure_port(bind_address)
+        else:
+            server.add_secure_port(bind_address, credentials)
     except RuntimeError as exc:
         raise BindError(f"cannot listen on {bind_address}: {exc}") from None
     await server.start()

@@ -42,8 +42,24 @@ class MeshSettings(_Strict):
     health_check_every_s: Annotated[float, Field(gt=0, le=3600)] = 1.0
 
 
+class TlsSettings(_Strict):
+    """[security.tls]: paths relative to the topology file; {node} is the node's name."""
+
+    # The CA that signed every node's certificate (and, with mutual, every caller's).
+    ca_file: str
+    cert_file: str
+    key_file: str
+    # Require a client certificate signed by ca_file on every call (mutual TLS).
+    mutual: bool = False
+
+
 class SecuritySettings(_Strict):
     """[security]"""
+
+    # TLS for every hop; without it the mesh is plaintext, which a topology must ask for
+    # (plaintext = true) unless every node is on a loopback address.
+    tls: TlsSettings | None = None
+    plaintext: bool = False
 
     # Name of the environment variable holding a shared bearer token. When set, every node
     # requires `authorization: Bearer <token>` on every service but health.
@@ -167,6 +183,14 @@ class Topology(_Strict):
         addresses = [n.bind_address for n in self.nodes]
         for dup in sorted({a for a in addresses if addresses.count(a) > 1}):
             raise ValueError(f"nodes: two nodes listen on {dup}")
+        loopback = all(n.host in ("127.0.0.1", "localhost", "::1") for n in self.nodes)
+        if self.security.tls is None and not self.security.plaintext and not loopback:
+            raise ValueError(
+                "security: nodes listen beyond this machine: set [security.tls], or "
+                "[security] plaintext = true to run without TLS on a trusted network"
+            )
+        if self.security.tls is not None and self.security.plaintext:
+            raise ValueError("security: plaintext = true contradicts [security.tls]")
         routers = [n for n in self.nodes if n.role == "router"]
         if len(routers) != 1:
             raise ValueError(

@@ -11,6 +11,7 @@ from services.common.node_info import SERVICE_NAME as NODE_SERVICE_NAME
 from services.common.node_info import add_node_service, describer, engine_of
 from services.common.readiness import Ready
 from services.common.server import serve
+from services.common.tls import tls_for
 from services.common.topology import Node, Topology
 from services.decode.node import DecodeNode
 from services.decode.servicer import DecodeServicer
@@ -19,8 +20,9 @@ SERVICE_NAME = decode_pb2.DESCRIPTOR.services_by_name["DecodeService"].full_name
 
 
 async def run(topology: Topology, node: Node) -> None:
+    tls = tls_for(topology, node)
     ready: Ready[DecodeNode] = Ready(f"decode node {node.name}")
-    pool = ChannelPool()
+    pool = ChannelPool(tls.channel_credentials() if tls else None)
 
     def register(server: grpc.aio.Server) -> None:
         decode_pb2_grpc.add_DecodeServiceServicer_to_server(DecodeServicer(ready), server)
@@ -52,4 +54,5 @@ async def run(topology: Topology, node: Node) -> None:
         load=load,
         problem=problem,
         close=close,
+        credentials=tls.server_credentials() if tls else None,
     )

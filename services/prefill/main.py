@@ -13,6 +13,7 @@ from services.common.node_info import SERVICE_NAME as NODE_SERVICE_NAME
 from services.common.node_info import add_node_service, describer, engine_of
 from services.common.readiness import Ready
 from services.common.server import serve
+from services.common.tls import tls_for
 from services.common.topology import Node, Topology
 from services.prefill.node import PrefillNode
 from services.prefill.servicer import SERVICE_NAME, PrefillServicer, add_prefill_service
@@ -23,6 +24,7 @@ def store_of(ready: Ready[PrefillNode]) -> Callable[[], KvStore | None]:
 
 
 async def run(topology: Topology, node: Node) -> None:
+    tls = tls_for(topology, node)
     ready: Ready[PrefillNode] = Ready(f"prefill node {node.name}")
     background: set[asyncio.Task[None]] = set()
 
@@ -60,4 +62,5 @@ async def run(topology: Topology, node: Node) -> None:
         load=load,
         problem=problem,
         close=close,
+        credentials=tls.server_credentials() if tls else None,
     )

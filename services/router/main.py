@@ -9,6 +9,7 @@ import grpc
 from disagg.v1 import router_pb2, router_pb2_grpc
 from services.common.node_clients import ChannelPool
 from services.common.server import serve
+from services.common.tls import tls_for
 from services.common.topology import Node, Topology
 from services.router.node_health import NodeHealth
 from services.router.routing import Router
@@ -18,7 +19,8 @@ SERVICE_NAME = router_pb2.DESCRIPTOR.services_by_name["RouterService"].full_name
 
 
 async def run(topology: Topology, node: Node) -> None:
-    pool = ChannelPool()
+    tls = tls_for(topology, node)
+    pool = ChannelPool(tls.channel_credentials() if tls else None)
     health = NodeHealth(
         [n for n in topology.nodes if n.role != "router"],
         pool,
@@ -46,4 +48,5 @@ async def run(topology: Topology, node: Node) -> None:
         register=register,
         load=load,
         close=close,
+        credentials=tls.server_credentials() if tls else None,
     )

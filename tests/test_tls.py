@@ -1,0 +1,96 @@
+"""TLS on every hop with mutual TLS: callers with a certificate from the mesh's CA get
+through end to end; plaintext callers, callers without a certificate, and callers with a
+certificate from another authority are refused."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from disagg_mesh import MeshClient, TlsFiles, Unavailable
+from services.common.processes import MeshProcesses
+from services.common.topology import Topology, load_topology
+from tests.certs import Authority
+from tests.conftest import engine_node, route, router_node
+
+MODEL = "qwen3-coder:30b"
+
+
+@dataclass
+class TlsMesh:
+    topology: Topology
+    ca: Path
+    client: TlsFiles
+    stranger: TlsFiles
+
+
+@pytest.fixture(scope="module")
+def tls_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TlsMesh]:
+    folder: Path = tmp_path_factory.mktemp("tls")
+    ca = Authority("disagg-mesh test CA")
+    ca_file = ca.write_ca(folder / "ca.pem")
+    for node in ("router", "prefill-a", "decode-a"):
+        ca.issue(node, folder / f"{node}.pem", folder / f"{node}-key.pem")
+    client_cert, client_key = ca.issue("grader", folder / "grader.pem", folder / "grader-key.pem")
+    other = Authority("another CA")
+    other.write_ca(folder / "other-ca.pem")
+    stranger_cert, stranger_key = other.issue("stranger", folder / "s.pem", folder / "s-key.pem")
+    path = folder / "topology.toml"
+    path.write_text(
+        "\n".join(
+            [
+                '[security.tls]\nca_file = "ca.pem"\ncert_file = "{node}.pem"\n'
+                'key_file = "{node}-key.pem"\nmutual = true\n',
+                router_node(),
+                engine_node("prefill-a", "prefill"),
+                engine_node("decode-a", "decode"),
+                route(MODEL, ["prefill-a"], ["decode-a"], chain=["disaggregated"]),
+            ]
+        )
+    )
+    topology = load_topology(path)
+    processes = MeshProcesses(topology, folder / "logs")
+    processes.start()
+    try:
+        asyncio.run(processes.wait_serving(timeout_s=120))
+        yield TlsMesh(
+            topology,
+            ca_file,
+            TlsFiles(ca_file, client_cert, client_key),
+            TlsFiles(ca_file, stranger_cert, stranger_key),
+        )
+    finally:
+        processes.stop()
+
+
+def test_a_caller_with_a_certificate_from_the_mesh_ca_gets_through(tls_mesh: TlsMesh) -> None:
+    with MeshClient(tls_mesh.topology.router.address, tls=tls_mesh.client, timeout=30) as mesh:
+        result = mesh.generate(MODEL, "def add(a, b):", max_tokens=6, temperature=0.0)
+    # router -> prefill, router -> decode and decode -> prefill (FetchKv) all went over TLS.
+    assert result.metrics.completion_tokens == 6 and result.metrics.kv_transfer == "state"
+
+
+@pytest.mark.parametrize("who", ["plaintext", "no certificate", "another authority"])
+def test_other_callers_are_refused(tls_mesh: TlsMesh, who: str) -> None:
+    address = tls_mesh.topology.router.address
+    tls = {
+        "plaintext": None,
+        "no certificate": TlsFiles(tls_mesh.ca),
+        "another authority": tls_mesh.stranger,
+    }[who]
+    with MeshClient(address, tls=tls, timeout=5) as client, pytest.raises(Unavailable):
+        client.generate(MODEL, "hi", max_tokens=2)
+
+
+def test_a_topology_beyond_loopback_must_choose(tmp_path: Path) -> None:
+    from services.common.topology import TopologyError
+
+    text = (Path(__file__).parent.parent / "topology/seed.toml").read_text()
+    bare = tmp_path / "bare.toml"
+    bare.write_text(text.replace("[security]\nplaintext = true\n", ""))
+    with pytest.raises(TopologyError, match=r"set \[security.tls\], or \[security\] plaintext"):
+        load_topology(bare)
