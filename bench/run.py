@@ -179,7 +179,10 @@ class Bench:
                 handoff, reprefill, kv_bytes, tokens = [], [], 0, 0
                 for _ in range(self.repeats):
                     reply = await self._prefill(prefill, prompt)
-                    summary, *_ = await timed_stream(decode, self._kv_request(reply, 1))
+                    # llama.cpp is ready once the state is loaded; Ollama only evaluates the
+                    # prompt again when asked for a token beyond the prefill node's first.
+                    ready = 2 if self.decode.engine == "ollama" else 1
+                    summary, *_ = await timed_stream(decode, self._kv_request(reply, ready))
                     # Ready to generate: pulled, checked, loaded. With Ollama (token ids) the
                     # decode side's own prompt evaluation is part of the handoff too.
                     handoff.append(
