@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import signal
 import socket
 from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -105,6 +107,25 @@ def write_test_topology(path: Path, edge_cases: bool = True) -> Path:
         ]
     path.write_text("\n".join(parts))
     return path
+
+
+@contextmanager
+def running_mesh(
+    folder: Path, parts: list[str], wait_for: list[str] | None = None
+) -> Iterator[MeshProcesses]:
+    """Write parts as folder/topology.toml, start every node, wait until they (or those in
+    wait_for) are SERVING, and stop them all afterwards."""
+    path = folder / "topology.toml"
+    path.write_text("\n".join(parts))
+    processes = MeshProcesses(load_topology(path), folder / "logs")
+    processes.start()
+    try:
+        asyncio.run(processes.wait_serving(timeout_s=240, names=wait_for))
+        yield processes
+    finally:
+        for proc in processes.procs.values():
+            proc.send_signal(signal.SIGCONT)  # a test may have paused one
+        processes.stop()
 
 
 @dataclass

@@ -3,7 +3,6 @@ dead node costs at most one failed attempt. Real llama.cpp nodes; the tests run 
 
 from __future__ import annotations
 
-import asyncio
 import signal
 import statistics
 import time
@@ -16,8 +15,7 @@ import pytest_asyncio
 
 from disagg.v1 import router_pb2, router_pb2_grpc
 from services.common.processes import MeshProcesses
-from services.common.topology import load_topology
-from tests.conftest import engine_node, route, router_node
+from tests.conftest import engine_node, route, router_node, running_mesh
 from tests.streams import Collected, collect, request
 
 MODEL = "qwen3-coder:30b"
@@ -42,17 +40,8 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MeshProcesses]:
             decode_deadline_s=3,
         ),
     ]
-    path = folder / "topology.toml"
-    path.write_text("\n".join(parts))
-    processes = MeshProcesses(load_topology(path), folder / "logs")
-    processes.start()
-    try:
-        asyncio.run(processes.wait_serving(timeout_s=240))
+    with running_mesh(folder, parts) as processes:
         yield processes
-    finally:
-        for proc in processes.procs.values():
-            proc.send_signal(signal.SIGCONT)
-        processes.stop()
 
 
 @pytest_asyncio.fixture

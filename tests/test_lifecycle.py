@@ -13,8 +13,7 @@ import pytest
 
 from disagg.v1 import router_pb2_grpc
 from services.common.processes import MeshProcesses
-from services.common.topology import load_topology
-from tests.conftest import engine_node, route, router_node
+from tests.conftest import engine_node, route, router_node, running_mesh
 from tests.streams import collect, request
 
 MODEL = "qwen3-coder:30b"
@@ -24,26 +23,16 @@ COUNTING = "Count to one thousand: " + ", ".join(str(i) for i in range(1, 40)) +
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MeshProcesses]:
     folder: Path = tmp_path_factory.mktemp("lifecycle")
-    path = folder / "topology.toml"
-    path.write_text(
-        "\n".join(
-            [
-                "[mesh]\nhealth_check_every_s = 0.5\n",
-                router_node(),
-                engine_node("prefill-a", "prefill"),
-                engine_node("decode-a", "decode"),
-                engine_node("decode-b", "decode"),
-                route(MODEL, ["prefill-a"], ["decode-a", "decode-b"]),
-            ]
-        )
-    )
-    processes = MeshProcesses(load_topology(path), folder / "logs")
-    processes.start()
-    try:
-        asyncio.run(processes.wait_serving(timeout_s=240))
+    parts = [
+        "[mesh]\nhealth_check_every_s = 0.5\n",
+        router_node(),
+        engine_node("prefill-a", "prefill"),
+        engine_node("decode-a", "decode"),
+        engine_node("decode-b", "decode"),
+        route(MODEL, ["prefill-a"], ["decode-a", "decode-b"]),
+    ]
+    with running_mesh(folder, parts) as processes:
         yield processes
-    finally:
-        processes.stop()
 
 
 async def test_sigterm_lets_the_stream_in_flight_finish_and_exits_0(mesh: MeshProcesses) -> None:

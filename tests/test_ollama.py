@@ -15,8 +15,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from disagg.v1 import node_pb2, node_pb2_grpc, router_pb2, router_pb2_grpc, types_pb2
 from services.common.processes import MeshProcesses
-from services.common.topology import Topology, load_topology
-from tests.conftest import free_port, route, router_node
+from services.common.topology import Topology
+from tests.conftest import free_port, route, router_node, running_mesh
 from tests.fake_ollama import FakeOllama
 from tests.streams import collect
 
@@ -84,20 +84,11 @@ def ollama_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[OllamaMesh
             ollama_model=MODEL,
         ),
     ]
-    path = folder / "topology.toml"
-    path.write_text("\n".join(parts))
-    topology = load_topology(path)
-    processes = MeshProcesses(topology, folder / "logs")
-    processes.start()
     try:
-        asyncio.run(
-            processes.wait_serving(
-                timeout_s=60, names=["router", "prefill-ollama", "decode-ollama"]
-            )
-        )
-        yield OllamaMesh(topology, processes, nodes_ollama, direct_ollama)
+        wait_for = ["router", "prefill-ollama", "decode-ollama"]  # the "-dead" ones never serve
+        with running_mesh(folder, parts, wait_for) as processes:
+            yield OllamaMesh(processes.topology, processes, nodes_ollama, direct_ollama)
     finally:
-        processes.stop()
         nodes_ollama.stop()
         direct_ollama.stop()
 

@@ -4,7 +4,6 @@ and the decode node's own FetchKv call)."""
 
 from __future__ import annotations
 
-import asyncio
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,9 +21,8 @@ from disagg.v1 import (
     router_pb2_grpc,
 )
 from disagg_mesh import MeshClient, MeshError
-from services.common.processes import MeshProcesses
-from services.common.topology import Topology, load_topology
-from tests.conftest import engine_node, route, router_node
+from services.common.topology import Topology
+from tests.conftest import engine_node, route, router_node, running_mesh
 from tests.grpcurl import grpcurl
 from tests.streams import collect, request
 
@@ -35,27 +33,18 @@ ENV = "DISAGG_TEST_TOKEN"
 @pytest.fixture(scope="module")
 def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Topology]:
     folder: Path = tmp_path_factory.mktemp("secured")
-    path = folder / "topology.toml"
-    path.write_text(
-        "\n".join(
-            [
-                f'[security]\ntoken_env = "{ENV}"\n',
-                router_node(),
-                engine_node("prefill-a", "prefill"),
-                engine_node("decode-a", "decode"),
-                route("qwen3-coder:30b", ["prefill-a"], ["decode-a"], chain=["disaggregated"]),
-            ]
-        )
-    )
-    topology = load_topology(path)
+    parts = [
+        f'[security]\ntoken_env = "{ENV}"\n',
+        router_node(),
+        engine_node("prefill-a", "prefill"),
+        engine_node("decode-a", "decode"),
+        route("qwen3-coder:30b", ["prefill-a"], ["decode-a"], chain=["disaggregated"]),
+    ]
     os.environ[ENV] = TOKEN  # the nodes inherit it
-    processes = MeshProcesses(topology, folder / "logs")
-    processes.start()
     try:
-        asyncio.run(processes.wait_serving(timeout_s=120))
-        yield topology
+        with running_mesh(folder, parts) as processes:
+            yield processes.topology
     finally:
-        processes.stop()
         del os.environ[ENV]
 
 

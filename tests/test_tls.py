@@ -4,7 +4,6 @@ certificate from another authority are refused."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,10 +11,9 @@ from pathlib import Path
 import pytest
 
 from disagg_mesh import MeshClient, TlsFiles, Unavailable
-from services.common.processes import MeshProcesses
 from services.common.topology import Topology, load_topology
 from tests.certs import Authority
-from tests.conftest import engine_node, route, router_node
+from tests.conftest import engine_node, route, router_node, running_mesh
 
 MODEL = "qwen3-coder:30b"
 
@@ -39,32 +37,21 @@ def tls_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TlsMesh]:
     other = Authority("another CA")
     other.write_ca(folder / "other-ca.pem")
     stranger_cert, stranger_key = other.issue("stranger", folder / "s.pem", folder / "s-key.pem")
-    path = folder / "topology.toml"
-    path.write_text(
-        "\n".join(
-            [
-                '[security.tls]\nca_file = "ca.pem"\ncert_file = "{node}.pem"\n'
-                'key_file = "{node}-key.pem"\nmutual = true\n',
-                router_node(),
-                engine_node("prefill-a", "prefill"),
-                engine_node("decode-a", "decode"),
-                route(MODEL, ["prefill-a"], ["decode-a"], chain=["disaggregated"]),
-            ]
-        )
-    )
-    topology = load_topology(path)
-    processes = MeshProcesses(topology, folder / "logs")
-    processes.start()
-    try:
-        asyncio.run(processes.wait_serving(timeout_s=120))
+    parts = [
+        '[security.tls]\nca_file = "ca.pem"\ncert_file = "{node}.pem"\n'
+        'key_file = "{node}-key.pem"\nmutual = true\n',
+        router_node(),
+        engine_node("prefill-a", "prefill"),
+        engine_node("decode-a", "decode"),
+        route(MODEL, ["prefill-a"], ["decode-a"], chain=["disaggregated"]),
+    ]
+    with running_mesh(folder, parts) as processes:
         yield TlsMesh(
-            topology,
+            processes.topology,
             ca_file,
             TlsFiles(ca_file, client_cert, client_key),
             TlsFiles(ca_file, stranger_cert, stranger_key),
         )
-    finally:
-        processes.stop()
 
 
 def test_a_caller_with_a_certificate_from_the_mesh_ca_gets_through(tls_mesh: TlsMesh) -> None:
