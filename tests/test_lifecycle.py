@@ -30,6 +30,7 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MeshProcesses]:
         engine_node("decode-a", "decode"),
         engine_node("decode-b", "decode"),
         route(MODEL, ["prefill-a"], ["decode-a", "decode-b"]),
+        route("test/decode-a-only", ["prefill-a"], ["decode-a"], chain=["disaggregated"]),
     ]
     with running_mesh(folder, parts) as processes:
         yield processes
@@ -39,7 +40,7 @@ async def test_sigterm_lets_the_stream_in_flight_finish_and_exits_0(mesh: MeshPr
     draining = mesh.procs["decode-a"]
     async with grpc.aio.insecure_channel(mesh.topology.router.address) as channel:
         router: object = router_pb2_grpc.RouterServiceStub(channel)
-        call = router.Generate(request(MODEL, COUNTING, 120), timeout=60)  # type: ignore[attr-defined]
+        call = router.Generate(request("test/decode-a-only", COUNTING, 120), timeout=60)  # type: ignore[attr-defined]
         first = await call.read()
         assert first.HasField("delta")
         draining.send_signal(signal.SIGTERM)
