@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import grpc
@@ -11,6 +12,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from disagg.v1 import node_pb2, node_pb2_grpc, router_pb2, router_pb2_grpc, types_pb2
 from tests.conftest import Mesh
 from tests.grpcurl import grpcurl
+from tests.streams import request
 
 SERVICE_OF_ROLE = {
     "router": "disagg.v1.RouterService",
@@ -95,3 +97,28 @@ async def test_node_info_of_a_prefill_node(mesh: Mesh) -> None:
     assert len(info.fingerprint.model_sha256) == 64 and info.fingerprint.n_ctx_tokens == 4096
     assert "qwen3-coder:30b" in info.models
     assert info.kv_store_bytes >= 0 and info.kv_store_handles >= 0
+
+
+async def test_the_callers_request_id_is_logged_on_every_hop(mesh: Mesh) -> None:
+    request_id = "grader-7f3a-request"
+    async with grpc.aio.insecure_channel(mesh.router_address) as channel:
+        stub: object = router_pb2_grpc.RouterServiceStub(channel)
+        call = stub.Generate(  # type: ignore[attr-defined]
+            request("qwen3-coder:30b", "def add(a, b):", 2),
+            metadata=(("x-request-id", request_id),),
+        )
+        async for _ in call:
+            pass
+        returned = dict(await call.initial_metadata())
+    assert returned["x-request-id"] == request_id
+    await asyncio.sleep(0.5)  # log lines are flushed as written; give the nodes a moment
+    for node in ("router", "prefill-qwen", "decode-qwen"):
+        lines = [
+            json.loads(line)
+            for line in (mesh.processes.log_dir / f"{node}.log").read_text().splitlines()
+            if request_id in line
+        ]
+        summaries = [entry for entry in lines if entry["event"] == "rpc done"]
+        assert summaries, f"{node} logged no summary line for the request"
+        assert all(entry["request_id"] == request_id and entry["node"] == node for entry in lines)
+        assert all(entry["code"] == "OK" and entry["duration_ms"] > 0 for entry in summaries)
