@@ -40,10 +40,13 @@ def free_port() -> int:
             return port
 
 
-def router_node() -> str:
-    return (
-        f'[[nodes]]\nname = "router"\nrole = "router"\nhost = "127.0.0.1"\nport = {free_port()}\n'
-    )
+def router_node(**extra: object) -> str:
+    lines = [
+        '[[nodes]]\nname = "router"\nrole = "router"\nhost = "127.0.0.1"',
+        f"port = {free_port()}",
+    ]
+    lines += [f"{k} = {v!r}".replace("'", '"') for k, v in extra.items()]
+    return "\n".join(lines) + "\n"
 
 
 def engine_node(name: str, role: str, **extra: object) -> str:
@@ -77,8 +80,8 @@ def write_test_topology(path: Path, edge_cases: bool = True) -> Path:
     """The local topology on free ports, plus (edge_cases) routes that exercise limits."""
     parts = [
         "[mesh]\nmax_tokens_limit = 4096\n",
-        router_node(),
-        engine_node("prefill-qwen", "prefill"),
+        router_node(metrics_port=free_port()),
+        engine_node("prefill-qwen", "prefill", metrics_port=free_port()),
         engine_node("decode-qwen", "decode"),
         engine_node("prefill-gpt-oss", "prefill"),
         engine_node("decode-gpt-oss", "decode"),

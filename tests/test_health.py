@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import json
+import urllib.request
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from disagg.v1 import node_pb2, node_pb2_grpc, router_pb2, router_pb2_grpc, types_pb2
+from services.common.topology import Node
 from tests.conftest import Mesh
 from tests.grpcurl import grpcurl
-from tests.streams import request
+from tests.streams import collect, request
 
 SERVICE_OF_ROLE = {
     "router": "disagg.v1.RouterService",
@@ -122,3 +124,25 @@ async def test_the_callers_request_id_is_logged_on_every_hop(mesh: Mesh) -> None
         assert summaries, f"{node} logged no summary line for the request"
         assert all(entry["request_id"] == request_id and entry["node"] == node for entry in lines)
         assert all(entry["code"] == "OK" and entry["duration_ms"] > 0 for entry in summaries)
+
+
+async def test_prometheus_metrics(mesh: Mesh) -> None:
+    async with grpc.aio.insecure_channel(mesh.router_address) as channel:
+        stub: object = router_pb2_grpc.RouterServiceStub(channel)
+        await collect(stub.Generate(request("qwen3-coder:30b", "def add(a, b):", 3)))  # type: ignore[attr-defined]
+    router = await asyncio.to_thread(scrape, mesh.topology.router)
+    assert (
+        'disagg_requests_total{code="OK",method="disaggregated",model="qwen3-coder:30b"}' in router
+    )
+    assert 'disagg_request_stage_seconds_count{model="qwen3-coder:30b",stage="ttft"}' in router
+    assert 'disagg_rpcs_total{code="OK",method="/disagg.v1.RouterService/Generate"}' in router
+    assert 'disagg_tokens_total{kind="completion",model="qwen3-coder:30b"}' in router
+    prefill = await asyncio.to_thread(scrape, mesh.topology.node("prefill-qwen"))
+    assert "disagg_kv_store_bytes " in prefill and "disagg_kv_store_handles " in prefill
+    assert 'disagg_rpcs_total{code="OK",method="/disagg.v1.PrefillService/FetchKv"}' in prefill
+
+
+def scrape(node: Node) -> str:
+    assert node.metrics_port is not None
+    with urllib.request.urlopen(f"http://{node.host}:{node.metrics_port}/metrics", timeout=5) as r:
+        return str(r.read().decode())

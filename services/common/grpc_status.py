@@ -16,6 +16,7 @@ from typing import Any
 import grpc
 import structlog
 
+from services.common import metrics
 from services.common.errors import MeshError
 from services.common.logging import REQUEST_ID_KEY, new_request_id
 
@@ -45,12 +46,20 @@ class _Scope:
         self.started = time.perf_counter()
 
     async def __aenter__(self) -> _Scope:
+        metrics.IN_FLIGHT.labels(self.method).inc()
         structlog.contextvars.bind_contextvars(request_id=self.request_id)
         await self.context.send_initial_metadata(((REQUEST_ID_KEY, self.request_id),))
         return self
 
     async def __aexit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
         elapsed_ms = round((time.perf_counter() - self.started) * 1000, 2)
+        metrics.IN_FLIGHT.labels(self.method).dec()
+        code_name = "OK" if exc is None else status_of(exc)[0].name
+        if isinstance(exc, asyncio.CancelledError):
+            code_name = "CANCELLED"
+        elif isinstance(exc, grpc.aio.AbortError):
+            code_name = "ABORTED_BY_HANDLER"
+        metrics.RPCS.labels(self.method, code_name).inc()
         try:
             if exc is None:
                 log.info("rpc done", method=self.method, code="OK", duration_ms=elapsed_ms)

@@ -21,7 +21,9 @@ from grpc_reflection.v1alpha import reflection
 
 from services.common.auth import TokenInterceptor, configured_token
 from services.common.grpc_status import RequestScopeInterceptor
+from services.common.metrics import serve_metrics
 from services.common.node_clients import MAX_MESSAGE_BYTES
+from services.common.topology import Node
 
 log = structlog.get_logger("server")
 
@@ -48,6 +50,7 @@ async def serve(
     close: Callable[[], Awaitable[None]],
     problem: Callable[[], Awaitable[str | None]] | None = None,
     credentials: grpc.ServerCredentials | None = None,
+    metrics_address: tuple[str, int] | None = None,
 ) -> None:
     """Serve until SIGTERM/SIGINT. `register` adds our servicers; `load` readies the node
     (health stays NOT_SERVING until it returns); `problem`, polled every few seconds once
@@ -74,6 +77,9 @@ async def serve(
     except RuntimeError as exc:
         raise BindError(f"cannot listen on {bind_address}: {exc}") from None
     await server.start()
+    if metrics_address is not None:
+        serve_metrics(*metrics_address)
+        log.info("metrics", url=f"http://{metrics_address[0]}:{metrics_address[1]}/metrics")
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -130,3 +136,9 @@ async def _watch_health(
                 await health_servicer.set(name, status)
             log.info("health", status="SERVING" if serving else "NOT_SERVING", reason=reason)
         await asyncio.sleep(HEALTH_PROBE_EVERY_S)
+
+
+def metrics_address(node: Node) -> tuple[str, int] | None:
+    if node.metrics_port is None:
+        return None
+    return (node.listen_host or node.host, node.metrics_port)

@@ -75,6 +75,8 @@ class Node(_Strict):
     port: Port
     # Address the process listens on; defaults to host.
     listen_host: str | None = None
+    # Prometheus metrics over HTTP on this port (same address), if set.
+    metrics_port: Port | None = None
     # prefill and decode nodes only:
     engine: EngineName | None = None
     # llama_cpp: a GGUF path (relative to the topology file) or "package:DIST/FILE";

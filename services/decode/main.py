@@ -10,7 +10,7 @@ from services.common.node_clients import ChannelPool
 from services.common.node_info import SERVICE_NAME as NODE_SERVICE_NAME
 from services.common.node_info import add_node_service, describer, engine_of
 from services.common.readiness import Ready
-from services.common.server import serve
+from services.common.server import metrics_address, serve
 from services.common.tls import tls_for
 from services.common.topology import Node, Topology
 from services.decode.node import DecodeNode
@@ -55,4 +55,5 @@ async def run(topology: Topology, node: Node) -> None:
         problem=problem,
         close=close,
         credentials=tls.server_credentials() if tls else None,
+        metrics_address=metrics_address(node),
     )

@@ -9,10 +9,11 @@ import grpc
 
 from services.common.engines import open_engine
 from services.common.kv import KvStore
+from services.common.metrics import watch_kv_store
 from services.common.node_info import SERVICE_NAME as NODE_SERVICE_NAME
 from services.common.node_info import add_node_service, describer, engine_of
 from services.common.readiness import Ready
-from services.common.server import serve
+from services.common.server import metrics_address, serve
 from services.common.tls import tls_for
 from services.common.topology import Node, Topology
 from services.prefill.node import PrefillNode
@@ -35,6 +36,7 @@ async def run(topology: Topology, node: Node) -> None:
     async def load() -> None:
         engine = await open_engine(topology, node)
         store = KvStore(budget_bytes=node.kv_budget_bytes, ttl_s=node.kv_ttl_s)
+        watch_kv_store(lambda: store.bytes_held, lambda: len(store))
         background.add(asyncio.create_task(store.expire_periodically()))
         ready.set(
             PrefillNode(
@@ -63,4 +65,5 @@ async def run(topology: Topology, node: Node) -> None:
         problem=problem,
         close=close,
         credentials=tls.server_credentials() if tls else None,
+        metrics_address=metrics_address(node),
     )

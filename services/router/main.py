@@ -8,7 +8,7 @@ import grpc
 
 from disagg.v1 import router_pb2, router_pb2_grpc
 from services.common.node_clients import ChannelPool
-from services.common.server import serve
+from services.common.server import metrics_address, serve
 from services.common.tls import tls_for
 from services.common.topology import Node, Topology
 from services.router.node_health import NodeHealth
@@ -49,4 +49,5 @@ async def run(topology: Topology, node: Node) -> None:
         load=load,
         close=close,
         credentials=tls.server_credentials() if tls else None,
+        metrics_address=metrics_address(node),
     )

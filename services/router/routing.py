@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import grpc
 import structlog
 
+from services.common import metrics
 from services.common.engines.ollama_engine import OllamaEngine
 from services.common.errors import DeadlineExceeded, MeshError, NotFound, UpstreamError
 from services.common.node_clients import ChannelPool, DecodeClient, PrefillClient
@@ -160,6 +161,19 @@ class Router:
         self, model: str, prompt: Prompt, sampling: Sampling, time_remaining: float | None
     ) -> AsyncGenerator[TextChunk | RouteSummary, None]:
         """Text chunks as they are made, then one RouteSummary."""
+        try:
+            async with aclosing(self._generate(model, prompt, sampling, time_remaining)) as items:
+                async for item in items:
+                    if isinstance(item, RouteSummary):
+                        _count_served(model, item)
+                    yield item
+        except MeshError as exc:
+            metrics.request_failed(model, exc.code.name)
+            raise
+
+    async def _generate(
+        self, model: str, prompt: Prompt, sampling: Sampling, time_remaining: float | None
+    ) -> AsyncGenerator[TextChunk | RouteSummary, None]:
         clock = _Clock(time_remaining)
         route = self._route(model)
         validate_prompt(prompt)
@@ -186,6 +200,7 @@ class Router:
                     if exc.code in FINAL_CODES or isinstance(exc, CallerDeadlineExceeded):
                         raise
                     failed.append(_failure(attempt, exc, time.perf_counter() - started))
+                    metrics.attempt_failed(route.name, attempt.method.value, exc.code.name)
                     last_error = exc
                     log.warning(
                         "attempt failed, trying the next",
@@ -339,6 +354,22 @@ class Router:
     async def close(self) -> None:
         for engine in self._direct.values():
             await engine.close()
+
+
+def _count_served(model: str, s: RouteSummary) -> None:
+    metrics.request_served(
+        model,
+        s.method.value,
+        {
+            "ttft": s.time_to_first_token_seconds,
+            "prefill": s.prefill_seconds,
+            "kv_transfer": s.kv_transfer_seconds + s.kv_load_seconds,
+            "decode": s.decode_seconds,
+            "total": s.total_seconds,
+        },
+        s.prompt_tokens,
+        s.completion_tokens,
+    )
 
 
 def _add_decode_stats(summary: RouteSummary, stats: DecodeStats) -> None:
