@@ -49,7 +49,7 @@ def router_node(**extra: object) -> str:
     return "\n".join(lines) + "\n"
 
 
-def engine_node(name: str, role: str, **extra: object) -> str:
+def engine_node(name: str, role: str, n_threads: int = 2, **extra: object) -> str:
     lines = [
         "[[nodes]]",
         f'name = "{name}"',
@@ -59,7 +59,7 @@ def engine_node(name: str, role: str, **extra: object) -> str:
         'engine = "llama_cpp"',
         f'model = "{MODEL}"',
         f"n_ctx = {N_CTX}",
-        "n_threads = 2",
+        f"n_threads = {n_threads}",
     ]
     lines += [f"{k} = {v!r}".replace("'", '"') for k, v in extra.items()]
     return "\n".join(lines) + "\n"

@@ -17,6 +17,7 @@ import hashlib
 import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import aclosing
 from pathlib import Path
 from typing import Any
 
@@ -269,8 +270,10 @@ class LlamaCppEngine:
                     )
                 yield item
 
-        async for item in self._worker.stream(job):
-            yield item
+        # Closed as soon as this generator is: that releases the engine at once.
+        async with aclosing(self._worker.stream(job)) as items:
+            async for item in items:
+                yield item
 
     async def problem(self) -> str | None:
         return None
