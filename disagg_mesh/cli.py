@@ -17,15 +17,23 @@ import json
 import os
 import sys
 import time
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 from disagg.v1 import node_pb2, node_pb2_grpc
-from disagg_mesh.client import DEFAULT_ADDRESS, GenerateCall, MeshClient, TlsFiles
+from disagg_mesh.client import (
+    CHANNEL_OPTIONS,
+    DEFAULT_ADDRESS,
+    GenerateCall,
+    MeshClient,
+    TlsFiles,
+)
 from disagg_mesh.errors import MeshError
 from disagg_mesh.metrics import Metrics
 
@@ -230,9 +238,9 @@ async def _check(node: Any, args: argparse.Namespace) -> NodeRow:
     )
     if args.ca:
         creds = TlsFiles(args.ca, args.cert, args.key).credentials()
-        channel = grpc.aio.secure_channel(node.address, creds)
+        channel = grpc.aio.secure_channel(node.address, creds, options=CHANNEL_OPTIONS)
     else:
-        channel = grpc.aio.insecure_channel(node.address)
+        channel = grpc.aio.insecure_channel(node.address, options=CHANNEL_OPTIONS)
     async with channel:
         health: Any = health_pb2_grpc.HealthStub(channel)
         started = time.perf_counter()
@@ -244,7 +252,9 @@ async def _check(node: Any, args: argparse.Namespace) -> NodeRow:
             row.health = "DOWN" if exc.code() == grpc.StatusCode.UNAVAILABLE else exc.code().name
             row.note = (exc.details() or "")[:80]
             return row
+        figures = await asyncio.to_thread(_headline_figures, node)
         if node.role == "router":
+            row.note = figures
             return row
         info_stub: Any = node_pb2_grpc.NodeServiceStub(channel)
         try:
@@ -259,8 +269,32 @@ async def _check(node: Any, args: argparse.Namespace) -> NodeRow:
             notes.append("model in memory" if info.model_loaded_in_memory else "model not loaded")
         if node.role == "prefill":
             notes.append(f"kv {info.kv_store_handles} held, {info.kv_store_bytes / 1e6:.1f} MB")
+        if figures:
+            notes.append(figures)
         row.note = "; ".join(notes)
     return row
+
+
+def _headline_figures(node: Any) -> str:
+    """From the node's Prometheus metrics (when it has a metrics_port): calls served, failed
+    and in flight. Empty when there are none to read."""
+    if not node.metrics_port:
+        return ""
+    url = f"http://{node.host}:{node.metrics_port}/metrics"
+    try:
+        with urllib.request.urlopen(url, timeout=2) as response:
+            text = response.read().decode()
+    except OSError:
+        return "metrics unreachable"
+    served = failed = in_flight = 0.0
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "disagg_rpcs_total":
+                served += sample.value
+                failed += sample.value if sample.labels.get("code") != "OK" else 0
+            elif sample.name == "disagg_rpcs_in_flight":
+                in_flight += sample.value
+    return f"{served:.0f} calls, {failed:.0f} failed, {in_flight:.0f} in flight"
 
 
 def _table(rows: list[dict[str, str]]) -> str:

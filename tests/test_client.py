@@ -175,6 +175,8 @@ def test_cli_status_shows_every_node_and_fails_when_one_is_down(mesh: Mesh, tmp_
     for node in mesh.topology.nodes:
         assert node.name in out.stdout
     assert f"{len(mesh.topology.nodes)} of {len(mesh.topology.nodes)} nodes SERVING" in out.stdout
+    router_line = next(line for line in out.stdout.splitlines() if line.startswith("router "))
+    assert " calls, " in router_line and " in flight" in router_line  # from its /metrics
     with_dead = tmp_path / "topology.toml"
     with_dead.write_text(
         topology.read_text() + f'\n[[nodes]]\nname = "ghost"\nrole = "decode"\nhost = "127.0.0.1"\n'
