@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from disagg.v1 import node_pb2, node_pb2_grpc
@@ -36,6 +35,7 @@ from disagg_mesh.client import (
 )
 from disagg_mesh.errors import MeshError
 from disagg_mesh.metrics import Metrics
+from services.common.node_clients import health_status
 
 HINTS = {
     grpc.StatusCode.UNAVAILABLE: "is the mesh running? `make run` starts the local one; "
@@ -242,16 +242,14 @@ async def _check(node: Any, args: argparse.Namespace) -> NodeRow:
     else:
         channel = grpc.aio.insecure_channel(node.address, options=CHANNEL_OPTIONS)
     async with channel:
-        health: Any = health_pb2_grpc.HealthStub(channel)
         started = time.perf_counter()
-        try:
-            reply = await health.Check(health_pb2.HealthCheckRequest(), timeout=2.0)
-            row.latency_ms = (time.perf_counter() - started) * 1000
-            row.health = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
-        except grpc.aio.AioRpcError as exc:
-            row.health = "DOWN" if exc.code() == grpc.StatusCode.UNAVAILABLE else exc.code().name
-            row.note = (exc.details() or "")[:80]
+        status, detail = await health_status(channel, timeout_s=2.0)
+        if status not in ("SERVING", "NOT_SERVING"):  # the check itself failed
+            row.health = "DOWN" if status == "UNAVAILABLE" else status
+            row.note = detail[:80]
             return row
+        row.latency_ms = (time.perf_counter() - started) * 1000
+        row.health = status
         figures = await asyncio.to_thread(_headline_figures, node)
         if node.role == "router":
             row.note = figures

@@ -54,40 +54,32 @@ class _Scope:
     async def __aexit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
         elapsed_ms = round((time.perf_counter() - self.started) * 1000, 2)
         metrics.IN_FLIGHT.labels(self.method).dec()
-        code_name = "OK" if exc is None else status_of(exc)[0].name
-        if isinstance(exc, asyncio.CancelledError):
-            code_name = "CANCELLED"
-        elif isinstance(exc, grpc.aio.AbortError):
-            code_name = "ABORTED_BY_HANDLER"
-        metrics.RPCS.labels(self.method, code_name).inc()
         try:
             if exc is None:
-                log.info("rpc done", method=self.method, code="OK", duration_ms=elapsed_ms)
+                self._count_and_log("rpc done", "OK", elapsed_ms)
                 return
             if isinstance(exc, asyncio.CancelledError):
-                log.info(
-                    "rpc cancelled", method=self.method, code="CANCELLED", duration_ms=elapsed_ms
-                )
+                self._count_and_log("rpc cancelled", "CANCELLED", elapsed_ms)
                 return
-            if isinstance(exc, grpc.aio.AbortError):
-                log.info("rpc aborted", method=self.method, duration_ms=elapsed_ms)
+            if isinstance(exc, grpc.aio.AbortError):  # the handler set its own status
+                self._count_and_log("rpc aborted", "ABORTED_BY_HANDLER", elapsed_ms)
                 return
             code, message = status_of(exc)
             if code == grpc.StatusCode.INTERNAL and not isinstance(exc, MeshError):
+                metrics.RPCS.labels(self.method, code.name).inc()
                 log.exception(
                     "rpc failed", method=self.method, code=code.name, duration_ms=elapsed_ms
                 )
             else:
-                log.info(
-                    "rpc failed",
-                    method=self.method,
-                    code=code.name,
-                    error=message,
-                    duration_ms=elapsed_ms,
-                )
+                self._count_and_log("rpc failed", code.name, elapsed_ms, error=message)
             await self.context.abort(code, message)  # raises AbortError
         finally:
             structlog.contextvars.unbind_contextvars("request_id")
+
+    def _count_and_log(self, event: str, code: str, elapsed_ms: float, **extra: str) -> None:
+        """The call's one summary line, and its count by method and code."""
+        metrics.RPCS.labels(self.method, code).inc()
+        log.info(event, method=self.method, code=code, duration_ms=elapsed_ms, **extra)
 
 
 class RequestScopeInterceptor(grpc.aio.ServerInterceptor):

@@ -10,6 +10,7 @@ from collections.abc import AsyncGenerator
 from typing import Any, NoReturn
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from disagg.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from services.common import convert
@@ -158,3 +159,14 @@ class DecodeClient:
             _fail("decode", self.address, exc)
         finally:
             call.cancel()
+
+
+async def health_status(channel: grpc.aio.Channel, timeout_s: float) -> tuple[str, str]:
+    """(status, detail) of a node's overall grpc.health.v1 check: "SERVING" or
+    "NOT_SERVING", or the gRPC code of a failed check with its message."""
+    stub: Any = health_pb2_grpc.HealthStub(channel)  # the stubs type it for sync channels
+    try:
+        reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
+    except grpc.aio.AioRpcError as exc:
+        return exc.code().name, exc.details() or ""
+    return str(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)), ""

@@ -13,12 +13,10 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.common.node_clients import open_channel
+from services.common.node_clients import health_status, open_channel
 from services.common.tls import tls_for
 from services.common.topology import Node, Topology
 
@@ -89,7 +87,7 @@ class MeshProcesses:
                             f"node {name} exited with code {code} while starting; "
                             f"last lines of {log_file}:\n{self.log_tail(name)}"
                         )
-                    pending[name] = await _health(channels[name])
+                    pending[name], _ = await health_status(channels[name], timeout_s=1.0)
                     if pending[name] == "SERVING":
                         del pending[name]
                 now = time.monotonic()
@@ -137,12 +135,3 @@ class MeshProcesses:
                 codes[name] = proc.wait()
         self.procs.clear()
         return codes
-
-
-async def _health(channel: grpc.aio.Channel) -> str:
-    stub: Any = health_pb2_grpc.HealthStub(channel)  # the stubs type it for sync channels
-    try:
-        reply = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
-    except grpc.aio.AioRpcError as exc:
-        return exc.code().name
-    return str(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))

@@ -9,13 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
 
-import grpc
 import structlog
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.common.node_clients import ChannelPool
+from services.common.node_clients import ChannelPool, health_status
 from services.common.topology import Node
 
 log = structlog.get_logger("node_health")
@@ -65,12 +62,8 @@ class NodeHealth:
             await asyncio.sleep(self._every_s)
 
     async def _check(self, node: Node) -> None:
-        stub: Any = health_pb2_grpc.HealthStub(self._pool.get(node.address))
-        try:
-            reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=CHECK_TIMEOUT_S)
-            serving = reply.status == health_pb2.HealthCheckResponse.SERVING
-        except grpc.aio.AioRpcError:
-            serving = False
+        status, _ = await health_status(self._pool.get(node.address), CHECK_TIMEOUT_S)
+        serving = status == "SERVING"
         if serving != self._serving[node.name]:
             log.info("node health", node=node.name, serving=serving)
             self._serving[node.name] = serving
