@@ -3,6 +3,7 @@ dead node costs at most one failed attempt. Real llama.cpp nodes; the tests run 
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import statistics
 import time
@@ -106,4 +107,90 @@ async def test_killed_prefill_node_falls_back_to_whole_generation(
     took, got = await timed(router)
     assert got.summary.completion_tokens == 8
     assert got.summary.method == router_pb2.ROUTE_METHOD_DECODE_ONLY
+    assert took - usual < FAILOVER_TARGET_S, (took, usual)
+
+
+# -- the prefill stage's retries: a second mesh with two prefill nodes ----------------------
+
+
+@pytest.fixture(scope="module")
+def two_prefill_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MeshProcesses]:
+    folder: Path = tmp_path_factory.mktemp("failover-prefill")
+    parts = [
+        "[mesh]\ncooldown_s = 2\nhealth_check_every_s = 5\n",
+        router_node(),
+        engine_node("prefill-a", "prefill"),
+        engine_node("prefill-b", "prefill"),
+        engine_node("decode-a", "decode"),
+        route(
+            MODEL,
+            ["prefill-a", "prefill-b"],
+            ["decode-a"],
+            chain=["disaggregated", "decode_only"],
+            prefill_deadline_s=3,
+        ),
+    ]
+    with running_mesh(folder, parts) as processes:
+        yield processes
+
+
+@pytest_asyncio.fixture
+async def router2(
+    two_prefill_mesh: MeshProcesses,
+) -> AsyncIterator[router_pb2_grpc.RouterServiceAsyncStub]:
+    async with grpc.aio.insecure_channel(two_prefill_mesh.topology.router.address) as channel:
+        yield router_pb2_grpc.RouterServiceStub(channel)
+
+
+def failures(got: Collected) -> list[tuple[str, str]]:
+    return [(f.node, f.code) for f in got.summary.failed_attempts]
+
+
+async def test_hung_prefill_node_times_out_and_is_retried_on_the_other(
+    two_prefill_mesh: MeshProcesses, router2: router_pb2_grpc.RouterServiceAsyncStub
+) -> None:
+    usual = await baseline(router2)
+    hung = two_prefill_mesh.procs["prefill-a"]
+    hung.send_signal(signal.SIGSTOP)
+    try:
+        took, got = await timed(router2)
+    finally:
+        hung.send_signal(signal.SIGCONT)
+    assert got.summary.completion_tokens == 8
+    # Still disaggregated: the stage's own DEADLINE_EXCEEDED is retried on the next node.
+    assert got.summary.method == router_pb2.ROUTE_METHOD_DISAGGREGATED
+    assert got.summary.prefill_node == "prefill-b"
+    assert failures(got) == [("prefill-a", "DEADLINE_EXCEEDED")]
+    assert 2.5 < got.summary.failed_attempts[0].duration.ToTimedelta().total_seconds() < 4
+    assert took - usual < FAILOVER_TARGET_S, (took, usual)
+
+
+async def test_killed_prefill_node_is_retried_on_the_other(
+    two_prefill_mesh: MeshProcesses, router2: router_pb2_grpc.RouterServiceAsyncStub
+) -> None:
+    await asyncio.sleep(2.5)  # prefill-a's cool-down from the test before ends
+    usual = await baseline(router2)
+    two_prefill_mesh.procs["prefill-a"].kill()
+    two_prefill_mesh.procs["prefill-a"].wait()
+    took, got = await timed(router2)
+    assert got.summary.method == router_pb2.ROUTE_METHOD_DISAGGREGATED
+    assert got.summary.prefill_node == "prefill-b"
+    assert failures(got) in ([], [("prefill-a", "UNAVAILABLE")]), failures(got)
+    assert took - usual < FAILOVER_TARGET_S, (took, usual)
+
+
+async def test_hung_last_prefill_node_is_not_retried(
+    two_prefill_mesh: MeshProcesses, router2: router_pb2_grpc.RouterServiceAsyncStub
+) -> None:
+    """A hung node would hang again: with no other prefill node, the chain moves on."""
+    usual = await baseline(router2)
+    hung = two_prefill_mesh.procs["prefill-b"]
+    hung.send_signal(signal.SIGSTOP)
+    try:
+        took, got = await timed(router2)
+    finally:
+        hung.send_signal(signal.SIGCONT)
+    assert got.summary.method == router_pb2.ROUTE_METHOD_DECODE_ONLY
+    assert ("prefill-b", "DEADLINE_EXCEEDED") in failures(got)
+    assert failures(got).count(("prefill-b", "DEADLINE_EXCEEDED")) == 1
     assert took - usual < FAILOVER_TARGET_S, (took, usual)

@@ -22,7 +22,7 @@ from services.common import metrics
 from services.common.engines.ollama_engine import OllamaEngine
 from services.common.errors import DeadlineExceeded, MeshError, NotFound, UpstreamError
 from services.common.node_clients import ChannelPool, DecodeClient, PrefillClient
-from services.common.retries import call_with_retries
+from services.common.retries import call_with_retries, is_retryable
 from services.common.topology import ModelRoute, Node, Step, Topology
 from services.common.types import (
     DecodeStats,
@@ -115,6 +115,9 @@ class _Clock:
     def elapsed(self) -> float:
         return time.perf_counter() - self.started
 
+    def remaining(self) -> float | None:
+        return None if self._deadline is None else max(self._deadline - time.monotonic(), 0.0)
+
     def stage_timeout(self, stage_limit_s: float) -> tuple[float, bool]:
         """(timeout, True if the caller's deadline is what limits it)."""
         if self._deadline is None:
@@ -130,10 +133,14 @@ class CallerDeadlineExceeded(DeadlineExceeded):
 @dataclass
 class _Attempt:
     method: RouteMethod
+    # The prefill nodes a disaggregated attempt may use, in order (retries move along).
+    prefill_candidates: list[Node] = field(default_factory=list)
+    # The prefill node that served (or, before that, the first candidate).
     prefill: Node | None = None
     decode: Node | None = None
-    # The node being called when a failure happens, to blame it.
+    # The node being called when a failure happens, to blame it, and when that call began.
     current: Node | None = None
+    started: float = 0.0
 
     @property
     def label(self) -> str:
@@ -182,11 +189,11 @@ class Router:
         last_error: MeshError | None = None
         for step in route.chain:
             for attempt in self._attempts(step, route):
-                started = time.perf_counter()
+                attempt.started = time.perf_counter()
                 summary = RouteSummary(method=attempt.method)
                 delivered = 0
                 try:
-                    events = self._run(attempt, route, prompt, sampling, clock, summary)
+                    events = self._run(attempt, route, prompt, sampling, clock, summary, failed)
                     async with aclosing(events) as stream:
                         async for chunk in stream:
                             if not delivered:
@@ -194,21 +201,13 @@ class Router:
                             delivered += 1
                             yield chunk
                 except MeshError as exc:
-                    self._blame(attempt, exc)
                     if delivered:
+                        self._blame(attempt, exc)
                         raise _midstream_error(exc, attempt, delivered) from exc
                     if exc.code in FINAL_CODES or isinstance(exc, CallerDeadlineExceeded):
                         raise
-                    failed.append(_failure(attempt, exc, time.perf_counter() - started))
-                    metrics.attempt_failed(route.name, attempt.method.value, exc.code.name)
+                    self._attempt_failed(route, attempt, exc, failed)
                     last_error = exc
-                    log.warning(
-                        "attempt failed, trying the next",
-                        method=attempt.method.value,
-                        node=attempt.current.name if attempt.current else attempt.label,
-                        code=exc.code.name,
-                        error=exc.message,
-                    )
                     continue
                 for node in (attempt.prefill, attempt.decode):
                     if node is not None:
@@ -234,7 +233,12 @@ class Router:
         if step == "direct_ollama":
             yield _Attempt(RouteMethod.DIRECT_OLLAMA)
         elif step == "disaggregated":
-            yield _Attempt(RouteMethod.DISAGGREGATED, prefill=prefill[0], decode=decode[0])
+            yield _Attempt(
+                RouteMethod.DISAGGREGATED,
+                prefill_candidates=prefill,
+                prefill=prefill[0],
+                decode=decode[0],
+            )
         else:
             for node in decode:
                 yield _Attempt(RouteMethod.DECODE_ONLY, decode=node)
@@ -244,6 +248,25 @@ class Router:
             if not isinstance(exc, CallerDeadlineExceeded):
                 self.health.failed(attempt.current)
 
+    def _attempt_failed(
+        self,
+        route: ModelRoute,
+        attempt: _Attempt,
+        exc: MeshError,
+        failed: list[FailedAttempt],
+    ) -> None:
+        """A failure before any text was sent: blame the node, count it, list it."""
+        self._blame(attempt, exc)
+        failed.append(_failure(attempt, exc, time.perf_counter() - attempt.started))
+        metrics.attempt_failed(route.name, attempt.method.value, exc.code.name)
+        log.warning(
+            "attempt failed, trying the next",
+            method=attempt.method.value,
+            node=attempt.current.name if attempt.current else attempt.label,
+            code=exc.code.name,
+            error=exc.message,
+        )
+
     async def _run(
         self,
         attempt: _Attempt,
@@ -252,16 +275,18 @@ class Router:
         sampling: Sampling,
         clock: _Clock,
         summary: RouteSummary,
+        failed: list[FailedAttempt],
     ) -> AsyncGenerator[TextChunk, None]:
-        """One attempt: relays its text and fills in summary."""
+        """One attempt: relays its text and fills in summary (and failed, with the prefill
+        calls that were retried)."""
         if attempt.method == RouteMethod.DIRECT_OLLAMA:
             async for chunk in self._direct_ollama(route, prompt, sampling, clock, summary):
                 yield chunk
             return
         source: KvSource | Prompt = prompt
-        if attempt.prefill is not None:
-            attempt.current = attempt.prefill
-            result = await self._prefill(route, attempt.prefill, prompt, sampling, clock)
+        if attempt.prefill_candidates:
+            result = await self._prefill(route, attempt, prompt, sampling, clock, failed)
+            assert attempt.prefill is not None
             summary.prefill_node = attempt.prefill.name
             summary.prefill_address = attempt.prefill.address
             summary.prefill_seconds = result.prefill_seconds
@@ -292,16 +317,50 @@ class Router:
         _add_decode_stats(summary, stats)
 
     async def _prefill(
-        self, route: ModelRoute, node: Node, prompt: Prompt, sampling: Sampling, clock: _Clock
+        self,
+        route: ModelRoute,
+        attempt: _Attempt,
+        prompt: Prompt,
+        sampling: Sampling,
+        clock: _Clock,
+        failed: list[FailedAttempt],
     ) -> PrefillResult:
-        timeout, caller_bound = clock.stage_timeout(route.prefill_deadline_s)
-        client = PrefillClient(self.pool, node.address)
-        try:
-            return await call_with_retries(
-                lambda t: client.prefill(route.name, prompt, sampling, timeout_s=t), timeout
-            )
-        except UpstreamError as exc:
-            raise _stage_error(exc, "prefill", node, timeout, caller_bound) from exc
+        """The prefill stage with retries (tenacity): each call gets the stage deadline (or
+        what is left of the caller's), and moves to the next candidate node. UNAVAILABLE and
+        RESOURCE_EXHAUSTED are retried; so is the stage's own DEADLINE_EXCEEDED, but only on
+        a node that has not timed out in this request (a hung node would hang again).
+        Every retried call is listed in failed."""
+        nodes = attempt.prefill_candidates
+        timed_out: set[str] = set()
+
+        async def call(number: int) -> PrefillResult:
+            node = nodes[(number - 1) % len(nodes)]
+            attempt.prefill = attempt.current = node
+            attempt.started = time.perf_counter()
+            timeout, caller_bound = clock.stage_timeout(route.prefill_deadline_s)
+            client = PrefillClient(self.pool, node.address)
+            try:
+                return await client.prefill(route.name, prompt, sampling, timeout_s=timeout)
+            except UpstreamError as exc:
+                error = _stage_error(exc, "prefill", node, timeout, caller_bound)
+                if type(error) is DeadlineExceeded:
+                    timed_out.add(node.name)
+                raise error from exc
+
+        def retryable(exc: BaseException) -> bool:
+            if is_retryable(exc):
+                return True
+            if type(exc) is not DeadlineExceeded:  # the caller's own deadline is final
+                return False
+            after = attempt.prefill
+            following = nodes[(nodes.index(after) + 1) % len(nodes)] if after else None
+            return following is not None and following.name not in timed_out
+
+        def on_retry(exc: BaseException) -> None:
+            assert isinstance(exc, MeshError)
+            self._attempt_failed(route, attempt, exc, failed)
+
+        return await call_with_retries(call, clock.remaining(), retryable, on_retry)
 
     async def _decode(
         self,
