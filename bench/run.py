@@ -89,8 +89,11 @@ class Prompts:
             return len(text) // 4
         return len(self._llm.tokenize(text.encode(), special=True))
 
-    def of_tokens(self, n: int) -> str:
-        lines = ["Review the following student submission and list its bugs.", ""]
+    def of_tokens(self, n: int, salt: str = "") -> str:
+        """About n tokens; a salt changes the first line, so that no prefix cache (Ollama
+        keeps one) serves one measured prompt from another."""
+        tag = f" ({salt})" if salt else ""
+        lines = [f"Review the following student submission{tag} and list its bugs.", ""]
         i = 0
         while True:
             block = [
@@ -175,9 +178,11 @@ class Bench:
             prefill: Any = prefill_pb2_grpc.PrefillServiceStub(pc)
             decode: Any = decode_pb2_grpc.DecodeServiceStub(dc)
             for size in sizes:
-                prompt = self.prompts.of_tokens(size)
                 handoff, reprefill, kv_bytes, tokens = [], [], 0, 0
-                for _ in range(self.repeats):
+                for k in range(self.repeats):
+                    # Two prompts of one size: an Ollama decode node would otherwise serve
+                    # the re-prefill from the prefix cache the handoff just filled.
+                    prompt = self.prompts.of_tokens(size, salt=f"handoff {k}")
                     reply = await self._prefill(prefill, prompt)
                     # llama.cpp is ready once the state is loaded; Ollama only evaluates the
                     # prompt again when asked for a token beyond the prefill node's first.
@@ -192,7 +197,9 @@ class Bench:
                     )
                     kv_bytes, tokens = reply.kv_size_bytes, reply.prompt_tokens
                     whole = decode_pb2.DecodeServiceGenerateRequest(
-                        model=self.model, prompt=prompt, sampling=greedy(1)
+                        model=self.model,
+                        prompt=self.prompts.of_tokens(size, salt=f"re-prefill {k}"),
+                        sampling=greedy(1),
                     )
                     summary, *_ = await timed_stream(decode, whole)
                     reprefill.append(secs(summary.prompt_eval_duration))

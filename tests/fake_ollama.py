@@ -3,9 +3,16 @@
 It speaks the real protocol: NDJSON streaming (chunked) of /api/generate and /api/chat,
 non-streaming replies, /api/tags, /api/ps, /api/show and /api/version, Ollama's field names,
 nanosecond durations, `{"error": …}` bodies with their HTTP status, and the deprecated
-`context` token ids. Its "model" is tiny and deterministic: one token per character
-(id = code point), and the next word depends only on the text so far, so continuing from a
-context gives the same words as generating in one go.
+`context` token ids. Its default model (`WordModel`) is tiny and deterministic: one token
+per character (id = code point), and the next word depends only on the text so far, so
+continuing from a context gives the same words as generating in one go.
+
+`LlamaModel` puts a real GGUF behind the same protocol (llama-cpp-python), to measure what
+Ollama's semantics cost with real prompt evaluation: a `context` is detokenized and
+evaluated again, with one slot whose prefix cache is reused as Ollama's runner does, and the
+durations are measured. Run it as its own process (one per "machine"):
+
+    python -m tests.fake_ollama --gguf FILE --model smollm2:135m [--port N] [--threads N]
 
 Switches for failure tests: `delay_s` per streamed token, `status` (answer every request
 with that HTTP error), `drop_after` (close the connection mid-stream after N chunks),
@@ -15,12 +22,17 @@ client went away before the end (and sets `disconnected`); `requests` records ev
 
 from __future__ import annotations
 
+import argparse
+import codecs
 import json
+import os
 import threading
 import time
+from collections.abc import Generator
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, Protocol
 
 WORDS = [
     " the",
@@ -48,8 +60,185 @@ def now() -> str:
     return datetime.now(UTC).isoformat().replace("+00:00", "Z")
 
 
+@dataclass
+class Run:
+    """One generation: `pieces` are made as they are read; `stats` holds Ollama's final
+    fields (done_reason, counts, nanosecond durations, context) once they are all out."""
+
+    pieces: Generator[str, None, None]
+    stats: dict[str, Any] = field(default_factory=dict)
+
+
+class Model(Protocol):
+    template: str
+
+    def detokenize(self, ids: list[int]) -> str: ...
+
+    def render_chat(self, messages: list[dict[str, Any]]) -> str: ...
+
+    def run(self, prompt: str, options: dict[str, Any]) -> Run: ...
+
+
+def _limit(options: dict[str, Any], default: int) -> int:
+    num_predict = options.get("num_predict", -1)
+    return default if num_predict is None or num_predict < 0 else int(num_predict)
+
+
+def _cut_at_stop(text: str, stops: list[str]) -> int | None:
+    """Where the first stop string begins in text, if one is there."""
+    found = [text.index(s) for s in stops if s and s in text]
+    return min(found) if found else None
+
+
+class WordModel:
+    """Tiny and deterministic: one token per character, words chosen from the text so far;
+    durations are 1 ms per token."""
+
+    template = "<|user|>{{ .Prompt }}<|assistant|>"
+
+    def detokenize(self, ids: list[int]) -> str:
+        return "".join(chr(i) for i in ids)
+
+    def render_chat(self, messages: list[dict[str, Any]]) -> str:
+        return "".join(f"<|{m['role']}|>{m['content']}" for m in messages) + "<|assistant|>"
+
+    def run(self, prompt: str, options: dict[str, Any]) -> Run:
+        stats: dict[str, Any] = {}
+        return Run(self._words(prompt, options, _limit(options, 128), stats), stats)
+
+    @staticmethod
+    def _words(
+        prompt: str, options: dict[str, Any], limit: int, stats: dict[str, Any]
+    ) -> Generator[str, None, None]:
+        stops = options.get("stop") or []
+        words: list[str] = []
+        done_reason = "length"
+        text = prompt
+        while len(words) < limit:
+            word = next_word(text)
+            sent = "".join(words)
+            cut = _cut_at_stop(sent + word, stops)
+            if cut is not None:
+                tail = (sent + word)[len(sent) : cut]
+                if tail:
+                    words.append(tail)
+                    yield tail
+                done_reason = "stop"
+                break
+            words.append(word)
+            text += word
+            yield word
+            if word == " clearer":  # this model's end of turn
+                done_reason = "stop"
+                break
+        stats.update(
+            done_reason=done_reason,
+            prompt_eval_count=len(prompt),
+            prompt_eval_duration=1_000_000 * len(prompt),
+            eval_count=len(words),
+            eval_duration=1_000_000 * len(words),
+            context=[ord(c) for c in prompt + "".join(words)],
+        )
+
+
+class LlamaModel:
+    """A real GGUF through llama-cpp-python, with Ollama's semantics: one slot (requests
+    wait their turn), the prompt evaluated from the longest prefix the slot already holds,
+    `context` = prompt tokens + generated tokens, measured nanosecond durations."""
+
+    template = "<|im_start|>user\n{{ .Prompt }}<|im_end|>\n<|im_start|>assistant\n"
+
+    def __init__(self, gguf: str, n_ctx: int = 4096, n_threads: int | None = None) -> None:
+        import llama_cpp
+
+        self._llama_cpp = llama_cpp
+        threads = n_threads or os.cpu_count() or 1
+        self.n_ctx = n_ctx
+        self._llm = llama_cpp.Llama(
+            model_path=gguf,
+            n_ctx=n_ctx,
+            n_threads=threads,
+            n_threads_batch=threads,
+            verbose=False,
+        )
+        self._slot = threading.Lock()
+
+    def detokenize(self, ids: list[int]) -> str:
+        return self._llm.detokenize(ids, special=True).decode("utf-8", "replace")
+
+    def render_chat(self, messages: list[dict[str, Any]]) -> str:
+        turns = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+        return turns + "<|im_start|>assistant\n"
+
+    def run(self, prompt: str, options: dict[str, Any]) -> Run:
+        stats: dict[str, Any] = {}
+        return Run(self._generate(prompt, options, stats), stats)
+
+    def _generate(
+        self, prompt: str, options: dict[str, Any], stats: dict[str, Any]
+    ) -> Generator[str, None, None]:
+        llm = self._llm
+        tokens = llm.tokenize(prompt.encode(), add_bos=True, special=True)
+        if len(tokens) >= self.n_ctx:
+            raise ValueError(f"prompt of {len(tokens)} tokens does not fit n_ctx {self.n_ctx}")
+        limit = min(_limit(options, self.n_ctx), self.n_ctx - len(tokens))
+        stops = options.get("stop") or []
+        decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        made: list[int] = []
+        text = ""
+        done_reason = "length"
+        with self._slot:
+            if options.get("seed") is not None:
+                llm.set_seed(int(options["seed"]))
+            started = time.perf_counter_ns()
+            first_at = started
+            sampled = llm.generate(
+                tokens,
+                temp=float(options.get("temperature", 0.8)),
+                top_p=float(options.get("top_p", 0.9)),
+                top_k=int(options.get("top_k", 40)),
+                reset=True,
+            )
+            try:
+                while len(made) < limit:
+                    token = next(sampled)
+                    if not made:
+                        first_at = time.perf_counter_ns()
+                    if self._llama_cpp.llama_vocab_is_eog(llm._model.vocab, token):
+                        done_reason = "stop"
+                        break
+                    made.append(token)
+                    piece = decoder.decode(llm.detokenize([token]))
+                    cut = _cut_at_stop(text + piece, stops)
+                    if cut is not None:
+                        if cut > len(text):
+                            yield (text + piece)[len(text) : cut]
+                        done_reason = "stop"
+                        break
+                    text += piece
+                    if piece:
+                        yield piece
+            finally:
+                sampled.close()
+            ended = time.perf_counter_ns()
+        stats.update(
+            done_reason=done_reason,
+            prompt_eval_count=len(tokens),  # cached tokens count too, as in Ollama
+            prompt_eval_duration=first_at - started,
+            eval_count=len(made),
+            eval_duration=max(ended - first_at, 1),
+            context=tokens + made,
+        )
+
+
 class FakeOllama:
-    def __init__(self, models: tuple[str, ...] = ("qwen3-coder:30b", "gpt-oss:120b")) -> None:
+    def __init__(
+        self,
+        models: tuple[str, ...] = ("qwen3-coder:30b", "gpt-oss:120b"),
+        model: Model | None = None,
+        port: int = 0,
+    ) -> None:
+        self.model: Model = model or WordModel()
         self.models = set(models)
         self.loaded: set[str] = set()
         self.delay_s = 0.0
@@ -60,7 +249,7 @@ class FakeOllama:
         self.disconnected = threading.Event()
         self.requests: list[tuple[str, dict[str, Any]]] = []
         self._lock = threading.Lock()
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
+        self._server = ThreadingHTTPServer(("127.0.0.1", port), self._handler())
         self._server.daemon_threads = True
         self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
@@ -129,80 +318,57 @@ class FakeOllama:
         if body.get("raw"):
             text = prompt
         else:
-            context = "".join(chr(i) for i in body.get("context") or [])
-            template = body.get("template") or "<|user|>{{ .Prompt }}<|assistant|>"
+            # As Ollama does: the detokenized context, then the new prompt in the template.
+            context = self.model.detokenize(body.get("context") or [])
+            template = body.get("template") or self.model.template
             text = context + template.replace("{{ .Prompt }}", prompt)
         self._complete(h, body, text, chat=False)
 
     def _chat(self, h: BaseHTTPRequestHandler, body: dict[str, Any]) -> None:
-        text = "".join(f"<|{m['role']}|>{m['content']}" for m in body.get("messages", []))
-        self._complete(h, body, text + "<|assistant|>", chat=True)
+        self._complete(h, body, self.model.render_chat(body.get("messages", [])), chat=True)
 
     def _complete(
         self, h: BaseHTTPRequestHandler, body: dict[str, Any], prompt: str, chat: bool
     ) -> None:
-        options = body.get("options") or {}
-        num_predict = options.get("num_predict", -1)
-        limit = 128 if num_predict is None or num_predict < 0 else num_predict
-        stops = options.get("stop") or []
         model = body["model"]
         self.loaded.add(model)
-        words: list[str] = []
-        done_reason = "length"
-        text = prompt
-        while len(words) < limit:
-            word = next_word(text)
-            candidate = "".join(words) + word
-            if any(s in candidate for s in stops):
-                cut = min(candidate.index(s) for s in stops if s in candidate)
-                tail = candidate[len("".join(words)) : cut]
-                if tail:
-                    words.append(tail)
-                done_reason = "stop"
-                break
-            words.append(word)
-            text += word
-            if word == " clearer":  # this model's end of turn
-                done_reason = "stop"
-                break
-        final = {
-            "model": model,
-            "created_at": now(),
-            "done": True,
-            "done_reason": done_reason,
-            "total_duration": 1_000_000 * (len(prompt) + len(words)) + 5_000_000,
-            "load_duration": 5_000_000,
-            "prompt_eval_count": len(prompt),
-            "prompt_eval_duration": 1_000_000 * len(prompt),
-            "eval_count": len(words),
-            "eval_duration": 1_000_000 * len(words),
-        }
-        if not chat:
-            final["context"] = [ord(c) for c in prompt + "".join(words)]
+        started = time.perf_counter_ns()
+        run = self.model.run(prompt, body.get("options") or {})
         if body.get("stream") is False:
-            content = "".join(words)
+            content = "".join(run.pieces)
+            final = self._final(model, run, started, chat)
             reply = (
                 {**final, "message": {"role": "assistant", "content": content}}
                 if chat
                 else {**final, "response": content}
             )
             return self._json(h, reply)
-        self._stream(h, model, words, final, chat)
+        self._stream(h, model, run, started, chat)
+
+    def _final(self, model: str, run: Run, started: int, chat: bool) -> dict[str, Any]:
+        stats = dict(run.stats)
+        context = stats.pop("context")
+        final = {
+            "model": model,
+            "created_at": now(),
+            "done": True,
+            **stats,
+            "total_duration": time.perf_counter_ns() - started + 5_000_000,
+            "load_duration": 5_000_000,
+        }
+        if not chat:
+            final["context"] = context
+        return final
 
     def _stream(
-        self,
-        h: BaseHTTPRequestHandler,
-        model: str,
-        words: list[str],
-        final: dict[str, Any],
-        chat: bool,
+        self, h: BaseHTTPRequestHandler, model: str, run: Run, started: int, chat: bool
     ) -> None:
         h.send_response(200)
         h.send_header("Content-Type", "application/x-ndjson")
         h.send_header("Transfer-Encoding", "chunked")
         h.end_headers()
         try:
-            for i, word in enumerate(words):
+            for i, word in enumerate(run.pieces):
                 if i == self.drop_after:
                     h.wfile.flush()
                     h.close_connection = True
@@ -218,6 +384,7 @@ class FakeOllama:
                 part = {"model": model, "created_at": now(), "done": False}
                 part.update({"message": piece} if chat else {"response": word})
                 self._chunk(h, part)
+            final = self._final(model, run, started, chat)
             last = (
                 {**final, "message": {"role": "assistant", "content": ""}}
                 if chat
@@ -229,6 +396,8 @@ class FakeOllama:
             with self._lock:
                 self.disconnects += 1
             self.disconnected.set()
+        finally:
+            run.pieces.close()  # stops the model's generation, as Ollama does
 
     @staticmethod
     def _chunk(h: BaseHTTPRequestHandler, obj: dict[str, Any] | None) -> None:
@@ -278,9 +447,27 @@ class FakeOllama:
         return {
             "modelfile": f"FROM {model}\n",
             "parameters": "temperature 0.7",
-            "template": "<|user|>{{ .Prompt }}<|assistant|>",
+            "template": self.model.template,
             "details": self._details(),
             "model_info": {"general.architecture": "qwen3moe"},
             "capabilities": ["completion"],
             "modified_at": "2026-10-01T10:00:00.000000000Z",
         }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="An Ollama HTTP API server over a GGUF file")
+    parser.add_argument("--gguf", required=True, help="the model file (llama-cpp-python)")
+    parser.add_argument("--model", action="append", required=True, help="tag(s) to serve")
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--n-ctx", type=int, default=4096)
+    args = parser.parse_args()
+    model = LlamaModel(args.gguf, n_ctx=args.n_ctx, n_threads=args.threads)
+    server = FakeOllama(models=tuple(args.model), model=model, port=args.port)
+    print(f"listening on {server.url}", flush=True)
+    server._thread.run()
+
+
+if __name__ == "__main__":
+    main()

@@ -4,6 +4,7 @@ dead node costs at most one failed attempt. Real llama.cpp nodes; the tests run 
 from __future__ import annotations
 
 import asyncio
+import re
 import signal
 import statistics
 import time
@@ -16,7 +17,7 @@ import pytest_asyncio
 
 from disagg.v1 import router_pb2, router_pb2_grpc
 from services.common.processes import MeshProcesses
-from tests.conftest import engine_node, route, router_node, running_mesh
+from tests.conftest import ROOT, engine_node, free_port, route, router_node, running_mesh
 from tests.streams import Collected, collect, request
 
 MODEL = "qwen3-coder:30b"
@@ -194,3 +195,39 @@ async def test_hung_last_prefill_node_is_not_retried(
     assert ("prefill-b", "DEADLINE_EXCEEDED") in failures(got)
     assert failures(got).count(("prefill-b", "DEADLINE_EXCEEDED")) == 1
     assert took - usual < FAILOVER_TARGET_S, (took, usual)
+
+
+# -- topology/local.toml, as `make run` starts it: any one engine node may die --------------
+
+
+@pytest.fixture(scope="module")
+def local_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MeshProcesses]:
+    """topology/local.toml itself, moved to free ports."""
+    text = (ROOT / "topology/local.toml").read_text()
+    text = re.sub(
+        r"^(port|metrics_port) = \d+", lambda m: f"{m[1]} = {free_port()}", text, flags=re.M
+    )
+    with running_mesh(tmp_path_factory.mktemp("failover-local"), [text]) as processes:
+        yield processes
+
+
+@pytest.mark.parametrize(
+    "victim", ["prefill-qwen", "decode-qwen", "prefill-gpt-oss", "decode-gpt-oss"]
+)
+async def test_local_topology_serves_both_models_with_any_one_node_killed(
+    local_mesh: MeshProcesses, victim: str
+) -> None:
+    local_mesh.procs[victim].kill()
+    local_mesh.procs[victim].wait()
+    try:
+        async with grpc.aio.insecure_channel(local_mesh.topology.router.address) as channel:
+            router = router_pb2_grpc.RouterServiceStub(channel)
+            for model in ("qwen3-coder:30b", "gpt-oss:120b"):
+                got = await collect(
+                    router.Generate(request(model, "def add(a, b):", 6), timeout=60)
+                )
+                assert got.summary.completion_tokens == 6, (victim, model)
+                assert victim not in (got.summary.prefill_node, got.summary.decode_node)
+    finally:
+        local_mesh.start_node(local_mesh.topology.node(victim))
+        await local_mesh.wait_serving(timeout_s=120, names=[victim])

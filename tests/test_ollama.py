@@ -179,12 +179,12 @@ async def test_ollama_500_on_the_nodes_falls_back_to_direct_ollama(
         ollama_mesh.nodes_ollama.status = 0
     s = got.summary
     assert s.method == router_pb2.ROUTE_METHOD_DIRECT_OLLAMA and s.completion_tokens == 5
+    # tenacity retried the prefill call on UNAVAILABLE: each of the 3 calls is listed.
     assert [(f.method, f.code) for f in s.failed_attempts] == [
-        (router_pb2.ROUTE_METHOD_DISAGGREGATED, "UNAVAILABLE"),
+        *[(router_pb2.ROUTE_METHOD_DISAGGREGATED, "UNAVAILABLE")] * 3,
         (router_pb2.ROUTE_METHOD_DECODE_ONLY, "UNAVAILABLE"),
     ]
     assert all("fake failure 500" in f.message for f in s.failed_attempts)
-    # tenacity retried the prefill call on UNAVAILABLE: 3 attempts reached Ollama.
     prefills = [
         b
         for p, b in ollama_mesh.nodes_ollama.requests
