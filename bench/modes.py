@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import socket
 import subprocess
@@ -45,7 +44,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "generated")]
 
 import grpc  # noqa: E402
 
-from bench.run import Bench, Prompts, greedy, machine, median, say, secs  # noqa: E402
+from bench.run import Bench, Prompts, greedy, machine, median, report, say, secs  # noqa: E402
 from disagg.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2_grpc  # noqa: E402
 from services.common.models import ModelFileError, resolve_model_path  # noqa: E402
 from services.common.processes import MeshProcesses  # noqa: E402
@@ -346,12 +345,7 @@ def main() -> int:
         "wall_s": time.perf_counter() - started,
         "modes": rows,
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"modes-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    path.write_text(json.dumps(record, indent=2))
-    say()
-    say(table(rows))
-    say(f"\n(medians of {args.repeats}; {record['wall_s']:.0f} s in all; written to {path})")
+    report(args.out, "modes", record, table(rows))
     return 0
 
 

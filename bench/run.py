@@ -634,13 +634,18 @@ def main() -> int:
         "wall_s": time.perf_counter() - started,
         **results,
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"bench-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    report(args.out, "bench", record, table(results))
+    return 0
+
+
+def report(out: Path, prefix: str, record: dict[str, Any], table_text: str) -> None:
+    """Write the record as JSON under out/ and print the table."""
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{prefix}-{time.strftime('%Y%m%d-%H%M%S')}.json"
     path.write_text(json.dumps(record, indent=2))
     say()
-    say(table(results))
-    say(f"\n(medians of {args.repeats}; {record['wall_s']:.0f} s in all; written to {path})")
-    return 0
+    say(table_text)
+    say(f"\n(medians of {record['repeats']}; {record['wall_s']:.0f} s in all; written to {path})")
 
 
 if __name__ == "__main__":

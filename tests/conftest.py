@@ -65,6 +65,13 @@ def engine_node(name: str, role: str, n_threads: int = 2, **extra: object) -> st
     return "\n".join(lines) + "\n"
 
 
+def ollama_node(name: str, role: str, url: str, model: str, n_ctx: int) -> str:
+    return (
+        f'[[nodes]]\nname = "{name}"\nrole = "{role}"\nhost = "127.0.0.1"\nport = {free_port()}\n'
+        f'engine = "ollama"\nmodel = "{model}"\nollama_url = "{url}"\nn_ctx = {n_ctx}\n'
+    )
+
+
 def route(name: str, prefill: list[str], decode: list[str], **extra: object) -> str:
     lines = [
         "[[models]]",

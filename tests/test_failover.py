@@ -7,6 +7,7 @@ import asyncio
 import re
 import signal
 import statistics
+import subprocess
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -58,6 +59,17 @@ async def timed(router: router_pb2_grpc.RouterServiceAsyncStub) -> tuple[float, 
     return time.perf_counter() - started, got
 
 
+async def timed_while_hung(
+    router: router_pb2_grpc.RouterServiceAsyncStub, node: subprocess.Popen[bytes]
+) -> tuple[float, Collected]:
+    """One request while node is stopped (SIGSTOP): it accepts connections, answers nothing."""
+    node.send_signal(signal.SIGSTOP)
+    try:
+        return await timed(router)
+    finally:
+        node.send_signal(signal.SIGCONT)
+
+
 async def baseline(router: router_pb2_grpc.RouterServiceAsyncStub) -> float:
     times = [(await timed(router))[0] for _ in range(3)]
     return statistics.median(times)
@@ -86,12 +98,7 @@ async def test_hung_decode_node_is_routed_around_within_5_s(
     mesh: MeshProcesses, router: router_pb2_grpc.RouterServiceAsyncStub
 ) -> None:
     usual = await baseline(router)
-    hung = mesh.procs["decode-b"]
-    hung.send_signal(signal.SIGSTOP)
-    try:
-        took, got = await timed(router)
-    finally:
-        hung.send_signal(signal.SIGCONT)
+    took, got = await timed_while_hung(router, mesh.procs["decode-b"])
     assert got.summary.completion_tokens == 8
     assert got.summary.decode_node == "decode-c"
     assert took - usual < FAILOVER_TARGET_S, (took, usual)
@@ -151,12 +158,7 @@ async def test_hung_prefill_node_times_out_and_is_retried_on_the_other(
     two_prefill_mesh: MeshProcesses, router2: router_pb2_grpc.RouterServiceAsyncStub
 ) -> None:
     usual = await baseline(router2)
-    hung = two_prefill_mesh.procs["prefill-a"]
-    hung.send_signal(signal.SIGSTOP)
-    try:
-        took, got = await timed(router2)
-    finally:
-        hung.send_signal(signal.SIGCONT)
+    took, got = await timed_while_hung(router2, two_prefill_mesh.procs["prefill-a"])
     assert got.summary.completion_tokens == 8
     # Still disaggregated: the stage's own DEADLINE_EXCEEDED is retried on the next node.
     assert got.summary.method == router_pb2.ROUTE_METHOD_DISAGGREGATED
@@ -185,12 +187,7 @@ async def test_hung_last_prefill_node_is_not_retried(
 ) -> None:
     """A hung node would hang again: with no other prefill node, the chain moves on."""
     usual = await baseline(router2)
-    hung = two_prefill_mesh.procs["prefill-b"]
-    hung.send_signal(signal.SIGSTOP)
-    try:
-        took, got = await timed(router2)
-    finally:
-        hung.send_signal(signal.SIGCONT)
+    took, got = await timed_while_hung(router2, two_prefill_mesh.procs["prefill-b"])
     assert got.summary.method == router_pb2.ROUTE_METHOD_DECODE_ONLY
     assert ("prefill-b", "DEADLINE_EXCEEDED") in failures(got)
     assert failures(got).count(("prefill-b", "DEADLINE_EXCEEDED")) == 1

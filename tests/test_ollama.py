@@ -16,6 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from disagg.v1 import node_pb2, node_pb2_grpc, router_pb2, router_pb2_grpc, types_pb2
 from services.common.processes import MeshProcesses
 from services.common.topology import Topology
+from tests import conftest
 from tests.conftest import free_port, route, router_node, running_mesh
 from tests.fake_ollama import FakeOllama
 from tests.streams import collect
@@ -25,10 +26,7 @@ PROMPT = "def add(a, b):"
 
 
 def ollama_node(name: str, role: str, url: str) -> str:
-    return (
-        f'[[nodes]]\nname = "{name}"\nrole = "{role}"\nhost = "127.0.0.1"\nport = {free_port()}\n'
-        f'engine = "ollama"\nmodel = "{MODEL}"\nollama_url = "{url}"\nn_ctx = 8192\n'
-    )
+    return conftest.ollama_node(name, role, url, MODEL, n_ctx=8192)
 
 
 @dataclass

@@ -16,8 +16,9 @@ import pytest_asyncio
 from disagg.v1 import router_pb2, router_pb2_grpc, types_pb2
 from services.common.models import resolve_model_path
 from services.common.processes import MeshProcesses
+from tests import conftest
 from tests.conftest import MODEL as GGUF
-from tests.conftest import free_port, route, router_node, running_mesh
+from tests.conftest import route, router_node, running_mesh
 from tests.fake_ollama import FakeOllama, LlamaModel
 from tests.streams import collect, request
 
@@ -26,10 +27,7 @@ PROMPT = "Explain in two sentences what a unit test is."
 
 
 def ollama_node(name: str, role: str, url: str) -> str:
-    return (
-        f'[[nodes]]\nname = "{name}"\nrole = "{role}"\nhost = "127.0.0.1"\nport = {free_port()}\n'
-        f'engine = "ollama"\nmodel = "{TAG}"\nollama_url = "{url}"\nn_ctx = 2048\n'
-    )
+    return conftest.ollama_node(name, role, url, TAG, n_ctx=2048)
 
 
 @pytest.fixture(scope="module")
