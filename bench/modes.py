@@ -294,13 +294,18 @@ def main() -> int:
     parser.add_argument("--running", action="store_true", help="the nodes are already running")
     parser.add_argument("--model", action="append", help="logical model(s) to measure")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--sizes", type=int, nargs="+", default=[250, 1000, 3000])
+    parser.add_argument(
+        "--sizes", type=int, nargs="+", help="prompt tokens (default 250 1000 3000)"
+    )
     parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--quick", action="store_true", help="1 repeat, 250 and 1000 tokens")
+    parser.add_argument(
+        "--quick", action="store_true", help="1 repeat, 250 and 1000 tokens unless --sizes"
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "bench/results")
     args = parser.parse_args()
     if args.quick:
-        args.repeats, args.sizes = 1, [250, 1000]
+        args.repeats = 1
+    args.sizes = args.sizes or ([250, 1000] if args.quick else [250, 1000, 3000])
     if args.topology and not args.running:
         parser.error("--topology measures nodes that are running: add --running")
 
