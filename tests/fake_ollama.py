@@ -34,6 +34,8 @@ from datetime import UTC, datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Protocol
 
+import llama_cpp
+
 WORDS = [
     " the",
     " code",
@@ -149,9 +151,6 @@ class LlamaModel:
     template = "<|im_start|>user\n{{ .Prompt }}<|im_end|>\n<|im_start|>assistant\n"
 
     def __init__(self, gguf: str, n_ctx: int = 4096, n_threads: int | None = None) -> None:
-        import llama_cpp
-
-        self._llama_cpp = llama_cpp
         threads = n_threads or os.cpu_count() or 1
         self.n_ctx = n_ctx
         self._llm = llama_cpp.Llama(
@@ -204,7 +203,7 @@ class LlamaModel:
                     token = next(sampled)
                     if not made:
                         first_at = time.perf_counter_ns()
-                    if self._llama_cpp.llama_vocab_is_eog(llm._model.vocab, token):
+                    if llama_cpp.llama_vocab_is_eog(llm._model.vocab, token):
                         done_reason = "stop"
                         break
                     made.append(token)

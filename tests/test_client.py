@@ -20,7 +20,8 @@ from disagg_mesh import (
     Result,
     Unavailable,
 )
-from tests.conftest import ROOT, Mesh, free_port
+from services.common.processes import free_port
+from tests.conftest import ROOT, Mesh
 
 PROMPT = "def add(a, b):"
 METRIC_NAMES = {

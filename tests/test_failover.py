@@ -17,8 +17,8 @@ import pytest
 import pytest_asyncio
 
 from disagg.v1 import router_pb2, router_pb2_grpc
-from services.common.processes import MeshProcesses
-from tests.conftest import ROOT, engine_node, free_port, route, router_node, running_mesh
+from services.common.processes import MeshProcesses, free_port
+from tests.conftest import ROOT, engine_node, route, router_node, running_mesh
 from tests.streams import Collected, collect, request
 
 MODEL = "qwen3-coder:30b"

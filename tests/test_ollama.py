@@ -14,10 +14,10 @@ import pytest_asyncio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from disagg.v1 import node_pb2, node_pb2_grpc, router_pb2, router_pb2_grpc, types_pb2
-from services.common.processes import MeshProcesses
+from services.common.processes import MeshProcesses, free_port
 from services.common.topology import Topology
 from tests import conftest
-from tests.conftest import free_port, route, router_node, running_mesh
+from tests.conftest import route, router_node, running_mesh
 from tests.fake_ollama import FakeOllama
 from tests.streams import collect
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -19,6 +20,21 @@ import grpc
 from services.common.node_clients import health_status, open_channel
 from services.common.tls import tls_for
 from services.common.topology import Node, Topology
+
+_ISSUED: set[int] = set()
+
+
+def free_port() -> int:
+    """A loopback port free now, and never handed out before by this process (the OS can
+    give the same free port twice in a row, and two nodes of one topology must not share
+    one). For topologies written on the fly: the tests and the benchmarks."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if port not in _ISSUED:
+            _ISSUED.add(port)
+            return port
 
 
 class MeshStartError(Exception):
