@@ -326,7 +326,9 @@ class Bench:
             n_ctx=self.prefill.n_ctx,
             n_threads=threads,
             n_threads_batch=threads,
-            n_batch=512,
+            n_batch=self.prefill.n_batch,
+            n_ubatch=self.prefill.n_ubatch,
+            flash_attn=self.prefill.flash_attn,
             verbose=False,
         )
 

@@ -265,6 +265,12 @@ async def _check(node: Any, args: argparse.Namespace) -> NodeRow:
             notes.append(info.problem)
         if node.engine == "ollama":
             notes.append("model in memory" if info.model_loaded_in_memory else "model not loaded")
+        if info.slots:
+            notes.append(
+                f"slots {info.slots_busy}/{info.slots}, queue {info.queue_depth}/"
+                f"{info.max_queue}, {info.prompt_tokens_per_second:.0f} prompt + "
+                f"{info.decode_tokens_per_second:.0f} decode tok/s"
+            )
         if node.role == "prefill":
             notes.append(f"kv {info.kv_store_handles} held, {info.kv_store_bytes / 1e6:.1f} MB")
         if figures:

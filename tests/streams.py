@@ -9,7 +9,7 @@ from typing import Any
 
 import llama_cpp
 
-from disagg.v1 import router_pb2, types_pb2
+from disagg.v1 import decode_pb2, prefill_pb2, router_pb2, types_pb2
 
 
 @dataclass
@@ -49,6 +49,25 @@ def request(
 ) -> router_pb2.GenerateRequest:
     return router_pb2.GenerateRequest(
         model=model, prompt=prompt, sampling=greedy(max_tokens, **extra)
+    )
+
+
+def kv_request(
+    model: str, prefill_address: str, reply: prefill_pb2.PrefillResponse, **overrides: Any
+) -> decode_pb2.DecodeServiceGenerateRequest:
+    """A decode node's request for the state a Prefill reply describes (4 greedy tokens);
+    overrides replace KvSource fields."""
+    fields: dict[str, Any] = dict(
+        prefill_address=prefill_address,
+        kv_handle=reply.kv_handle,
+        first_token_id=reply.first_token_id,
+        prompt_tokens=reply.prompt_tokens,
+        fingerprint=reply.fingerprint,
+        kv_size_bytes=reply.kv_size_bytes,
+    )
+    fields.update(overrides)
+    return decode_pb2.DecodeServiceGenerateRequest(
+        model=model, kv=decode_pb2.KvSource(**fields), sampling=greedy(4)
     )
 
 

@@ -12,7 +12,6 @@ import pytest
 import pytest_asyncio
 
 from disagg.v1 import (
-    decode_pb2,
     decode_pb2_grpc,
     prefill_pb2,
     prefill_pb2_grpc,
@@ -20,6 +19,7 @@ from disagg.v1 import (
     router_pb2_grpc,
     types_pb2,
 )
+from tests import streams
 from tests.conftest import Mesh
 from tests.streams import collect, greedy, request
 
@@ -115,18 +115,8 @@ async def test_unknown_model_is_not_found(router: router_pb2_grpc.RouterServiceA
 
 
 def kv_request(mesh: Mesh, reply: prefill_pb2.PrefillResponse, **overrides: Any) -> Any:
-    fields: dict[str, Any] = dict(
-        prefill_address=mesh.address("prefill-qwen"),
-        kv_handle=reply.kv_handle,
-        first_token_id=reply.first_token_id,
-        prompt_tokens=reply.prompt_tokens,
-        fingerprint=reply.fingerprint,
-        kv_size_bytes=reply.kv_size_bytes,
-    )
-    fields.update(overrides)
-    return decode_pb2.DecodeServiceGenerateRequest(
-        model="qwen3-coder:30b", kv=decode_pb2.KvSource(**fields), sampling=greedy(4)
-    )
+    address = overrides.pop("prefill_address", mesh.address("prefill-qwen"))
+    return streams.kv_request("qwen3-coder:30b", address, reply, **overrides)
 
 
 async def prefill(

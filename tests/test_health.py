@@ -140,6 +140,13 @@ async def test_prometheus_metrics(mesh: Mesh) -> None:
     prefill = await asyncio.to_thread(scrape, mesh.topology.node("prefill-qwen"))
     assert "disagg_kv_store_bytes " in prefill and "disagg_kv_store_handles " in prefill
     assert 'disagg_rpcs_total{code="OK",method="/disagg.v1.PrefillService/FetchKv"}' in prefill
+    # The engine: its slots, queue, tokens and steps.
+    assert "disagg_engine_slots 4.0" in prefill and "disagg_engine_slots_busy " in prefill
+    assert "disagg_engine_queue_depth 0.0" in prefill
+    assert 'disagg_engine_tokens_total{kind="prompt"}' in prefill
+    assert 'disagg_engine_tokens_per_second{kind="decode"}' in prefill
+    assert 'disagg_engine_kv_cache_bytes{state="total"} 3.7748736e+08' in prefill
+    assert "disagg_engine_step_seconds_count " in prefill
 
 
 def scrape(node: Node) -> str:

@@ -105,11 +105,16 @@ async def test_soak(mesh: MeshProcesses) -> None:
 
     await mesh.wait_serving(timeout_s=60, names=["decode-a"])  # the restarted node is back
     await asyncio.sleep(KV_TTL_S + 1.5)  # handles of cancelled requests expire
-    for name in prefill_pids:
+    for name in ("prefill-a", "prefill-b", "decode-a", "decode-b"):
         async with grpc.aio.insecure_channel(mesh.topology.node(name).address) as channel:
             info = await node_pb2_grpc.NodeServiceStub(channel).GetNodeInfo(
                 node_pb2.GetNodeInfoRequest()
             )
+        # Nothing leaked: no KV state waits to be fetched, no slot is held, nothing is
+        # queued, and no KV cell holds a token.
         assert (info.kv_store_handles, info.kv_store_bytes) == (0, 0), name
-        grown = rss_bytes(prefill_pids[name]) - rss_before[name]
+        assert (info.slots_busy, info.queue_depth, info.kv_cache_used_bytes) == (0, 0, 0), name
+        assert info.slots == (4 if name.startswith("prefill") else 8), name
+    for name, pid in prefill_pids.items():
+        grown = rss_bytes(pid) - rss_before[name]
         assert grown < 150 << 20, f"{name} grew by {grown >> 20} MiB"

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from services.common.engines.base import GeneratedToken
-from services.common.text import TextAssembler, assemble
+from services.common.engines.llama_cpp.text import GeneratedToken, TextAssembler, TextStream
 from services.common.types import FinishReason, GenerationEnd, TextChunk
 
 
@@ -17,7 +16,10 @@ def tokens(*pieces: bytes, end: bool = False) -> list[GeneratedToken]:
 def run(
     pieces: list[GeneratedToken], max_tokens: int = 100, stop: tuple[str, ...] = ()
 ) -> tuple[str, GenerationEnd]:
-    items = list(assemble(iter(pieces), max_tokens, stop))
+    stream = TextStream(max_tokens, stop)
+    items = [item for token in pieces if not stream.done for item in stream.push(token)]
+    if not stream.done:  # the tokens ran out first (a full context)
+        items += stream.end(FinishReason.LENGTH)
     end = items[-1]
     assert isinstance(end, GenerationEnd)
     text = "".join(i.text for i in items[:-1] if isinstance(i, TextChunk))

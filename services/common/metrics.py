@@ -3,14 +3,19 @@
 Every process: calls served by method and status code, and calls in flight. The router:
 requests by logical model, serving method (chain step) and code; histograms of time to first
 token, prefill, KV transfer, decode and total time; tokens. Prefill nodes: KV states and bytes
-held. Plain Python: callers pass plain values.
+held. Prefill and decode nodes: their engine's slots, queue, tokens and step times. Plain
+Python: callers pass plain values.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from prometheus_client import Counter, Gauge, Histogram, start_http_server
+
+if TYPE_CHECKING:
+    from services.common.engines.base import EngineLoad
 
 _SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 180)
 
@@ -39,6 +44,27 @@ FAILED_ATTEMPTS = Counter(
 )
 KV_STORE_BYTES = Gauge("disagg_kv_store_bytes", "Prefill: bytes of KV states held")
 KV_STORE_HANDLES = Gauge("disagg_kv_store_handles", "Prefill: KV states held, not yet fetched")
+ENGINE_SLOTS = Gauge("disagg_engine_slots", "Engine: sequences it serves at once")
+ENGINE_SLOTS_BUSY = Gauge("disagg_engine_slots_busy", "Engine: slots in use now")
+ENGINE_QUEUE = Gauge("disagg_engine_queue_depth", "Engine: requests waiting for a slot")
+ENGINE_TOKENS_PER_SECOND = Gauge(
+    "disagg_engine_tokens_per_second",
+    "Engine: prompt and generated tokens per second over the last 10 s, all slots together",
+    ["kind"],
+)
+ENGINE_KV_CACHE_BYTES = Gauge(
+    "disagg_engine_kv_cache_bytes",
+    "Embedded engine: KV cache bytes, in all and holding tokens now",
+    ["state"],
+)
+ENGINE_TOKENS = Counter(
+    "disagg_engine_tokens_total", "Embedded engine: tokens evaluated, by kind", ["kind"]
+)
+ENGINE_STEP_SECONDS = Histogram(
+    "disagg_engine_step_seconds",
+    "Embedded engine: seconds per step of the batch loop (one llama_decode)",
+    buckets=_SECONDS,
+)
 
 
 def serve_metrics(host: str, port: int) -> None:
@@ -48,6 +74,27 @@ def serve_metrics(host: str, port: int) -> None:
 def watch_kv_store(size_bytes: Callable[[], float], handles: Callable[[], float]) -> None:
     KV_STORE_BYTES.set_function(size_bytes)
     KV_STORE_HANDLES.set_function(handles)
+
+
+def watch_engine(load: Callable[[], EngineLoad | None]) -> None:
+    """Read the engine's load (None while it is loading) whenever metrics are scraped."""
+
+    def field(name: str) -> Callable[[], float]:
+        return lambda: float(getattr(load(), name, 0.0))
+
+    ENGINE_SLOTS.set_function(field("slots"))
+    ENGINE_SLOTS_BUSY.set_function(field("slots_busy"))
+    ENGINE_QUEUE.set_function(field("queue_depth"))
+    ENGINE_TOKENS_PER_SECOND.labels("prompt").set_function(field("prompt_tokens_per_second"))
+    ENGINE_TOKENS_PER_SECOND.labels("decode").set_function(field("decode_tokens_per_second"))
+    ENGINE_KV_CACHE_BYTES.labels("total").set_function(field("kv_cache_bytes"))
+    ENGINE_KV_CACHE_BYTES.labels("used").set_function(field("kv_cache_used_bytes"))
+
+
+def engine_step(seconds: float, prompt_tokens: int, decode_tokens: int) -> None:
+    ENGINE_STEP_SECONDS.observe(seconds)
+    ENGINE_TOKENS.labels("prompt").inc(prompt_tokens)
+    ENGINE_TOKENS.labels("decode").inc(decode_tokens)
 
 
 def request_served(

@@ -10,7 +10,7 @@ import grpc
 
 from disagg.v1 import node_pb2, node_pb2_grpc
 from services.common import convert
-from services.common.engines.base import Engine
+from services.common.engines.base import Engine, EngineLoad
 from services.common.kv import KvStore
 from services.common.readiness import Ready
 from services.common.topology import Node, Topology
@@ -33,6 +33,7 @@ class NodeStatus:
     model_loaded_in_memory: bool = False
     kv_store_handles: int = 0
     kv_store_bytes: int = 0
+    load: EngineLoad | None = None
 
 
 def describer(
@@ -61,6 +62,7 @@ def describer(
         status.ready = problem is None
         status.problem = problem or ""
         status.model_loaded_in_memory = current.loaded_in_memory
+        status.load = current.load()
         kv = store()
         if kv is not None:
             status.kv_store_handles, status.kv_store_bytes = len(kv), kv.bytes_held
@@ -73,6 +75,14 @@ def engine_of(ready: Ready[Any]) -> Callable[[], Engine | None]:
     return lambda: ready.get().engine if ready.is_set() else None
 
 
+def load_of(engine: Callable[[], Engine | None]) -> Callable[[], EngineLoad | None]:
+    def load() -> EngineLoad | None:
+        current = engine()
+        return current.load() if current is not None else None
+
+    return load
+
+
 class NodeServicer(node_pb2_grpc.NodeServiceServicer):
     def __init__(self, describe: Callable[[], Awaitable[NodeStatus]]) -> None:
         self._describe = describe
@@ -81,6 +91,7 @@ class NodeServicer(node_pb2_grpc.NodeServiceServicer):
         self, request: node_pb2.GetNodeInfoRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> node_pb2.GetNodeInfoResponse:
         s = await self._describe()
+        load = s.load or EngineLoad(0, 0, 0, 0, 0.0, 0.0)
         return node_pb2.GetNodeInfoResponse(
             name=s.name,
             role=s.role,
@@ -94,6 +105,14 @@ class NodeServicer(node_pb2_grpc.NodeServiceServicer):
             model_loaded_in_memory=s.model_loaded_in_memory,
             kv_store_handles=s.kv_store_handles,
             kv_store_bytes=s.kv_store_bytes,
+            slots=load.slots,
+            slots_busy=load.slots_busy,
+            queue_depth=load.queue_depth,
+            max_queue=load.max_queue,
+            prompt_tokens_per_second=load.prompt_tokens_per_second,
+            decode_tokens_per_second=load.decode_tokens_per_second,
+            kv_cache_bytes=load.kv_cache_bytes,
+            kv_cache_used_bytes=load.kv_cache_used_bytes,
         )
 
 

@@ -21,6 +21,8 @@ Step = Literal["disaggregated", "decode_only", "direct_ollama"]
 NodeName = Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9-]*$", max_length=63)]
 Port = Annotated[int, Field(ge=1, le=65535)]
 PositiveSeconds = Annotated[float, Field(gt=0, le=3600)]
+# Slots of a llama_cpp node whose topology sets none.
+DEFAULT_SLOTS = {"prefill": 4, "decode": 8}
 
 
 class TopologyError(Exception):
@@ -82,8 +84,27 @@ class Node(_Strict):
     # llama_cpp: a GGUF path (relative to the topology file) or "package:DIST/FILE";
     # ollama: the model tag on the Ollama server.
     model: str | None = None
+    # Context, tokens, of every request: each slot holds this much, whatever the others hold.
     n_ctx: Annotated[int, Field(ge=256, le=1_048_576)] = 4096
     n_threads: Annotated[int, Field(ge=1, le=1024)] | None = None
+    # llama_cpp only: sequences served at once from one context (continuous batching).
+    # Default: 4 on a prefill node, 8 on a decode node, or fewer if kv_cache_max_bytes says so.
+    slots: Annotated[int, Field(ge=1, le=256)] | None = None
+    # KV cache memory the node may use (slots * n_ctx * the model's KV bytes per token);
+    # a node whose slots do not fit refuses to start.
+    kv_cache_max_bytes: Annotated[int, Field(ge=1 << 20)] | None = None
+    # Most tokens one step evaluates, and most rows in one compute pass. 32-row passes keep
+    # llama.cpp's CPU attention on its per-row kernel: a sequence's numbers then do not
+    # depend on what else is in the batch.
+    n_batch: Annotated[int, Field(ge=1, le=65_536)] = 512
+    n_ubatch: Annotated[int, Field(ge=1, le=65_536)] = 32
+    # Flash attention, set explicitly (it decides the V layout of a KV state, so the
+    # prefill and decode nodes of a model must agree).
+    flash_attn: bool = True
+    # While streams generate, a step that also evaluates prompt tokens takes at most this
+    # many times as long as one that does not: a long prompt arriving slows the streams
+    # down by this factor instead of stalling them.
+    max_itl_slowdown: Annotated[float, Field(ge=1.0, le=1000.0)] = 2.0
     # ollama only: the server's URL, and how long it keeps the model loaded after a request.
     ollama_url: str = "http://127.0.0.1:11434"
     ollama_keep_alive: str = "30m"
@@ -100,6 +121,10 @@ class Node(_Strict):
     @property
     def bind_address(self) -> str:
         return f"{self.listen_host or self.host}:{self.port}"
+
+    @property
+    def default_slots(self) -> int:
+        return DEFAULT_SLOTS.get(self.role, 1)
 
     @model_validator(mode="after")
     def _engine_for_workers(self) -> Node:
@@ -213,7 +238,21 @@ class Topology(_Strict):
                         raise ValueError(
                             f"models[{i}].{stage}: node {name!r} has role {node.role!r}"
                         )
+            _check_kv_compatible(i, [by_name[n] for n in (*route.prefill, *route.decode)])
         return self
+
+
+def _check_kv_compatible(index: int, nodes: list[Node]) -> None:
+    """A model's embedded prefill and decode nodes must write and read the same KV layout."""
+    embedded = [n for n in nodes if n.engine == "llama_cpp"]
+    for key in ("n_ctx", "flash_attn"):
+        values = {getattr(n, key) for n in embedded}
+        if len(values) > 1:
+            listed = ", ".join(f"{n.name} has {getattr(n, key)}" for n in embedded)
+            raise ValueError(
+                f"models[{index}]: its llama_cpp nodes must agree on {key} "
+                f"(KV states move between them): {listed}"
+            )
 
 
 def load_topology(path: str | Path) -> Topology:

@@ -6,9 +6,10 @@ import grpc
 
 from disagg.v1 import decode_pb2, decode_pb2_grpc
 from services.common.engines import open_engine
+from services.common.metrics import watch_engine
 from services.common.node_clients import ChannelPool
 from services.common.node_info import SERVICE_NAME as NODE_SERVICE_NAME
-from services.common.node_info import add_node_service, describer, engine_of
+from services.common.node_info import add_node_service, describer, engine_of, load_of
 from services.common.readiness import Ready
 from services.common.server import metrics_address, serve
 from services.common.tls import tls_for
@@ -29,6 +30,7 @@ async def run(topology: Topology, node: Node) -> None:
         add_node_service(server, describer(topology, node, engine_of(ready)))
 
     async def load() -> None:
+        watch_engine(load_of(engine_of(ready)))
         ready.set(
             DecodeNode(
                 name=node.name,

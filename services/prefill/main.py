@@ -9,9 +9,9 @@ import grpc
 
 from services.common.engines import open_engine
 from services.common.kv import KvStore
-from services.common.metrics import watch_kv_store
+from services.common.metrics import watch_engine, watch_kv_store
 from services.common.node_info import SERVICE_NAME as NODE_SERVICE_NAME
-from services.common.node_info import add_node_service, describer, engine_of
+from services.common.node_info import add_node_service, describer, engine_of, load_of
 from services.common.readiness import Ready
 from services.common.server import metrics_address, serve
 from services.common.tls import tls_for
@@ -37,6 +37,7 @@ async def run(topology: Topology, node: Node) -> None:
         engine = await open_engine(topology, node)
         store = KvStore(budget_bytes=node.kv_budget_bytes, ttl_s=node.kv_ttl_s)
         watch_kv_store(lambda: store.bytes_held, lambda: len(store))
+        watch_engine(load_of(engine_of(ready)))
         background.add(asyncio.create_task(store.expire_periodically()))
         ready.set(
             PrefillNode(

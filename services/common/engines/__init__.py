@@ -6,7 +6,6 @@ from services.common.engines.base import Engine
 from services.common.errors import MeshError
 from services.common.models import resolve_model_path
 from services.common.topology import Node, Topology
-from services.common.worker import EngineWorker
 
 
 class EngineUnavailable(MeshError):
@@ -17,11 +16,22 @@ async def open_engine(topology: Topology, node: Node) -> Engine:
     """Load the engine the topology names for this node."""
     assert node.model is not None
     if node.engine == "llama_cpp":
-        from services.common.engines.llama_cpp_engine import LlamaCppEngine
+        from services.common.engines.llama_cpp import EngineSettings, LlamaCppEngine
 
         path = resolve_model_path(node.model, topology.source.parent)
-        worker = EngineWorker(node.name, node.max_queue)
-        return await LlamaCppEngine.open(path, node.n_ctx, topology.threads_for(node), worker)
+        settings = EngineSettings(
+            n_ctx=node.n_ctx,
+            n_threads=topology.threads_for(node),
+            max_queue=node.max_queue,
+            slots=node.slots,
+            default_slots=node.default_slots,
+            n_batch=node.n_batch,
+            n_ubatch=node.n_ubatch,
+            flash_attn=node.flash_attn,
+            max_itl_slowdown=node.max_itl_slowdown,
+            kv_cache_max_bytes=node.kv_cache_max_bytes,
+        )
+        return await LlamaCppEngine.open(node.name, path, settings)
     if node.engine == "ollama":
         from services.common.engines.ollama_engine import OllamaEngine
 

@@ -1,11 +1,14 @@
 """The engine interface: what a prefill or decode node needs from a model runtime.
 
-Nodes see one asynchronous interface. Blocking runtimes (embedded llama.cpp) run on one
-worker thread behind it (see `services/common/worker.py`); Ollama is asynchronous HTTP.
+Nodes see one asynchronous interface. Embedded llama.cpp runs its own step-loop thread
+behind it (`engines/llama_cpp/`); Ollama is asynchronous HTTP.
 """
 
 from __future__ import annotations
 
+import threading
+import time
+from collections import deque
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Protocol
@@ -21,15 +24,6 @@ from services.common.types import (
 )
 
 
-@dataclass(frozen=True)
-class GeneratedToken:
-    token_id: int
-    # The token's bytes: a piece of UTF-8 that can end inside a character.
-    piece: bytes
-    # True for an end-of-generation token (its piece is not part of the text).
-    is_end: bool
-
-
 @dataclass
 class PrefillOutput:
     # What the decode node needs to continue: real KV state bytes, or token ids as bytes.
@@ -43,6 +37,55 @@ class PrefillOutput:
 
 
 Generation = AsyncGenerator[TextChunk | GenerationEnd, None]
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """How busy an engine is now."""
+
+    # Sequences the engine runs at once, and how many are in use.
+    slots: int
+    slots_busy: int
+    # Requests waiting for a slot, and how many may wait before RESOURCE_EXHAUSTED.
+    queue_depth: int
+    max_queue: int
+    # Tokens per second over the last RATE_WINDOW_S, all slots together.
+    prompt_tokens_per_second: float
+    decode_tokens_per_second: float
+    # Memory of the KV cache the engine holds, and how much of it holds tokens now (0 when
+    # it is not ours to know: Ollama).
+    kv_cache_bytes: int = 0
+    kv_cache_used_bytes: int = 0
+
+
+RATE_WINDOW_S = 10.0
+
+
+class TokenRates:
+    """Prompt and generated tokens per second over the last RATE_WINDOW_S; thread-safe (an
+    engine thread adds, the event loop reads)."""
+
+    def __init__(self, window_s: float = RATE_WINDOW_S) -> None:
+        self._window_s = window_s
+        self._events: deque[tuple[float, int, int]] = deque()
+        self._lock = threading.Lock()
+
+    def add(self, prompt_tokens: int, decode_tokens: int) -> None:
+        now = time.monotonic()
+        with self._lock:
+            self._events.append((now, prompt_tokens, decode_tokens))
+            self._prune(now)
+
+    def per_second(self) -> tuple[float, float]:
+        with self._lock:
+            self._prune(time.monotonic())
+            prompt = sum(e[1] for e in self._events)
+            decode = sum(e[2] for e in self._events)
+        return prompt / self._window_s, decode / self._window_s
+
+    def _prune(self, now: float) -> None:
+        while self._events and self._events[0][0] < now - self._window_s:
+            self._events.popleft()
 
 
 class Engine(Protocol):
@@ -69,6 +112,10 @@ class Engine(Protocol):
 
     async def problem(self) -> str | None:
         """None while the engine can serve; otherwise why not (for health checks)."""
+        ...
+
+    def load(self) -> EngineLoad:
+        """Slots, queue and recent throughput (GetNodeInfo, metrics, disagg status)."""
         ...
 
     async def close(self) -> None: ...

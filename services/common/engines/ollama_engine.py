@@ -29,7 +29,7 @@ from typing import Any
 import httpx
 import ollama
 
-from services.common.engines.base import Generation, PrefillOutput
+from services.common.engines.base import EngineLoad, Generation, PrefillOutput, TokenRates
 from services.common.errors import (
     DataLoss,
     FailedPrecondition,
@@ -76,6 +76,7 @@ class OllamaEngine:
         self._client = ollama.AsyncClient(host=url, timeout=httpx.Timeout(timeout_s, connect=5.0))
         self._max_in_flight = max_in_flight
         self._in_flight = 0
+        self._rates = TokenRates()
         # The model's digest is learned from the server (problem() refreshes it).
         self.fingerprint = Fingerprint("", n_ctx, ENGINE_VERSION)
         self.loaded_in_memory = False
@@ -115,6 +116,7 @@ class OllamaEngine:
                 options=self._options(sampling, num_predict=1),
                 keep_alive=self.keep_alive,
             )
+        self._rates.add(reply.prompt_eval_count or 0, reply.eval_count or 0)
         ids = list(reply.context or [])
         if not ids:
             raise Unavailable(f"Ollama at {self.url} returned no context for the prompt")
@@ -192,6 +194,7 @@ class OllamaEngine:
                     if text:
                         yield TextChunk(text=text)
                     if part.done:
+                        self._rates.add(part.prompt_eval_count or 0, part.eval_count or 0)
                         yield GenerationEnd(
                             completion_tokens=already + (part.eval_count or 0),
                             finish_reason=(
@@ -212,6 +215,19 @@ class OllamaEngine:
                 if aclose is not None:
                     await aclose()
         raise Unavailable(f"Ollama at {self.url} ended the stream without its final message")
+
+    def load(self) -> EngineLoad:
+        """Requests in flight to Ollama (its own parallelism is OLLAMA_NUM_PARALLEL on the
+        server), and tokens per second from its replies' counts."""
+        prompt_tps, decode_tps = self._rates.per_second()
+        return EngineLoad(
+            slots=self._max_in_flight,
+            slots_busy=self._in_flight,
+            queue_depth=0,
+            max_queue=0,
+            prompt_tokens_per_second=prompt_tps,
+            decode_tokens_per_second=decode_tps,
+        )
 
     # -- helpers ---------------------------------------------------------------------------
 

@@ -1,13 +1,22 @@
 """Turning generated tokens into text deltas: UTF-8 across token boundaries, stop strings,
-end tokens and token limits. Runs on the engine thread; no protobuf here."""
+end tokens and token limits. Runs on the engine thread, one `TextStream` per slot; no
+protobuf here."""
 
 from __future__ import annotations
 
 import codecs
-from collections.abc import Iterator
+from dataclasses import dataclass
 
-from services.common.engines.base import GeneratedToken
 from services.common.types import FinishReason, GenerationEnd, TextChunk
+
+
+@dataclass(frozen=True)
+class GeneratedToken:
+    token_id: int
+    # The token's bytes: a piece of UTF-8 that can end inside a character.
+    piece: bytes
+    # True for an end-of-generation token (its piece is not part of the text).
+    is_end: bool
 
 
 class TextAssembler:
@@ -55,28 +64,34 @@ class TextAssembler:
         return chunk
 
 
-def assemble(
-    tokens: Iterator[GeneratedToken], max_tokens: int, stop: tuple[str, ...]
-) -> Iterator[TextChunk | GenerationEnd]:
-    """Text chunks as tokens come, then one GenerationEnd. The end token is not counted."""
-    assembler = TextAssembler(stop)
-    count = 0
-    finish = FinishReason.LENGTH  # the engine ran out of context
-    for token in tokens:
+class TextStream:
+    """One generation's tokens in, its text chunks and then one GenerationEnd out.
+
+    `push` returns what a token produced; once the generation is over (end token, stop
+    string, max_tokens) that list ends with the GenerationEnd and `done` is true. `end`
+    closes a generation that stops for another reason (the context is full). The end
+    token is not counted."""
+
+    def __init__(self, max_tokens: int, stop: tuple[str, ...]) -> None:
+        self._assembler = TextAssembler(stop)
+        self._max_tokens = max_tokens
+        self.count = 0
+        self.done = False
+
+    def push(self, token: GeneratedToken) -> list[TextChunk | GenerationEnd]:
+        assert not self.done, "a finished TextStream takes no more tokens"
         if token.is_end:
-            finish = FinishReason.STOP
-            break
-        count += 1
-        chunk = assembler.feed(token.token_id, token.piece)
-        if chunk is not None:
-            yield chunk
-        if assembler.stopped:
-            finish = FinishReason.STOP
-            break
-        if count >= max_tokens:
-            finish = FinishReason.LENGTH
-            break
-    tail = assembler.flush()
-    if tail is not None:
-        yield tail
-    yield GenerationEnd(completion_tokens=count, finish_reason=finish)
+            return self.end(FinishReason.STOP)
+        self.count += 1
+        chunk = self._assembler.feed(token.token_id, token.piece)
+        out: list[TextChunk | GenerationEnd] = [chunk] if chunk is not None else []
+        if self._assembler.stopped:
+            out += self.end(FinishReason.STOP)
+        elif self.count >= self._max_tokens:
+            out += self.end(FinishReason.LENGTH)
+        return out
+
+    def end(self, finish: FinishReason) -> list[TextChunk | GenerationEnd]:
+        self.done = True
+        tail = self._assembler.flush()
+        return [*([tail] if tail is not None else []), GenerationEnd(self.count, finish)]

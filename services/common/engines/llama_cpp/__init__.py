@@ -1,0 +1,16 @@
+"""Embedded llama.cpp (llama-cpp-python's low-level API): the engine that runs anywhere.
+
+One llama.cpp context per node holds `slots` sequences in a unified KV cache, and one
+thread runs a step loop over them (continuous batching, as llama.cpp's own server does):
+
+- `model.py`      the GGUF file: tokenizer, chat template, KV bytes per token
+- `context.py`    the context and its slots: decode a batch, free a slot, export/import state
+- `sampling.py`   one sampler chain per request
+- `text.py`       tokens to text: UTF-8, stop strings, limits
+- `scheduler.py`  the step loop: admission, batching, sampling, freeing slots
+- `engine.py`     the asynchronous `Engine` nodes use
+"""
+
+from services.common.engines.llama_cpp.engine import EngineSettings, LlamaCppEngine
+
+__all__ = ["EngineSettings", "LlamaCppEngine"]

@@ -1,0 +1,165 @@
+"""One llama.cpp context whose KV cache holds every slot's sequence (a unified KV cache).
+
+Slot k is llama.cpp sequence k. Only the engine thread touches a `SlotContext`. Every call
+that takes a sequence id checks it here first: llama.cpp aborts the whole process on an id
+at or above the context's `n_seq_max`.
+
+Why these settings (measured here with llama-cpp-python 0.3.36 on the CPU backend):
+- `kv_unified`: a state exported from a one-sequence context carries one KV stream; only a
+  unified multi-sequence context has one stream, so only it loads such a state.
+- flash attention on, and compute passes (`n_ubatch`) of at most 32 rows: llama.cpp's CPU
+  attention then computes every row on its own, whatever else shares the pass, so a
+  sequence's numbers do not depend on the batch it runs in. Passes of 64+ rows that mix
+  sequences use a tiled kernel whose rounding depends on its neighbours (greedy text then
+  drifted after 10-15 tokens for 3 of 8 prompts); with flash attention off, the matrix
+  products pick kernels by batch size and drift too.
+- A finished sequence's cells are parked, not freed (`park`): they move to one extra
+  sequence id that no batch attends to, and are freed together (`free_parked`) when the
+  engine is idle or room runs short. Freeing them at once would leave holes that llama.cpp
+  fills from the start of the cache, putting a running sequence's next tokens before its
+  earlier ones; attention adds cells up in cache order, so that sequence's numbers would
+  then round differently from the same sequence run alone.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import llama_cpp
+
+from services.common.engines.llama_cpp.model import LlamaModel, ModelLoadError
+
+
+@dataclass(frozen=True)
+class ContextSettings:
+    slots: int
+    # Tokens one sequence may hold: what a request gets, whatever the other slots hold.
+    n_ctx: int
+    # Most tokens one step hands to llama_decode.
+    n_batch: int
+    # Most rows in one compute pass (llama.cpp splits a step into passes).
+    n_ubatch: int
+    n_threads: int
+    flash_attn: bool = True
+    # KV cells in all: slots * n_ctx, so no slot can be crowded out. Tests make it smaller
+    # to exercise a full cache.
+    kv_cells: int | None = None
+
+    @property
+    def cells(self) -> int:
+        return self.kv_cells or self.slots * self.n_ctx
+
+
+class Row(NamedTuple):
+    """One token of one step: where it goes and whether its logits are wanted."""
+
+    token: int
+    pos: int
+    slot: int
+    logits: bool
+
+
+class SlotContext:
+    def __init__(self, model: LlamaModel, settings: ContextSettings) -> None:
+        limit = int(llama_cpp.llama_max_parallel_sequences())
+        if not 1 <= settings.slots <= limit:
+            raise ModelLoadError(f"slots must be 1..{limit} for llama.cpp, got {settings.slots}")
+        params = llama_cpp.llama_context_default_params()
+        params.n_ctx = settings.cells
+        params.n_batch = settings.n_batch
+        params.n_ubatch = min(settings.n_ubatch, settings.n_batch)
+        params.n_seq_max = settings.slots + 1  # and the parked cells' sequence
+        params.kv_unified = True
+        params.n_threads = settings.n_threads
+        # Prompt evaluation too: its default is every core, whatever n_threads says.
+        params.n_threads_batch = settings.n_threads
+        params.flash_attn_type = (
+            llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
+            if settings.flash_attn
+            else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        )
+        params.no_perf = True
+        ctx = llama_cpp.llama_init_from_model(model.ptr, params)
+        if not ctx:
+            raise ModelLoadError(
+                f"llama.cpp could not create a context of {settings.cells} KV cells "
+                f"({settings.cells * model.kv_bytes_per_token / 2**20:.0f} MiB) for "
+                f"{settings.slots} slots: lower slots or n_ctx"
+            )
+        self._ctx: Any = ctx
+        self._mem: Any = llama_cpp.llama_get_memory(ctx)
+        self._batch: Any = llama_cpp.llama_batch_init(settings.n_batch, 0, 1)
+        self.settings = settings
+        self.slots = settings.slots
+        self._parked = settings.slots
+        self.n_ctx = settings.n_ctx
+        self.n_batch = settings.n_batch
+
+    @property
+    def ptr(self) -> Any:
+        return self._ctx
+
+    def check_slot(self, slot: int) -> None:
+        if not 0 <= slot < self.slots:
+            raise ValueError(f"sequence id {slot} is outside 0..{self.slots - 1}")
+
+    def decode(self, rows: list[Row]) -> int:
+        """llama_decode on these rows: 0 done, 1 no free KV cells (nothing was written), other
+        values an error."""
+        if not 0 < len(rows) <= self.n_batch:
+            raise ValueError(f"a step holds 1..{self.n_batch} tokens, got {len(rows)}")
+        batch = self._batch
+        for i, row in enumerate(rows):
+            self.check_slot(row.slot)
+            batch.token[i] = row.token
+            batch.pos[i] = row.pos
+            batch.n_seq_id[i] = 1
+            batch.seq_id[i][0] = row.slot
+            batch.logits[i] = row.logits
+        batch.n_tokens = len(rows)
+        return int(llama_cpp.llama_decode(self._ctx, batch))
+
+    def clear(self, slot: int) -> None:
+        """Free the slot's KV cells."""
+        self.check_slot(slot)
+        llama_cpp.llama_memory_seq_rm(self._mem, slot, -1, -1)
+
+    def park(self, slot: int) -> None:
+        """The slot is free at once; its cells stay in use, under the parked sequence, until
+        `free_parked` (no copy: the cells change owner)."""
+        self.check_slot(slot)
+        llama_cpp.llama_memory_seq_cp(self._mem, slot, self._parked, -1, -1)
+        llama_cpp.llama_memory_seq_rm(self._mem, slot, -1, -1)
+
+    def free_parked(self) -> None:
+        llama_cpp.llama_memory_seq_rm(self._mem, self._parked, -1, -1)
+
+    def pos_max(self, slot: int) -> int:
+        """The slot's highest position, -1 when it holds none."""
+        self.check_slot(slot)
+        return int(llama_cpp.llama_memory_seq_pos_max(self._mem, slot))
+
+    def export_state(self, slot: int) -> memoryview:
+        self.check_slot(slot)
+        size = llama_cpp.llama_state_seq_get_size(self._ctx, slot)
+        buffer = (ctypes.c_uint8 * size)()
+        written = llama_cpp.llama_state_seq_get_data(self._ctx, buffer, size, slot)
+        if written == 0 or written > size:
+            raise RuntimeError(f"llama.cpp wrote {written} bytes of a {size}-byte KV state")
+        return memoryview(buffer).cast("B")[:written]
+
+    def import_state(self, slot: int, state: memoryview) -> int:
+        """Load a one-sequence state into the slot; the bytes llama.cpp read (0 if refused)."""
+        self.check_slot(slot)
+        buffer = (ctypes.c_uint8 * len(state)).from_buffer(state)
+        return int(llama_cpp.llama_state_seq_set_data(self._ctx, buffer, len(state), slot))
+
+    def close(self) -> None:
+        if self._batch is not None:
+            llama_cpp.llama_batch_free(self._batch)
+            self._batch = None
+        if self._ctx is not None:
+            llama_cpp.llama_free(self._ctx)
+            self._ctx = None

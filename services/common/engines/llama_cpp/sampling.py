@@ -1,0 +1,50 @@
+"""One sampler chain per request, so each slot samples with its own settings and its own
+random generator: a seeded request gives the same text alone and in a batch."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import llama_cpp
+
+from services.common.types import Sampling
+
+# Llama._init_sampler's defaults, so sampling behaves as in single-process llama-cpp-python.
+TOP_K = 40
+MIN_P = 0.05
+TYPICAL_P = 1.0
+
+
+class SlotSampler:
+    def __init__(self, sampling: Sampling, seed_offset: int = 0) -> None:
+        chain: Any = llama_cpp.llama_sampler_chain_init(
+            llama_cpp.llama_sampler_chain_default_params()
+        )
+        self._chain = chain
+        if sampling.temperature == 0.0:
+            self._add(llama_cpp.llama_sampler_init_greedy())
+            return
+        seed = (
+            (sampling.seed + seed_offset) & 0xFFFFFFFF
+            if sampling.seed is not None
+            else llama_cpp.LLAMA_DEFAULT_SEED
+        )
+        self._add(llama_cpp.llama_sampler_init_top_k(TOP_K))
+        self._add(llama_cpp.llama_sampler_init_typical(TYPICAL_P, 1))
+        self._add(llama_cpp.llama_sampler_init_top_p(sampling.top_p, 1))
+        self._add(llama_cpp.llama_sampler_init_min_p(MIN_P, 1))
+        self._add(llama_cpp.llama_sampler_init_temp(sampling.temperature))
+        self._add(llama_cpp.llama_sampler_init_dist(seed))
+
+    def _add(self, sampler: Any) -> None:
+        llama_cpp.llama_sampler_chain_add(self._chain, sampler)  # the chain owns it now
+
+    def sample(self, ctx: Any, row: int) -> int:
+        """Sample from the logits of batch row `row` (which must have asked for logits);
+        the token is accepted into the chain's state."""
+        return int(llama_cpp.llama_sampler_sample(self._chain, ctx, row))
+
+    def close(self) -> None:
+        if self._chain is not None:
+            llama_cpp.llama_sampler_free(self._chain)
+            self._chain = None

@@ -1,0 +1,483 @@
+"""The step loop: one thread owns the llama.cpp context and serves every slot at once.
+
+Callers hand `Job`s to `Scheduler.submit` from any thread and get their results through
+the job's `emit` callback (called on the engine thread; it must not block). Each step:
+
+1. Jobs waiting in the queue take free slots (a decode node's KV state is loaded into its
+   slot here); cancelled jobs give theirs back.
+2. One batch is packed, up to `n_batch` tokens: one token for every slot that is generating,
+   then prompt tokens of the slots still evaluating their prompt, a fair share each. While
+   any slot is generating, prompt tokens are limited so that the step takes at most
+   `max_itl_slowdown` times a step without them (estimated from the steps before): a long
+   prompt arriving does not stall the streams for its whole length.
+3. One `llama_decode`; then every row that asked for logits is sampled with its slot's
+   own sampler chain. A finished prefill exports its slot's KV state and frees the slot; a
+   generating slot turns its token into text and ends on an end token, a stop string,
+   `max_tokens` or a full context, freeing its slot at once.
+
+A freed slot's cells are parked (see context.py) and freed all together once no slot is
+in use, or when they outgrow the cells in use (`max(in use, n_ctx)`), or when the cache is
+full: until then no running sequence gets cells ahead of its earlier ones, so its numbers
+are those it would have alone.
+
+A failure is confined to the job it belongs to: a refused KV state, a cancelled caller or a
+full KV cache ends that job only (the newest job first when the cache is full), and the
+loop goes on serving the others.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import itertools
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import structlog
+
+from services.common import metrics
+from services.common.engines.base import EngineLoad, PrefillOutput, TokenRates
+from services.common.engines.llama_cpp.context import Row, SlotContext
+from services.common.engines.llama_cpp.model import LlamaModel
+from services.common.engines.llama_cpp.sampling import SlotSampler
+from services.common.engines.llama_cpp.text import GeneratedToken, TextStream
+from services.common.errors import (
+    FailedPrecondition,
+    MeshError,
+    ResourceExhausted,
+    Unavailable,
+)
+from services.common.types import FinishReason, GenerationEnd, Sampling, TextChunk
+
+log = structlog.get_logger("engine")
+
+# Prompt tokens a step takes while streams generate, before the loop has timed any step.
+FIRST_PROMPT_BUDGET = 8
+# Weight of the newest step in the running estimates of step times.
+EMA_WEIGHT = 0.3
+
+
+class EngineError(MeshError):
+    """llama.cpp failed a step for a reason other than a full KV cache."""
+
+
+class JobKind(enum.Enum):
+    PREFILL = "prefill"  # evaluate the prompt, sample the first token, export the state
+    GENERATE = "generate"  # evaluate the prompt, then generate
+    CONTINUE = "continue"  # load a prefill node's state, then generate from its first token
+
+
+Event = TextChunk | GenerationEnd | PrefillOutput | MeshError
+
+
+def _no_listener(event: Event) -> None:
+    raise RuntimeError("a job was submitted without a listener")
+
+
+@dataclass(eq=False)
+class Job:
+    kind: JobKind
+    sampling: Sampling
+    # Receives the job's events on the engine thread: text chunks then a GenerationEnd, or
+    # one PrefillOutput, or one MeshError. Must be thread-safe and must not block.
+    emit: Callable[[Event], None] = _no_listener
+    # PREFILL and GENERATE: the prompt's tokens.
+    tokens: list[int] = field(default_factory=list)
+    # CONTINUE: the state, the positions it holds, and the first token (sampled by the
+    # prefill node, not yet evaluated).
+    state: memoryview | None = None
+    prompt_tokens: int = 0
+    first_token: int = -1
+    cancelled: bool = False
+
+
+@dataclass(eq=False)
+class Slot:
+    index: int
+    job: Job
+    sampler: SlotSampler
+    order: int
+    admitted_at: float
+    text: TextStream | None = None
+    # Prompt tokens evaluated so far (PREFILL and GENERATE).
+    evaluated: int = 0
+    # Generating: the last token, sampled and sent, which the next step evaluates.
+    next_token: int | None = None
+    # Positions held in the KV cache.
+    n_past: int = 0
+    first_at: float = 0.0
+    kv_load_seconds: float = 0.0
+
+    @property
+    def prompting(self) -> bool:
+        return self.job.kind is not JobKind.CONTINUE and self.evaluated < len(self.job.tokens)
+
+
+@dataclass(frozen=True)
+class SchedulerSettings:
+    max_queue: int
+    # While streams generate, a step with prompt tokens may take this many times a step
+    # without them.
+    max_itl_slowdown: float = 2.0
+
+
+class Scheduler:
+    def __init__(
+        self,
+        name: str,
+        model: LlamaModel,
+        context: SlotContext,
+        settings: SchedulerSettings,
+        kv_bytes_per_token: int = 0,
+    ) -> None:
+        self.name = name
+        self._model = model
+        self._ctx = context
+        self._settings = settings
+        self._kv_bytes_per_token = kv_bytes_per_token
+        # Cells holding tokens (running slots and parked ones), for load(); written by the
+        # engine thread only.
+        self._cells_used = 0
+        self._cv = threading.Condition()
+        self._pending: deque[Job] = deque()
+        self._slots: list[Slot | None] = [None] * context.slots
+        self._busy = 0
+        self._parked_cells = 0
+        self._stopping = False
+        self._order = itertools.count()
+        self._rates = TokenRates()
+        # Running estimates: seconds of a step with only generated tokens, and seconds per
+        # prompt token.
+        self._decode_step_s: float | None = None
+        self._prompt_token_s: float | None = None
+        self.problem: str | None = None
+        self._thread = threading.Thread(target=self._run, name=f"engine-{name}", daemon=True)
+
+    # -- the callers' side (any thread) -----------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, job: Job) -> None:
+        """Queue a job; RESOURCE_EXHAUSTED at once when every slot is busy and `max_queue`
+        jobs already wait."""
+        with self._cv:
+            if self._stopping or self.problem:
+                why = self.problem or "it is stopping"
+                raise Unavailable(f"engine {self.name} is not running: {why}")
+            waiting = len(self._pending) + self._busy - self._ctx.slots
+            if waiting >= self._settings.max_queue:
+                raise ResourceExhausted(
+                    f"node {self.name} busy: all {self._ctx.slots} slots in use and "
+                    f"{waiting} requests already waiting for one; retry later"
+                )
+            self._pending.append(job)
+            self._cv.notify()
+
+    def cancel(self, job: Job) -> None:
+        """The caller is gone: drop the job if it waits, free its slot at the next step."""
+        with self._cv:
+            job.cancelled = True
+            if job in self._pending:
+                self._pending.remove(job)
+            self._cv.notify()
+
+    def load(self) -> EngineLoad:
+        prompt_tps, decode_tps = self._rates.per_second()
+        with self._cv:
+            busy, pending = self._busy, len(self._pending)
+        return EngineLoad(
+            slots=self._ctx.slots,
+            slots_busy=busy,
+            queue_depth=max(0, pending + busy - self._ctx.slots),
+            max_queue=self._settings.max_queue,
+            prompt_tokens_per_second=prompt_tps,
+            decode_tokens_per_second=decode_tps,
+            kv_cache_bytes=self._ctx.settings.cells * self._kv_bytes_per_token,
+            kv_cache_used_bytes=self._cells_used * self._kv_bytes_per_token,
+        )
+
+    def stop(self) -> None:
+        """End the loop (jobs still running end with UNAVAILABLE) and wait for it."""
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    # -- the engine thread ------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cv:
+                    while not self._stopping and not self._pending and not self._busy:
+                        self._cv.wait()
+                    if self._stopping:
+                        break
+                    admitted = self._take_pending()
+                for slot in admitted:
+                    self._start(slot)
+                self._reap_cancelled()
+                if any(self._slots):
+                    self._step()
+                if self._parked_cells and not any(self._slots):
+                    self._free_parked()
+                self._cells_used = self._parked_cells + sum(
+                    s.n_past for s in self._slots if s is not None
+                )
+        except BaseException as exc:  # a bug in the loop itself: say so, fail every job
+            self.problem = f"the engine loop failed: {type(exc).__name__}: {exc}"
+            log.exception("engine loop failed", node=self.name)
+        finally:
+            reason = self.problem or f"engine {self.name} stopped"
+            for slot in [s for s in self._slots if s is not None]:
+                self._fail(slot, Unavailable(reason))
+            with self._cv:
+                pending, self._pending = list(self._pending), deque()
+            for job in pending:
+                _emit(job, Unavailable(reason))
+
+    def _take_pending(self) -> list[Slot]:
+        """Move queued jobs into free slots (under the lock)."""
+        admitted = []
+        free = (i for i, s in enumerate(self._slots) if s is None)
+        while self._pending and self._busy < self._ctx.slots:
+            job = self._pending.popleft()
+            if job.cancelled:
+                continue
+            index = next(free)
+            seed_offset = 1 if job.kind is JobKind.CONTINUE else 0
+            slot = Slot(
+                index=index,
+                job=job,
+                sampler=SlotSampler(job.sampling, seed_offset),
+                order=next(self._order),
+                admitted_at=time.perf_counter(),
+            )
+            self._slots[index] = slot
+            self._busy += 1
+            admitted.append(slot)
+        return admitted
+
+    def _start(self, slot: Slot) -> None:
+        job = slot.job
+        self._ctx.clear(slot.index)
+        if job.kind is JobKind.GENERATE:
+            slot.text = TextStream(job.sampling.max_tokens, job.sampling.stop)
+        if job.kind is not JobKind.CONTINUE:
+            return
+        assert job.state is not None
+        state, job.state = job.state, None  # the slot holds it now; let the buffer go
+        read = self._ctx.import_state(slot.index, state)
+        if read != len(state):
+            self._fail(
+                slot,
+                FailedPrecondition(
+                    f"llama.cpp refused the KV state ({read} of {len(state)} bytes read)"
+                ),
+            )
+            return
+        held = self._ctx.pos_max(slot.index) + 1
+        if held != job.prompt_tokens:
+            self._fail(
+                slot,
+                FailedPrecondition(
+                    f"the KV state holds {held} positions, but kv.prompt_tokens is "
+                    f"{job.prompt_tokens}"
+                ),
+            )
+            return
+        slot.n_past = job.prompt_tokens
+        slot.first_at = time.perf_counter()
+        slot.kv_load_seconds = slot.first_at - slot.admitted_at
+        slot.text = TextStream(job.sampling.max_tokens, job.sampling.stop)
+        self._accept(slot, job.first_token)
+
+    def _reap_cancelled(self) -> None:
+        for slot in self._slots:
+            if slot is not None and slot.job.cancelled:
+                self._free(slot)
+
+    def _step(self) -> None:
+        active = [s for s in self._slots if s is not None]
+        if self._parked_cells > max(sum(s.n_past for s in active), self._ctx.n_ctx):
+            self._free_parked()
+        generating = [s for s in active if s.next_token is not None]
+        prompting = sorted((s for s in active if s.prompting), key=lambda s: s.order)
+        rows = [Row(_next(s), s.n_past, s.index, True) for s in generating]
+        pieces = self._plan_prompts(prompting, self._prompt_budget(len(generating)))
+        for slot, end in pieces:
+            tokens = slot.job.tokens
+            rows += [
+                Row(tokens[p], p, slot.index, p == len(tokens) - 1)
+                for p in range(slot.evaluated, end)
+            ]
+        started = time.perf_counter()
+        while True:
+            code = self._ctx.decode(rows)
+            if code != 1:
+                break
+            # No free KV cells: free the parked ones, then hold the prompts back, then end
+            # the newest stream.
+            if self._parked_cells:
+                self._free_parked()
+            elif pieces:
+                log.warning("kv cache full: prompts wait", node=self.name)
+                pieces, rows = [], rows[: len(generating)]
+            else:
+                newest = max(generating, key=lambda s: s.order)
+                self._fail(newest, ResourceExhausted(self._full_message(newest)))
+                generating.remove(newest)
+                rows = [r for r in rows if r.slot != newest.index]
+            if not rows:
+                return
+        if code != 0:
+            error = EngineError(f"llama_decode failed with code {code}")
+            for slot in {*generating, *(s for s, _ in pieces)}:
+                self._fail(slot, error)
+            return
+        elapsed = time.perf_counter() - started
+        n_prompt = len(rows) - len(generating)
+        self._learn(elapsed, len(generating), n_prompt)
+        self._rates.add(n_prompt, len(generating))
+        metrics.engine_step(elapsed, n_prompt, len(generating))
+
+        # Sample every row that asked for logits, before anything else touches the context.
+        sampled: list[tuple[Slot, int]] = []
+        for i, slot in enumerate(generating):
+            sampled.append((slot, slot.sampler.sample(self._ctx.ptr, i)))
+        finished_prompts: list[tuple[Slot, int]] = []
+        row = len(generating)
+        for slot, end in pieces:
+            row += end - slot.evaluated
+            slot.evaluated = slot.n_past = end
+            if end == len(slot.job.tokens):
+                finished_prompts.append((slot, slot.sampler.sample(self._ctx.ptr, row - 1)))
+        for slot, token in sampled:
+            slot.n_past += 1
+            self._accept(slot, token)
+        for slot, token in finished_prompts:
+            slot.first_at = time.perf_counter()
+            if slot.job.kind is JobKind.PREFILL:
+                self._finish_prefill(slot, token)
+            else:
+                self._accept(slot, token)
+
+    def _prompt_budget(self, generating: int) -> int:
+        room = self._ctx.n_batch - generating
+        if not generating:
+            return room
+        if self._decode_step_s is None or self._prompt_token_s is None:
+            return min(room, FIRST_PROMPT_BUDGET)
+        allowance = (self._settings.max_itl_slowdown - 1.0) * self._decode_step_s
+        return max(1, min(room, int(allowance / max(self._prompt_token_s, 1e-9))))
+
+    @staticmethod
+    def _plan_prompts(prompting: list[Slot], budget: int) -> list[tuple[Slot, int]]:
+        """How far each prompting slot gets this step: a fair share of the budget each, in
+        the order they arrived, the rest to whoever can use it."""
+        if not prompting or budget <= 0:
+            return []
+        share = max(1, budget // len(prompting))
+        ends = {s: s.evaluated for s in prompting}
+        for share_now in (share, budget):
+            for slot in prompting:
+                take = min(len(slot.job.tokens) - ends[slot], share_now, budget)
+                ends[slot] += take
+                budget -= take
+        return [(s, ends[s]) for s in prompting if ends[s] > s.evaluated]
+
+    def _learn(self, elapsed: float, generating: int, prompt_tokens: int) -> None:
+        def ema(old: float | None, new: float) -> float:
+            return new if old is None else old + EMA_WEIGHT * (new - old)
+
+        if generating and not prompt_tokens:
+            self._decode_step_s = ema(self._decode_step_s, elapsed)
+        elif prompt_tokens and not generating:
+            self._prompt_token_s = ema(self._prompt_token_s, elapsed / prompt_tokens)
+        elif prompt_tokens and self._decode_step_s is not None:
+            extra = max(elapsed - self._decode_step_s, 0.0)
+            self._prompt_token_s = ema(self._prompt_token_s, extra / prompt_tokens)
+
+    def _accept(self, slot: Slot, token: int) -> None:
+        """A generated token: send its text; end the stream or keep it for the next step."""
+        assert slot.text is not None
+        is_end = self._model.is_end(token)
+        piece = b"" if is_end else self._model.piece(token)
+        events = slot.text.push(GeneratedToken(token, piece, is_end))
+        if not slot.text.done and slot.n_past >= self._ctx.n_ctx:
+            events += slot.text.end(FinishReason.LENGTH)  # no room to evaluate it
+        for event in events:
+            if isinstance(event, GenerationEnd):
+                self._finish_generation(slot, event)
+                return
+            _emit(slot.job, event)
+        slot.next_token = token
+
+    def _finish_generation(self, slot: Slot, end: GenerationEnd) -> None:
+        now = time.perf_counter()
+        loaded = slot.job.kind is JobKind.CONTINUE
+        _emit(
+            slot.job,
+            dataclasses.replace(
+                end,
+                prompt_tokens=slot.job.prompt_tokens if loaded else len(slot.job.tokens),
+                kv_load_seconds=slot.kv_load_seconds,
+                prompt_eval_seconds=0.0 if loaded else slot.first_at - slot.admitted_at,
+                decode_seconds=now - slot.first_at,
+            ),
+        )
+        self._free(slot)
+
+    def _finish_prefill(self, slot: Slot, first_token: int) -> None:
+        state = self._ctx.export_state(slot.index)
+        _emit(
+            slot.job,
+            PrefillOutput(
+                kv_state=state,
+                kv_sha256="",  # hashed off this thread by the engine
+                first_token_id=first_token,
+                first_token_text="",
+                prompt_tokens=len(slot.job.tokens),
+                seconds=slot.first_at - slot.admitted_at,
+            ),
+        )
+        self._free(slot)
+
+    def _fail(self, slot: Slot, error: MeshError) -> None:
+        _emit(slot.job, error)
+        self._free(slot)
+
+    def _free(self, slot: Slot) -> None:
+        self._parked_cells += self._ctx.pos_max(slot.index) + 1
+        self._ctx.park(slot.index)
+        slot.sampler.close()
+        with self._cv:
+            self._slots[slot.index] = None
+            self._busy -= 1
+
+    def _free_parked(self) -> None:
+        self._ctx.free_parked()
+        self._parked_cells = 0
+
+    def _full_message(self, slot: Slot) -> str:
+        return (
+            f"KV cache full on node {self.name}: this stream was the newest of "
+            f"{self._busy} and was ended after {slot.n_past} positions; retry later"
+        )
+
+
+def _next(slot: Slot) -> int:
+    assert slot.next_token is not None
+    return slot.next_token
+
+
+def _emit(job: Job, event: Event) -> None:
+    try:
+        job.emit(event)
+    except RuntimeError:  # the caller's event loop is gone
+        job.cancelled = True

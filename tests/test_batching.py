@@ -1,0 +1,291 @@
+"""Continuous batching through real nodes: many streams share one decode node's context, each
+gives the text it gives alone, and a bad request in one slot leaves the others untouched.
+
+The mesh here runs its engines on one thread each (two busy nodes then share this machine's
+two cores without starving each other); llama.cpp's CPU attention then computes every row on
+its own whatever else is in the batch, so batched text is exactly the text alone (see
+engines/llama_cpp/context.py and the README's "Slots and batching")."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import pytest_asyncio
+
+from disagg.v1 import (
+    decode_pb2,
+    decode_pb2_grpc,
+    node_pb2,
+    node_pb2_grpc,
+    prefill_pb2,
+    prefill_pb2_grpc,
+    router_pb2,
+    router_pb2_grpc,
+    types_pb2,
+)
+from services.common.topology import Topology
+from tests import streams
+from tests.conftest import engine_node, route, router_node, running_mesh
+from tests.streams import Collected, collect, greedy, request
+from tests.test_errors import MANGLES, ManglingPrefill, expect_error
+
+MODEL = "grader"
+PROMPTS = [
+    "def fibonacci(n):",
+    "The capital of France is",
+    "Count from one to ten:",
+    "Write a haiku about rain.",
+    "Explain recursion briefly.",
+    "import numpy as np\narr =",
+    "Name three prime numbers:",
+    "SELECT name FROM users WHERE",
+]
+MAX_TOKENS = 32
+
+
+@dataclass
+class Mesh:
+    topology: Topology
+
+    def address(self, node: str) -> str:
+        return self.topology.node(node).address
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+    folder: Path = tmp_path_factory.mktemp("batching")
+    parts = [
+        router_node(),
+        engine_node("prefill", "prefill", n_threads=1),  # 4 slots, the default
+        engine_node("decode", "decode", n_threads=1),  # 8 slots
+        route(MODEL, ["prefill"], ["decode"]),
+    ]
+    with running_mesh(folder, parts) as processes:
+        yield Mesh(processes.topology)
+
+
+@pytest_asyncio.fixture
+async def router(mesh: Mesh) -> AsyncIterator[router_pb2_grpc.RouterServiceAsyncStub]:
+    async with grpc.aio.insecure_channel(mesh.topology.router.address) as channel:
+        yield router_pb2_grpc.RouterServiceStub(channel)
+
+
+@pytest_asyncio.fixture
+async def prefill_stub(mesh: Mesh) -> AsyncIterator[prefill_pb2_grpc.PrefillServiceAsyncStub]:
+    async with grpc.aio.insecure_channel(mesh.address("prefill")) as channel:
+        yield prefill_pb2_grpc.PrefillServiceStub(channel)
+
+
+@pytest_asyncio.fixture
+async def decode_stub(mesh: Mesh) -> AsyncIterator[decode_pb2_grpc.DecodeServiceAsyncStub]:
+    async with grpc.aio.insecure_channel(mesh.address("decode")) as channel:
+        yield decode_pb2_grpc.DecodeServiceStub(channel)
+
+
+def kv_request(
+    prefill_address: str, reply: prefill_pb2.PrefillResponse, **overrides: Any
+) -> decode_pb2.DecodeServiceGenerateRequest:
+    return streams.kv_request(MODEL, prefill_address, reply, **overrides)
+
+
+async def prefill(stub: prefill_pb2_grpc.PrefillServiceAsyncStub, prompt: str) -> Any:
+    return await stub.Prefill(
+        prefill_pb2.PrefillRequest(model=MODEL, prompt=prompt, sampling=greedy(4))
+    )
+
+
+async def node_info(mesh: Mesh, node: str) -> node_pb2.GetNodeInfoResponse:
+    async with grpc.aio.insecure_channel(mesh.address(node)) as channel:
+        return await node_pb2_grpc.NodeServiceStub(channel).GetNodeInfo(
+            node_pb2.GetNodeInfoRequest()
+        )
+
+
+class BusyWatcher:
+    """Polls a node's GetNodeInfo while a test runs; keeps the most slots seen busy."""
+
+    def __init__(self, mesh: Mesh, node: str) -> None:
+        self.mesh, self.node = mesh, node
+        self.most_busy = 0
+        self._task: asyncio.Task[None] | None = None
+
+    async def _poll(self) -> None:
+        while True:
+            info = await node_info(self.mesh, self.node)
+            self.most_busy = max(self.most_busy, info.slots_busy)
+            await asyncio.sleep(0.01)
+
+    async def __aenter__(self) -> BusyWatcher:
+        self._task = asyncio.create_task(self._poll())
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._task is not None
+        self._task.cancel()
+
+
+async def all_at_once(
+    router: router_pb2_grpc.RouterServiceAsyncStub, requests: list[router_pb2.GenerateRequest]
+) -> list[Collected]:
+    return list(await asyncio.gather(*(collect(router.Generate(r)) for r in requests)))
+
+
+async def wait_idle(mesh: Mesh, node: str) -> node_pb2.GetNodeInfoResponse:
+    """The node's info once its slots are free again (a stream's slot is freed right after
+    its last message, so give it a moment)."""
+    deadline = time.monotonic() + 5
+    while True:
+        info = await node_info(mesh, node)
+        idle = (info.slots_busy, info.queue_depth, info.kv_cache_used_bytes) == (0, 0, 0)
+        if idle or time.monotonic() > deadline:
+            return info
+        await asyncio.sleep(0.05)
+
+
+async def test_node_info_reports_slots_and_kv_memory(mesh: Mesh) -> None:
+    decode = await wait_idle(mesh, "decode")
+    prefill_node = await wait_idle(mesh, "prefill")
+    assert (decode.slots, decode.slots_busy, decode.queue_depth) == (8, 0, 0)
+    assert (prefill_node.slots, prefill_node.max_queue) == (4, 16)
+    # SmolLM2-135M: 30 layers x 3 KV heads x (64 + 64) dims x 2 bytes = 23,040 bytes a token.
+    assert decode.kv_cache_bytes == 8 * 4096 * 23_040
+    assert prefill_node.kv_cache_bytes == 4 * 4096 * 23_040
+
+
+async def test_eight_prompts_at_once_each_give_their_text_alone(
+    mesh: Mesh, router: router_pb2_grpc.RouterServiceAsyncStub
+) -> None:
+    requests = [request(MODEL, p, MAX_TOKENS) for p in PROMPTS]
+    alone = [await collect(router.Generate(r)) for r in requests]
+    async with BusyWatcher(mesh, "decode") as watcher:
+        together = await all_at_once(router, requests)
+    for prompt, one, many in zip(PROMPTS, alone, together, strict=True):
+        assert many.token_ids == one.token_ids, prompt
+        assert many.text == one.text
+        assert many.summary.decode_node == "decode"
+    # The streams really ran together: several slots busy at once, and every stream had
+    # its first text before the first stream finished.
+    assert watcher.most_busy >= 4, watcher.most_busy
+    assert max(c.first_delta_at for c in together) < min(c.summary_at for c in together)
+    assert (await wait_idle(mesh, "decode")).slots_busy == 0
+
+
+async def test_seeded_sampling_gives_the_same_text_alone_and_in_a_batch(
+    router: router_pb2_grpc.RouterServiceAsyncStub,
+) -> None:
+    def seeded(prompt: str) -> router_pb2.GenerateRequest:
+        return router_pb2.GenerateRequest(
+            model=MODEL,
+            prompt=prompt,
+            sampling=types_pb2.SamplingParams(
+                max_tokens=MAX_TOKENS, temperature=0.9, top_p=0.95, seed=1234
+            ),
+        )
+
+    requests = [seeded(p) for p in PROMPTS[:5]]
+    alone = [await collect(router.Generate(r)) for r in requests]
+    together = await all_at_once(router, requests)
+    assert [c.token_ids for c in together] == [c.token_ids for c in alone]
+    # and the seed matters: another seed gives another text for at least one prompt
+    other = await collect(
+        router.Generate(
+            router_pb2.GenerateRequest(
+                model=MODEL,
+                prompt=PROMPTS[0],
+                sampling=types_pb2.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.9, seed=7),
+            )
+        )
+    )
+    assert other.token_ids != alone[0].token_ids
+
+
+async def streams_that_started(
+    router: router_pb2_grpc.RouterServiceAsyncStub, prompts: list[str]
+) -> tuple[list[asyncio.Task[Collected]], asyncio.Event]:
+    """Start one stream per prompt; the event is set once every one has sent text."""
+    started = asyncio.Event()
+    first: set[int] = set()
+
+    async def one(i: int, prompt: str) -> Collected:
+        async def replies() -> AsyncIterator[Any]:
+            async for reply in router.Generate(request(MODEL, prompt, 32)):
+                if reply.HasField("delta"):
+                    first.add(i)
+                    if len(first) == len(prompts):
+                        started.set()
+                yield reply
+
+        return await collect(replies())
+
+    tasks = [asyncio.create_task(one(i, p)) for i, p in enumerate(prompts)]
+    return tasks, started
+
+
+@pytest.mark.parametrize(
+    "bad", ["corrupt state", "wrong fingerprint", "state of another length", "cancelled caller"]
+)
+async def test_a_bad_request_in_one_slot_leaves_the_other_streams_alone(
+    mesh: Mesh,
+    router: router_pb2_grpc.RouterServiceAsyncStub,
+    prefill_stub: prefill_pb2_grpc.PrefillServiceAsyncStub,
+    decode_stub: decode_pb2_grpc.DecodeServiceAsyncStub,
+    bad: str,
+) -> None:
+    prompts = PROMPTS[:4]
+    expected = [await collect(router.Generate(request(MODEL, p, 32))) for p in prompts]
+    reply = await prefill(prefill_stub, "def add(a, b):")
+    tasks, started = await streams_that_started(router, prompts)
+    await asyncio.wait_for(started.wait(), 30)
+
+    if bad == "corrupt state":  # damaged on the wire: refused before the engine sees it
+        async with grpc.aio.insecure_channel(mesh.address("prefill")) as channel:
+            server = grpc.aio.server()
+            proxy = ManglingPrefill(prefill_pb2_grpc.PrefillServiceStub(channel))
+            proxy.mangle = MANGLES["flipped byte"]
+            prefill_pb2_grpc.add_PrefillServiceServicer_to_server(proxy, server)
+            port = server.add_insecure_port("127.0.0.1:0")
+            await server.start()
+            big = await prefill(prefill_stub, "one, two, three, " * 60)  # 5 chunks of 1 MiB
+            await expect_error(
+                decode_stub.Generate(kv_request(f"127.0.0.1:{port}", big)),
+                grpc.StatusCode.DATA_LOSS,
+            )
+            await server.stop(None)
+    elif bad == "wrong fingerprint":
+        other = types_pb2.KvFingerprint()
+        other.CopyFrom(reply.fingerprint)
+        other.model_sha256 = "0" * 64
+        await expect_error(
+            decode_stub.Generate(kv_request(mesh.address("prefill"), reply, fingerprint=other)),
+            grpc.StatusCode.FAILED_PRECONDITION,
+            "model sha256",
+        )
+    elif bad == "state of another length":  # intact bytes, loaded into a slot, then refused
+        await expect_error(
+            decode_stub.Generate(
+                kv_request(mesh.address("prefill"), reply, prompt_tokens=reply.prompt_tokens + 3)
+            ),
+            grpc.StatusCode.FAILED_PRECONDITION,
+            "holds",
+            "kv.prompt_tokens",
+        )
+    else:
+        call = router.Generate(request(MODEL, "Tell me a long story:", 500))
+        async for message in call:
+            assert message.HasField("delta")
+            break
+        call.cancel()
+
+    got = await asyncio.gather(*tasks)
+    assert [c.token_ids for c in got] == [c.token_ids for c in expected]
+    # The node serves the next request, and every slot is free again.
+    assert (await collect(router.Generate(request(MODEL, PROMPTS[5], 4)))).summary
+    info = await wait_idle(mesh, "decode")
+    assert (info.slots_busy, info.queue_depth, info.kv_cache_used_bytes) == (0, 0, 0)

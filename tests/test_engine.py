@@ -1,0 +1,137 @@
+"""The embedded engine in this process, with the real model: admission and the bounded queue,
+cancellation, a full KV cache, sequence ids out of range, and the KV memory a node may use."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+
+from services.common.engines.base import Generation
+from services.common.engines.llama_cpp import EngineSettings, LlamaCppEngine
+from services.common.engines.llama_cpp.context import ContextSettings, SlotContext
+from services.common.engines.llama_cpp.engine import plan_slots
+from services.common.engines.llama_cpp.model import LlamaModel, ModelLoadError
+from services.common.errors import ResourceExhausted
+from services.common.models import resolve_model_path
+from services.common.types import GenerationEnd, Prompt, Sampling, TextChunk
+from tests.conftest import MODEL, ROOT
+
+PATH: Path = resolve_model_path(MODEL, ROOT)
+LONG = Sampling(max_tokens=400, temperature=0.0)
+SHORT = Sampling(max_tokens=4, temperature=0.0)
+# SmolLM2-135M: 30 layers x 3 KV heads x (64 + 64) dims x 2 bytes.
+BYTES_PER_TOKEN = 23_040
+
+
+async def open_engine(**settings: object) -> LlamaCppEngine:
+    base: dict[str, object] = dict(n_ctx=512, n_threads=1, max_queue=1, slots=2)
+    return await LlamaCppEngine.open("test", PATH, EngineSettings(**{**base, **settings}))  # type: ignore[arg-type]
+
+
+@pytest_asyncio.fixture
+async def engine() -> AsyncIterator[LlamaCppEngine]:
+    engine = await open_engine()
+    yield engine
+    await engine.close()
+
+
+async def drain(generation: Generation) -> tuple[str, GenerationEnd]:
+    text, end = "", None
+    async for item in generation:
+        if isinstance(item, TextChunk):
+            text += item.text
+        else:
+            end = item
+    assert end is not None
+    return text, end
+
+
+async def started(generation: Generation) -> Generation:
+    """The generation once its first text came: it holds a slot."""
+    first = await anext(generation)
+    assert isinstance(first, TextChunk)
+    return generation
+
+
+async def test_full_slots_queue_then_refuse_at_once(engine: LlamaCppEngine) -> None:
+    count = "Count: 1, 2, 3,"
+    running = [await started(engine.generate(Prompt(count), LONG)) for _ in range(2)]
+    assert engine.load().slots_busy == 2
+    queued = asyncio.create_task(drain(engine.generate(Prompt("Hi"), SHORT)))
+    await asyncio.sleep(0.2)
+    assert engine.load().queue_depth == 1
+    loop = asyncio.get_running_loop()
+    began = loop.time()
+    with pytest.raises(ResourceExhausted, match="all 2 slots in use and 1 requests already"):
+        await drain(engine.generate(Prompt("Hi"), SHORT))
+    assert loop.time() - began < 0.5  # at once, not after a wait
+    # A caller going away frees its slot at the next step: the queued request runs.
+    await running[0].aclose()
+    _, end = await asyncio.wait_for(queued, 30)
+    assert end.completion_tokens == 4
+    await running[1].aclose()
+    for _ in range(50):
+        if engine.load().slots_busy == 0:
+            break
+        await asyncio.sleep(0.05)
+    assert (engine.load().slots_busy, engine.load().queue_depth) == (0, 0)
+
+
+async def test_a_full_kv_cache_ends_only_the_newest_stream() -> None:
+    # Two slots of 512 tokens but only 512 cells in all: two long generations cannot both fit.
+    engine = await open_engine(kv_cells=512, max_queue=0)
+    try:
+        older = await started(engine.generate(Prompt("Count: 1, 2, 3,"), LONG))
+        newer = await started(engine.generate(Prompt("List: a, b, c,"), LONG))
+        with pytest.raises(ResourceExhausted, match="KV cache full"):
+            await drain(newer)
+        _, end = await drain(older)
+        assert end.completion_tokens > 250  # it went on past the point where the cache filled
+        text, end = await drain(engine.generate(Prompt("def add(a, b):"), SHORT))
+        assert end.completion_tokens == 4 and text
+    finally:
+        await engine.close()
+
+
+def test_sequence_ids_are_checked_before_llama_cpp_sees_them() -> None:
+    """llama.cpp aborts the whole process on a sequence id at or over n_seq_max."""
+    model = LlamaModel(PATH)
+    context = SlotContext(
+        model, ContextSettings(slots=2, n_ctx=256, n_batch=32, n_ubatch=32, n_threads=1)
+    )
+    try:
+        for bad in (-1, 2, 3, 1000):
+            with pytest.raises(ValueError, match=r"outside 0\.\.1"):
+                context.clear(bad)
+            with pytest.raises(ValueError, match=r"outside 0\.\.1"):
+                context.export_state(bad)
+        assert context.pos_max(1) == -1  # the process is still here
+    finally:
+        context.close()
+        model.close()
+
+
+def test_slots_follow_the_kv_memory_a_node_may_use() -> None:
+    per_slot = 4096 * BYTES_PER_TOKEN
+    settings = EngineSettings(n_ctx=4096, n_threads=1, max_queue=16, default_slots=8)
+    assert plan_slots(settings, BYTES_PER_TOKEN) == 8
+    capped = EngineSettings(**{**settings.__dict__, "kv_cache_max_bytes": 3 * per_slot + 1})
+    assert plan_slots(capped, BYTES_PER_TOKEN) == 3
+    too_many = EngineSettings(**{**capped.__dict__, "slots": 4})
+    with pytest.raises(ModelLoadError, match=r"slots = 4 .* over kv_cache_max_bytes .* holds 3"):
+        plan_slots(too_many, BYTES_PER_TOKEN)
+    none_fit = EngineSettings(**{**settings.__dict__, "kv_cache_max_bytes": per_slot - 1})
+    with pytest.raises(ModelLoadError, match="holds no slot"):
+        plan_slots(none_fit, BYTES_PER_TOKEN)
+
+
+def test_kv_bytes_per_token_from_the_model() -> None:
+    model = LlamaModel(PATH)
+    try:
+        assert model.kv_bytes_per_token == BYTES_PER_TOKEN
+    finally:
+        model.close()
