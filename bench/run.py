@@ -13,8 +13,13 @@ repeated, median reported:
 3. router relay: the same two stages called by this script directly, without the router;
 4. KV transfer throughput: FetchKv of a ~50 MB state against a plain gRPC byte stream of the
    same size between two processes (the ceiling);
-5. concurrency: 1, 4 and 16 requests at once through the router;
-6. parallel pipelines: the grader's two calls sequential vs parallel.
+5. concurrency: 1, 4 and 16 requests at once through the router, against the same mesh
+   with one slot per node (how every node served before continuous batching);
+6. parallel pipelines: the grader's two calls sequential vs parallel;
+7. batched decode: 1, 4, 8 and 16 streams on one decode node against raw llama.cpp
+   decoding the same batch in one process (bench/batching.py, on a node of its own);
+8. interference: a 3,000-token prompt arriving while 4 streams generate, their p99
+   inter-token latency against idle (bench/batching.py).
 
 Prints a table; writes everything (machine, versions, date, every sample) to bench/results/.
 This machine is shared and noisy: read the ratios, not the absolute times.
@@ -27,11 +32,13 @@ import asyncio
 import json
 import os
 import platform
+import re
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +47,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "generated")]
 
 import grpc  # noqa: E402
 
+from bench.batching import measure as measure_batching  # noqa: E402
 from bench.parallel_pipelines import measure as measure_parallel  # noqa: E402
 from disagg.v1 import (  # noqa: E402
     decode_pb2,
@@ -487,6 +495,7 @@ def machine() -> dict[str, Any]:
 
 async def run_all(bench: Bench, args: argparse.Namespace) -> dict[str, Any]:
     results: dict[str, Any] = {}
+    threads = os.cpu_count() or 1  # rows 7 and 8: the node of their own has the machine
     steps: list[tuple[str, str, Callable[[], Awaitable[Any]]]] = [
         (
             "handoff_vs_reprefill",
@@ -514,9 +523,19 @@ async def run_all(bench: Bench, args: argparse.Namespace) -> dict[str, Any]:
             "6. the grader's two calls, sequential vs parallel",
             lambda: measure_parallel(bench.router, bench.repeats, 64),
         ),
+        (
+            "batching",
+            "7. and 8. on a decode node of its own (this machine)",
+            lambda: measure_batching(
+                [1, 4, 8, 16], args.batch_tokens, bench.repeats, args.prompt_tokens, threads
+            ),
+        ),
     ]
     for key, title, step in steps:
         if args.only and key not in args.only:
+            continue
+        if key == "batching" and args.running:
+            say(f">> {title}: skipped with --running (it starts a node on this machine)")
             continue
         say(f">> {title}")
         started = time.perf_counter()
@@ -562,17 +581,43 @@ def table(r: dict[str, Any]) -> str:
         )
     for c in r.get("concurrency", []):
         latency = f"{c['p50_s']:.2f}/{c['p95_s']:.2f}/{c['p99_s']:.2f} s"
+        gain = (
+            f", {c['over_one_slot_per_node']:.2f}x one slot per node"
+            if "over_one_slot_per_node" in c
+            else ""
+        )
         rows.append(
             (
                 f"{c['concurrent']} concurrent: done, errors, p50/p95/p99",
                 f"{c['completed']}, {len(c['errors'])}, {latency}, "
-                f"{c['over_single_stream']:.2f}x tok/s",
+                f"{c['over_single_stream']:.2f}x tok/s{gain}",
                 "0 errors",
             )
         )
     if "parallel_pipelines" in r:
         speedup = f"{r['parallel_pipelines']['speedup_parallel_over_sequential']:.2f}x"
         rows.append(("grader's 2 calls: parallel speedup", speedup, "-"))
+    if "batching" in r:
+        b = r["batching"]
+        for d in b["batched_decode"]:
+            rows.append(
+                (
+                    f"{d['streams']} streams on one decode node: tok/s / 1 stream, / raw "
+                    f"llama.cpp at {d['streams']}",
+                    f"{d['over_one_stream']:.2f}x, {d['over_raw_llama_cpp']:.2f}x "
+                    f"(raw itself: {d['raw_over_its_one_stream']:.2f}x)",
+                    ">= 0.85x of raw",
+                )
+            )
+        i = b["interference"]
+        rows.append(
+            (
+                f"{i['prompt_tokens']}-token prompt while {i['streams']} streams: p99 "
+                "inter-token / idle",
+                f"{i['p99_over_idle']:.2f}x",
+                "<= 3x",
+            )
+        )
     width = [max(len(row[i]) for row in rows) for i in range(3)]
     header = ("measurement", "result", "goal")
     lines = ["  ".join(h.ljust(width[i]) for i, h in enumerate(header))]
@@ -596,6 +641,12 @@ def main() -> int:
     parser.add_argument("--overhead-tokens", type=int, default=1000)
     parser.add_argument("--kv-bytes", type=int, default=50_000_000)
     parser.add_argument(
+        "--batch-tokens", type=int, default=160, help="tokens per stream, batched decode"
+    )
+    parser.add_argument(
+        "--prompt-tokens", type=int, default=3000, help="the prompt that interferes"
+    )
+    parser.add_argument(
         "--quick", action="store_true", help="1 repeat, smaller prompts (a smoke run)"
     )
     parser.add_argument(
@@ -608,6 +659,7 @@ def main() -> int:
             "kv_throughput",
             "concurrency",
             "parallel_pipelines",
+            "batching",
         ],
         help="run only these measurements",
     )
@@ -620,6 +672,7 @@ def main() -> int:
             250,
             5_000_000,
         )
+        args.batch_tokens, args.prompt_tokens = 96, 1000
 
     topology = load_topology(args.topology)
     model = args.model or topology.models[0].name
@@ -630,19 +683,15 @@ def main() -> int:
         model_path = resolve_model_path(engine_node.model, topology.source.parent)
     bench = Bench(topology, model, args.repeats, Prompts(model_path))
 
-    mesh = None
     started = time.perf_counter()
-    if not args.running:
-        mesh = MeshProcesses(topology, Path(tempfile.mkdtemp(prefix="bench-logs-")))
-        say(f">> starting {len(topology.nodes)} nodes of {args.topology}")
-        mesh.start()
-    try:
-        if mesh is not None:
-            asyncio.run(mesh.wait_serving(300, progress=say))
+    with local_mesh(topology, args.running):
         results = asyncio.run(run_all(bench, args))
-    finally:
-        if mesh is not None:
-            mesh.stop()
+    if "concurrency" in results and not args.running:
+        results["concurrency_one_slot"] = one_slot_concurrency(bench, Path(args.topology))
+        for row, before in zip(
+            results["concurrency"], results["concurrency_one_slot"], strict=True
+        ):
+            row["over_one_slot_per_node"] = row["tokens_per_s"] / before["tokens_per_s"]
     record = {
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "machine": machine(),
@@ -654,6 +703,49 @@ def main() -> int:
     }
     report(args.out, "bench", record, table(results))
     return 0
+
+
+@contextmanager
+def local_mesh(topology: Topology, running: bool) -> Iterator[None]:
+    """Every node of the topology started on this machine for the block (nothing with
+    --running: the nodes already run, wherever they are)."""
+    if running:
+        yield
+        return
+    mesh = MeshProcesses(topology, Path(tempfile.mkdtemp(prefix="bench-logs-")))
+    say(f">> starting {len(topology.nodes)} nodes of {topology.source}")
+    mesh.start()
+    try:
+        asyncio.run(mesh.wait_serving(300, progress=say))
+        yield
+    finally:
+        mesh.stop()
+
+
+def one_slot_concurrency(bench: Bench, path: Path) -> list[dict[str, Any]]:
+    """Row 5 again on the same topology with one slot per embedded node: every node serving
+    one request at a time, as before continuous batching. The variant file sits beside the
+    original (model paths are relative to it) while it runs."""
+    lines = []
+    for line in path.read_text().splitlines():
+        if re.match(r"\s*slots\s*=", line):
+            continue
+        lines.append(line)
+        if re.match(r'\s*engine\s*=\s*"llama_cpp"', line):
+            lines.append("slots = 1")
+    variant = path.with_name(f".{path.stem}.one-slot.toml")
+    variant.write_text("\n".join(lines) + "\n")
+    try:
+        one_slot = load_topology(variant)
+        with local_mesh(one_slot, running=False):
+            say(">> 5. again, one slot per node")
+            return asyncio.run(
+                Bench(one_slot, bench.model, bench.repeats, bench.prompts).concurrency(
+                    [1, 4, 16], 32
+                )
+            )
+    finally:
+        variant.unlink(missing_ok=True)
 
 
 def report(out: Path, prefix: str, record: dict[str, Any], table_text: str) -> None:

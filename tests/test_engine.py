@@ -4,6 +4,9 @@ cancellation, a full KV cache, sequence ids out of range, and the KV memory a no
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -15,10 +18,11 @@ from services.common.engines.llama_cpp import EngineSettings, LlamaCppEngine
 from services.common.engines.llama_cpp.context import ContextSettings, SlotContext
 from services.common.engines.llama_cpp.engine import plan_slots
 from services.common.engines.llama_cpp.model import LlamaModel, ModelLoadError
+from services.common.engines.llama_cpp.step_cost import FIRST_PROMPT_BUDGET, StepCost
 from services.common.errors import ResourceExhausted
 from services.common.models import resolve_model_path
 from services.common.types import GenerationEnd, Prompt, Sampling, TextChunk
-from tests.conftest import MODEL, ROOT
+from tests.conftest import MODEL, ROOT, engine_node, route, router_node
 
 PATH: Path = resolve_model_path(MODEL, ROOT)
 LONG = Sampling(max_tokens=400, temperature=0.0)
@@ -135,3 +139,43 @@ def test_kv_bytes_per_token_from_the_model() -> None:
         assert model.kv_bytes_per_token == BYTES_PER_TOKEN
     finally:
         model.close()
+
+
+def test_step_cost_fits_the_steps_and_sizes_the_prompt_share() -> None:
+    cost = StepCost()
+    assert cost.prompt_budget(4, 2.0) == FIRST_PROMPT_BUDGET  # nothing timed yet
+    for rows in (4, 12, 4, 36, 8, 4, 20):  # 10 ms a step plus 5 ms a row
+        cost.observe(rows, 0.010 + 0.005 * rows)
+    fixed, per_row = cost.line()
+    assert abs(fixed - 0.010) < 1e-6 and abs(per_row - 0.005) < 1e-6
+    # 4 rows alone take 30 ms; twice that leaves 30 ms for prompt tokens: 6 of them.
+    assert cost.prompt_budget(4, 2.0) == 6
+    assert cost.prompt_budget(4, 1.0) == 1  # always some progress
+    only_one_size = StepCost()
+    for _ in range(3):
+        only_one_size.observe(8, 0.040)
+    fixed, per_row = only_one_size.line()
+    assert fixed == 0.0 and per_row == pytest.approx(0.005)
+
+
+def test_a_node_whose_slots_do_not_fit_its_kv_memory_refuses_to_start(tmp_path: Path) -> None:
+    topology = tmp_path / "topology.toml"
+    topology.write_text(
+        router_node()
+        + engine_node("decode", "decode", slots=8, kv_cache_max_bytes=200_000_000)
+        + route("m", [], ["decode"], chain=["decode_only"])
+    )
+    out = subprocess.run(
+        [sys.executable, "-m", "services.node", "--topology", str(topology), "--node", "decode"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env={**os.environ, "LOG_FORMAT": "console"},
+        check=False,
+    )
+    said = out.stdout + out.stderr
+    assert out.returncode == 1, said
+    assert "cannot start" in said and "Traceback" not in said
+    assert "slots = 8" in said and "kv_cache_max_bytes = 200000000" in said
+    assert "it holds 2 slots" in said

@@ -67,6 +67,19 @@ GOOD = (ROOT / "topology/local.toml").read_text()
             GOOD.replace('chain = ["disaggregated", "decode_only"]', 'chain = ["teleport"]', 1),
             ["models[0].chain[0]", "teleport"],
         ),
+        (
+            GOOD.replace("n_ctx = 4096", "n_ctx = 2048", 1),
+            ["models[0]", "must agree on n_ctx", "prefill-qwen has 2048", "decode-qwen has 4096"],
+        ),
+        (
+            GOOD.replace("n_ctx = 4096", "n_ctx = 4096\nflash_attn = false", 1),
+            ["models[0]", "must agree on flash_attn", "prefill-qwen has False"],
+        ),
+        (GOOD.replace("slots = 4 ", "slots = 0 ", 1), ["nodes[1].slots"]),
+        (
+            GOOD.replace("slots = 4 ", "n_batch = 2\nslots = 4 ", 1),
+            ["nodes[1]", "n_batch = 2 must be at least slots = 4"],
+        ),
     ],
 )
 def test_bad_topology_names_file_key_and_problem(

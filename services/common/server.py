@@ -92,7 +92,10 @@ async def serve(
     stopping = asyncio.create_task(stop.wait())
     await asyncio.wait({loading, stopping}, return_when=asyncio.FIRST_COMPLETED)
     if loading.done():
-        loading.result()  # a failed load ends the process with its error
+        if loading.exception() is not None:  # a failed load ends the process with its error
+            stopping.cancel()
+            await server.stop(None)
+            loading.result()
         log.info("loaded", address=bind_address, load_s=round(time.perf_counter() - started, 2))
         watching = asyncio.create_task(
             _watch_health(health_servicer, [*service_names], problem or _no_problem)

@@ -89,7 +89,7 @@ class Node(_Strict):
     n_threads: Annotated[int, Field(ge=1, le=1024)] | None = None
     # llama_cpp only: sequences served at once from one context (continuous batching).
     # Default: 4 on a prefill node, 8 on a decode node, or fewer if kv_cache_max_bytes says so.
-    slots: Annotated[int, Field(ge=1, le=256)] | None = None
+    slots: Annotated[int, Field(ge=1, le=255)] | None = None
     # KV cache memory the node may use (slots * n_ctx * the model's KV bytes per token);
     # a node whose slots do not fit refuses to start.
     kv_cache_max_bytes: Annotated[int, Field(ge=1 << 20)] | None = None
@@ -133,6 +133,11 @@ class Node(_Strict):
                 raise ValueError(f"a {self.role} node needs engine (llama_cpp or ollama)")
             if not self.model:
                 raise ValueError(f"a {self.role} node needs model")
+        if self.engine == "llama_cpp" and self.n_batch < (self.slots or self.default_slots):
+            raise ValueError(
+                f"n_batch = {self.n_batch} must be at least slots = "
+                f"{self.slots or self.default_slots}: a step holds a token of every slot"
+            )
         return self
 
 

