@@ -84,11 +84,11 @@ class RawBatched:
         params = llama_cpp.llama_model_default_params()
         self._model = llama_cpp.llama_model_load_from_file(str(model_path).encode(), params)
         ctx_params = llama_cpp.llama_context_default_params()
-        # The node's own settings: slots x n_ctx cells, 512-token batches, 32-row passes,
-        # flash attention, one extra sequence (the node's parked cells).
+        # The node's own settings: slots x n_ctx cells, 512-token batches, flash attention,
+        # one extra sequence (the node's parked cells).
         ctx_params.n_ctx = SLOTS * N_CTX
         ctx_params.n_batch = 512
-        ctx_params.n_ubatch = 32
+        ctx_params.n_ubatch = 512
         ctx_params.n_seq_max = SLOTS + 1
         ctx_params.kv_unified = True
         ctx_params.n_threads = ctx_params.n_threads_batch = threads

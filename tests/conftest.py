@@ -153,16 +153,10 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
 @pytest.fixture(scope="session")
 def reference_llm() -> llama_cpp.Llama:
     """Single-process llama-cpp-python with the same model file and settings as the nodes
-    (the topology's defaults: flash attention on, 512-token batches in 32-row passes)."""
+    (the topology's defaults: flash attention on, 512-token batches)."""
     path = resolve_model_path(MODEL, ROOT)
     return llama_cpp.Llama(
-        model_path=str(path),
-        n_ctx=N_CTX,
-        n_threads=2,
-        n_batch=512,
-        n_ubatch=32,
-        flash_attn=True,
-        verbose=False,
+        model_path=str(path), n_ctx=N_CTX, n_threads=2, n_batch=512, flash_attn=True, verbose=False
     )
 
 

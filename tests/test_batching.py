@@ -11,16 +11,12 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
-import pytest_asyncio
 
 from disagg.v1 import (
-    decode_pb2,
     decode_pb2_grpc,
     node_pb2,
     node_pb2_grpc,
@@ -30,13 +26,18 @@ from disagg.v1 import (
     router_pb2_grpc,
     types_pb2,
 )
-from services.common.topology import Topology
-from tests import streams
-from tests.conftest import engine_node, route, router_node, running_mesh
+from tests.conftest import Mesh, engine_node, route, router_node, running_mesh
 from tests.streams import Collected, collect, greedy, request
-from tests.test_errors import MANGLES, ManglingPrefill, expect_error
+from tests.test_errors import (
+    COUNTING,
+    MANGLES,
+    ManglingPrefill,
+    expect_error,
+    kv_request,
+    prefill,
+)
 
-MODEL = "grader"
+MODEL = "qwen3-coder:30b"
 PROMPTS = [
     "def fibonacci(n):",
     "The capital of France is",
@@ -50,55 +51,18 @@ PROMPTS = [
 MAX_TOKENS = 32
 
 
-@dataclass
-class Mesh:
-    topology: Topology
-
-    def address(self, node: str) -> str:
-        return self.topology.node(node).address
-
-
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
-    folder: Path = tmp_path_factory.mktemp("batching")
+    """This module's own mesh, named like the shared one so its fixtures (router,
+    prefill_qwen, decode_qwen) and helpers serve it."""
     parts = [
         router_node(),
-        engine_node("prefill", "prefill", n_threads=1),  # 4 slots, the default
-        engine_node("decode", "decode", n_threads=1),  # 8 slots
-        route(MODEL, ["prefill"], ["decode"]),
+        engine_node("prefill-qwen", "prefill", n_threads=1),  # 4 slots, the default
+        engine_node("decode-qwen", "decode", n_threads=1),  # 8 slots
+        route(MODEL, ["prefill-qwen"], ["decode-qwen"]),
     ]
-    with running_mesh(folder, parts) as processes:
-        yield Mesh(processes.topology)
-
-
-@pytest_asyncio.fixture
-async def router(mesh: Mesh) -> AsyncIterator[router_pb2_grpc.RouterServiceAsyncStub]:
-    async with grpc.aio.insecure_channel(mesh.topology.router.address) as channel:
-        yield router_pb2_grpc.RouterServiceStub(channel)
-
-
-@pytest_asyncio.fixture
-async def prefill_stub(mesh: Mesh) -> AsyncIterator[prefill_pb2_grpc.PrefillServiceAsyncStub]:
-    async with grpc.aio.insecure_channel(mesh.address("prefill")) as channel:
-        yield prefill_pb2_grpc.PrefillServiceStub(channel)
-
-
-@pytest_asyncio.fixture
-async def decode_stub(mesh: Mesh) -> AsyncIterator[decode_pb2_grpc.DecodeServiceAsyncStub]:
-    async with grpc.aio.insecure_channel(mesh.address("decode")) as channel:
-        yield decode_pb2_grpc.DecodeServiceStub(channel)
-
-
-def kv_request(
-    prefill_address: str, reply: prefill_pb2.PrefillResponse, **overrides: Any
-) -> decode_pb2.DecodeServiceGenerateRequest:
-    return streams.kv_request(MODEL, prefill_address, reply, **overrides)
-
-
-async def prefill(stub: prefill_pb2_grpc.PrefillServiceAsyncStub, prompt: str) -> Any:
-    return await stub.Prefill(
-        prefill_pb2.PrefillRequest(model=MODEL, prompt=prompt, sampling=greedy(4))
-    )
+    with running_mesh(tmp_path_factory.mktemp("batching"), parts) as processes:
+        yield Mesh(processes.topology, processes)
 
 
 async def node_info(mesh: Mesh, node: str) -> node_pb2.GetNodeInfoResponse:
@@ -150,8 +114,8 @@ async def wait_idle(mesh: Mesh, node: str) -> node_pb2.GetNodeInfoResponse:
 
 
 async def test_node_info_reports_slots_and_kv_memory(mesh: Mesh) -> None:
-    decode = await wait_idle(mesh, "decode")
-    prefill_node = await wait_idle(mesh, "prefill")
+    decode = await wait_idle(mesh, "decode-qwen")
+    prefill_node = await wait_idle(mesh, "prefill-qwen")
     assert (decode.slots, decode.slots_busy, decode.queue_depth) == (8, 0, 0)
     assert (prefill_node.slots, prefill_node.max_queue) == (4, 16)
     # SmolLM2-135M: 30 layers x 3 KV heads x (64 + 64) dims x 2 bytes = 23,040 bytes a token.
@@ -164,17 +128,17 @@ async def test_eight_prompts_at_once_each_give_their_text_alone(
 ) -> None:
     requests = [request(MODEL, p, MAX_TOKENS) for p in PROMPTS]
     alone = [await collect(router.Generate(r)) for r in requests]
-    async with BusyWatcher(mesh, "decode") as watcher:
+    async with BusyWatcher(mesh, "decode-qwen") as watcher:
         together = await all_at_once(router, requests)
     for prompt, one, many in zip(PROMPTS, alone, together, strict=True):
         assert many.token_ids == one.token_ids, prompt
         assert many.text == one.text
-        assert many.summary.decode_node == "decode"
+        assert many.summary.decode_node == "decode-qwen"
     # The streams really ran together: several slots busy at once, and every stream had
     # its first text before the first stream finished.
     assert watcher.most_busy >= 4, watcher.most_busy
     assert max(c.first_delta_at for c in together) < min(c.summary_at for c in together)
-    assert (await wait_idle(mesh, "decode")).slots_busy == 0
+    assert (await wait_idle(mesh, "decode-qwen")).slots_busy == 0
 
 
 async def test_seeded_sampling_gives_the_same_text_alone_and_in_a_batch(
@@ -234,27 +198,29 @@ async def streams_that_started(
 async def test_a_bad_request_in_one_slot_leaves_the_other_streams_alone(
     mesh: Mesh,
     router: router_pb2_grpc.RouterServiceAsyncStub,
-    prefill_stub: prefill_pb2_grpc.PrefillServiceAsyncStub,
-    decode_stub: decode_pb2_grpc.DecodeServiceAsyncStub,
+    prefill_qwen: prefill_pb2_grpc.PrefillServiceAsyncStub,
+    decode_qwen: decode_pb2_grpc.DecodeServiceAsyncStub,
     bad: str,
 ) -> None:
     prompts = PROMPTS[:4]
     expected = [await collect(router.Generate(request(MODEL, p, 32))) for p in prompts]
-    reply = await prefill(prefill_stub, "def add(a, b):")
+    reply = await prefill(prefill_qwen)
     tasks, started = await streams_that_started(router, prompts)
     await asyncio.wait_for(started.wait(), 30)
 
     if bad == "corrupt state":  # damaged on the wire: refused before the engine sees it
-        async with grpc.aio.insecure_channel(mesh.address("prefill")) as channel:
+        async with grpc.aio.insecure_channel(mesh.address("prefill-qwen")) as channel:
             server = grpc.aio.server()
             proxy = ManglingPrefill(prefill_pb2_grpc.PrefillServiceStub(channel))
             proxy.mangle = MANGLES["flipped byte"]
             prefill_pb2_grpc.add_PrefillServiceServicer_to_server(proxy, server)
             port = server.add_insecure_port("127.0.0.1:0")
             await server.start()
-            big = await prefill(prefill_stub, "one, two, three, " * 60)  # 5 chunks of 1 MiB
+            big = await prefill_qwen.Prefill(  # 5 chunks of 1 MiB, so one can be damaged
+                prefill_pb2.PrefillRequest(model=MODEL, prompt=COUNTING * 3, sampling=greedy(4))
+            )
             await expect_error(
-                decode_stub.Generate(kv_request(f"127.0.0.1:{port}", big)),
+                decode_qwen.Generate(kv_request(mesh, big, prefill_address=f"127.0.0.1:{port}")),
                 grpc.StatusCode.DATA_LOSS,
             )
             await server.stop(None)
@@ -263,15 +229,13 @@ async def test_a_bad_request_in_one_slot_leaves_the_other_streams_alone(
         other.CopyFrom(reply.fingerprint)
         other.model_sha256 = "0" * 64
         await expect_error(
-            decode_stub.Generate(kv_request(mesh.address("prefill"), reply, fingerprint=other)),
+            decode_qwen.Generate(kv_request(mesh, reply, fingerprint=other)),
             grpc.StatusCode.FAILED_PRECONDITION,
             "model sha256",
         )
     elif bad == "state of another length":  # intact bytes, loaded into a slot, then refused
         await expect_error(
-            decode_stub.Generate(
-                kv_request(mesh.address("prefill"), reply, prompt_tokens=reply.prompt_tokens + 3)
-            ),
+            decode_qwen.Generate(kv_request(mesh, reply, prompt_tokens=reply.prompt_tokens + 3)),
             grpc.StatusCode.FAILED_PRECONDITION,
             "holds",
             "kv.prompt_tokens",
@@ -287,5 +251,5 @@ async def test_a_bad_request_in_one_slot_leaves_the_other_streams_alone(
     assert [c.token_ids for c in got] == [c.token_ids for c in expected]
     # The node serves the next request, and every slot is free again.
     assert (await collect(router.Generate(request(MODEL, PROMPTS[5], 4)))).summary
-    info = await wait_idle(mesh, "decode")
+    info = await wait_idle(mesh, "decode-qwen")
     assert (info.slots_busy, info.queue_depth, info.kv_cache_used_bytes) == (0, 0, 0)

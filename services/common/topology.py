@@ -93,11 +93,10 @@ class Node(_Strict):
     # KV cache memory the node may use (slots * n_ctx * the model's KV bytes per token);
     # a node whose slots do not fit refuses to start.
     kv_cache_max_bytes: Annotated[int, Field(ge=1 << 20)] | None = None
-    # Most tokens one step evaluates, and most rows in one compute pass. 32-row passes keep
-    # llama.cpp's CPU attention on its per-row kernel: a sequence's numbers then do not
-    # depend on what else is in the batch.
+    # Most prompt tokens one pass (llama_decode) evaluates, and most rows in one compute
+    # graph (llama.cpp's n_batch and n_ubatch).
     n_batch: Annotated[int, Field(ge=1, le=65_536)] = 512
-    n_ubatch: Annotated[int, Field(ge=1, le=65_536)] = 32
+    n_ubatch: Annotated[int, Field(ge=1, le=65_536)] = 512
     # Flash attention, set explicitly (it decides the V layout of a KV state, so the
     # prefill and decode nodes of a model must agree).
     flash_attn: bool = True

@@ -7,12 +7,10 @@ at or above the context's `n_seq_max`.
 Why these settings (measured here with llama-cpp-python 0.3.36 on the CPU backend):
 - `kv_unified`: a state exported from a one-sequence context carries one KV stream; only a
   unified multi-sequence context has one stream, so only it loads such a state.
-- flash attention on, and compute passes (`n_ubatch`) of at most 32 rows: llama.cpp's CPU
-  attention then computes every row on its own, whatever else shares the pass, so a
-  sequence's numbers do not depend on the batch it runs in. Passes of 64+ rows that mix
-  sequences use a tiled kernel whose rounding depends on its neighbours (greedy text then
-  drifted after 10-15 tokens for 3 of 8 prompts); with flash attention off, the matrix
-  products pick kernels by batch size and drift too.
+- flash attention on: llama.cpp's CPU attention then computes every row of a pass of
+  fewer than 64 rows on its own, whatever else shares the pass (the scheduler keeps other
+  sequences out of larger passes). With flash attention off, the matrix products pick
+  kernels by batch size, and a sequence's greedy text drifted in a batch.
 - A finished sequence's cells are parked, not freed (`park`): they move to one extra
   sequence id that no batch attends to, and are freed together (`free_parked`) when the
   engine is idle or room runs short. Freeing them at once would leave holes that llama.cpp
@@ -37,7 +35,7 @@ class ContextSettings:
     slots: int
     # Tokens one sequence may hold: what a request gets, whatever the other slots hold.
     n_ctx: int
-    # Most tokens one step hands to llama_decode.
+    # Most tokens one llama_decode takes.
     n_batch: int
     # Most rows in one compute pass (llama.cpp splits a step into passes).
     n_ubatch: int

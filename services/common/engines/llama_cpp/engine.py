@@ -52,7 +52,7 @@ class EngineSettings:
     slots: int | None = None
     default_slots: int = 8
     n_batch: int = 512
-    n_ubatch: int = 32
+    n_ubatch: int = 512
     flash_attn: bool = True
     max_itl_slowdown: float = 2.0
     kv_cache_max_bytes: int | None = None

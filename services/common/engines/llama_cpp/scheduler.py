@@ -5,15 +5,22 @@ the job's `emit` callback (called on the engine thread; it must not block). Each
 
 1. Jobs waiting in the queue take free slots (a decode node's KV state is loaded into its
    slot here); cancelled jobs give theirs back.
-2. One batch is packed, up to `n_batch` tokens: one token for every slot that is generating,
-   then prompt tokens of the slots still evaluating their prompt, a fair share each. While
-   any slot is generating, prompt tokens are limited so that the step takes at most
-   `max_itl_slowdown` times a step without them (estimated from the steps before): a long
-   prompt arriving does not stall the streams for its whole length.
-3. One `llama_decode`; then every row that asked for logits is sampled with its slot's
-   own sampler chain. A finished prefill exports its slot's KV state and frees the slot; a
-   generating slot turns its token into text and ends on an end token, a stop string,
-   `max_tokens` or a full context, freeing its slot at once.
+2. One pass (`llama_decode`) of one token for every slot that is generating; each row is
+   sampled with its slot's own sampler chain at once. A generating slot turns its token
+   into text and ends on an end token, a stop string, `max_tokens` or a full context,
+   freeing its slot at once.
+3. Prompt tokens of the slots still evaluating their prompt, each slot in a pass of its
+   own (so that a prompt's numbers never depend on another's). With no stream generating,
+   each gets its next `n_batch` tokens; while streams generate, they share only what keeps
+   the step within `max_itl_slowdown` times a step without them (step_cost.py), so a long
+   prompt arriving slows the streams down instead of stalling them for its whole length. A
+   finished prompt samples its first token; a prefill then exports its slot's KV state and
+   frees the slot.
+
+Why separate passes: llama.cpp's CPU attention computes each row on its own in passes of
+fewer than 64 rows (as a decode pass of up to 63 streams is), but in larger passes with a
+tiled kernel whose rounding depends on every row in the pass. Mixing a prompt's rows with
+other sequences' rows would make its text depend on what else runs.
 
 A freed slot's cells are parked (see context.py) and freed all together once no slot is
 in use, or when they outgrow the cells in use (`max(in use, n_ctx)`), or when the cache is
@@ -54,7 +61,6 @@ from services.common.errors import (
 from services.common.types import FinishReason, GenerationEnd, Sampling, TextChunk
 
 log = structlog.get_logger("engine")
-
 
 
 class EngineError(MeshError):
@@ -302,77 +308,88 @@ class Scheduler:
             self._free_parked()
         generating = [s for s in active if s.next_token is not None]
         prompting = sorted((s for s in active if s.prompting), key=lambda s: s.order)
-        rows = [Row(_next(s), s.n_past, s.index, True) for s in generating]
-        pieces = self._plan_prompts(prompting, self._prompt_budget(len(generating)))
-        for slot, end in pieces:
-            tokens = slot.job.tokens
-            rows += [
-                Row(tokens[p], p, slot.index, p == len(tokens) - 1)
-                for p in range(slot.evaluated, end)
-            ]
+        pieces = self._plan_prompts(prompting, len(generating))
         started = time.perf_counter()
-        while True:
-            code = self._ctx.decode(rows)
-            if code != 1:
-                break
-            # No free KV cells: free the parked ones, then hold the prompts back, then end
-            # the newest stream.
-            if self._parked_cells:
-                self._free_parked()
-            elif pieces:
-                log.warning("kv cache full: prompts wait", node=self.name)
-                pieces, rows = [], rows[: len(generating)]
-            else:
-                newest = max(generating, key=lambda s: s.order)
-                self._fail(newest, ResourceExhausted(self._full_message(newest)))
-                generating.remove(newest)
-                rows = [r for r in rows if r.slot != newest.index]
-            if not rows:
-                return
-        if code != 0:
-            error = EngineError(f"llama_decode failed with code {code}")
-            for slot in {*generating, *(s for s, _ in pieces)}:
-                self._fail(slot, error)
-            return
-        elapsed = time.perf_counter() - started
-        n_prompt = len(rows) - len(generating)
-        self._cost.observe(len(rows), elapsed)
-        self._rates.add(n_prompt, len(generating))
-        metrics.engine_step(elapsed, n_prompt, len(generating))
-
-        # Sample every row that asked for logits, before anything else touches the context.
-        sampled: list[tuple[Slot, int]] = []
-        for i, slot in enumerate(generating):
-            sampled.append((slot, slot.sampler.sample(self._ctx.ptr, i)))
-        finished_prompts: list[tuple[Slot, int]] = []
-        row = len(generating)
-        for slot, end in pieces:
-            row += end - slot.evaluated
-            slot.evaluated = slot.n_past = end
-            if end == len(slot.job.tokens):
-                finished_prompts.append((slot, slot.sampler.sample(self._ctx.ptr, row - 1)))
-        for slot, token in sampled:
+        decoded = self._decode_pass(generating) if generating else []
+        # Sample every generated row before the next pass replaces the logits.
+        for i, slot in enumerate(decoded):
+            token = slot.sampler.sample(self._ctx.ptr, i)
             slot.n_past += 1
             self._accept(slot, token)
-        for slot, token in finished_prompts:
+        prompt_tokens = sum(self._prompt_pass(slot, end) for slot, end in pieces)
+        elapsed = time.perf_counter() - started
+        self._cost.observe(len(decoded) + prompt_tokens, elapsed)
+        self._rates.add(prompt_tokens, len(decoded))
+        metrics.engine_step(elapsed, prompt_tokens, len(decoded))
+
+    def _decode_pass(self, generating: list[Slot]) -> list[Slot]:
+        """One pass of one token per generating slot; the slots whose token was evaluated.
+        With no free KV cells: free the parked ones, then end the newest stream."""
+        while generating:
+            code = self._ctx.decode([Row(_next(s), s.n_past, s.index, True) for s in generating])
+            if code == 0:
+                return generating
+            if code == 1 and self._parked_cells:
+                self._free_parked()
+                continue
+            if code == 1:
+                newest = max(generating, key=lambda s: s.order)
+                self._fail(newest, ResourceExhausted(self._full_message(newest)))
+                generating = [s for s in generating if s is not newest]
+                continue
+            error = EngineError(f"llama_decode failed with code {code}")
+            for slot in generating:
+                self._fail(slot, error)
+            return []
+        return []
+
+    def _prompt_pass(self, slot: Slot, end: int) -> int:
+        """Evaluate the slot's prompt up to `end`, in a pass of its own: a prompt's numbers
+        then depend on its own pieces only. The first token is sampled when the prompt is
+        done. Returns the tokens evaluated."""
+        tokens = slot.job.tokens
+        rows = [
+            Row(tokens[p], p, slot.index, p == len(tokens) - 1) for p in range(slot.evaluated, end)
+        ]
+        code = self._ctx.decode(rows)
+        if code == 1 and self._parked_cells:
+            self._free_parked()
+            code = self._ctx.decode(rows)
+        if code != 0:
+            # No room even so (the streams hold every cell), or llama.cpp failed: this
+            # prompt, the newest work on the node, ends; the streams go on.
+            self._fail(
+                slot,
+                ResourceExhausted(self._full_message(slot))
+                if code == 1
+                else EngineError(f"llama_decode failed with code {code}"),
+            )
+            return 0
+        slot.evaluated = slot.n_past = end
+        if end == len(tokens):
+            token = slot.sampler.sample(self._ctx.ptr, len(rows) - 1)
             slot.first_at = time.perf_counter()
             if slot.job.kind is JobKind.PREFILL:
                 self._finish_prefill(slot, token)
             else:
                 self._accept(slot, token)
+        return len(rows)
 
-    def _prompt_budget(self, generating: int) -> int:
-        room = self._ctx.n_batch - generating
+    def _plan_prompts(self, prompting: list[Slot], generating: int) -> list[tuple[Slot, int]]:
+        """How far each prompting slot gets this step. With no stream generating, every one
+        gets its next `n_batch` tokens, cut where a prompt alone would be cut, so its numbers
+        are those it would have alone. While streams generate, they share what keeps the
+        step within `max_itl_slowdown` (a fair share each in the order they arrived, the
+        rest to whoever can use it)."""
+        n_batch = self._ctx.n_batch
         if not generating:
-            return room
-        return min(room, self._cost.prompt_budget(generating, self._settings.max_itl_slowdown))
-
-    @staticmethod
-    def _plan_prompts(prompting: list[Slot], budget: int) -> list[tuple[Slot, int]]:
-        """How far each prompting slot gets this step: a fair share of the budget each, in
-        the order they arrived, the rest to whoever can use it."""
-        if not prompting or budget <= 0:
+            return [
+                (s, min(len(s.job.tokens), (s.evaluated // n_batch + 1) * n_batch))
+                for s in prompting
+            ]
+        if not prompting:
             return []
+        budget = min(n_batch, self._cost.prompt_budget(generating, self._settings.max_itl_slowdown))
         share = max(1, budget // len(prompting))
         ends = {s: s.evaluated for s in prompting}
         for share_now in (share, budget):
