@@ -211,28 +211,24 @@ async def batched_decode(
     return rows
 
 
-def gaps(stream: Stream, begin: float, end: float) -> list[float]:
-    return [
-        b - a for a, b in zip(stream.at, stream.at[1:], strict=False) if begin <= a and b <= end
-    ]
+def gaps(stream: Stream, span: tuple[int, int]) -> list[float]:
+    """Seconds between consecutive deltas span[0] .. span[1] of the stream."""
+    first, last = span
+    return [stream.at[k + 1] - stream.at[k] for k in range(first, min(last, len(stream.at) - 1))]
 
 
 async def interference(
     stub: Any, prompt: str, prompt_tokens: int, repeats: int, streams: int = 4
 ) -> dict[str, Any]:
+    """The streams' p99 inter-token latency while the prompt is evaluated, against the same
+    streams' p99 at the same positions without it (a stream's steps slow down as its own
+    context grows, so the two are compared token for token)."""
     idle_p99, loaded_p99, prompt_s = [], [], []
     for _ in range(repeats):
-        # Without the prompt: the streams' own inter-token latency.
-        quiet = await asyncio.gather(
-            *(run_stream(stub, counting(i), 120, Stream()) for i in range(streams))
-        )
-        begin = max(s.at[0] for s in quiet)
-        end = min(s.at[-1] for s in quiet)
-        idle_p99.append(p99([g for s in quiet for g in gaps(s, begin, end)]))
-        # With it: the same streams, and the prompt arriving once all of them generate.
+        # With the prompt, arriving once every stream generates.
         running = [Stream() for _ in range(streams)]
         tasks = [
-            asyncio.create_task(run_stream(stub, counting(i), 3000, s))
+            asyncio.create_task(run_stream(stub, counting(i), N_CTX - 64, s))
             for i, s in enumerate(running)
         ]
         while not all(s.at for s in running):  # noqa: ASYNC110 (polling the streams' state)
@@ -243,8 +239,24 @@ async def interference(
         for s in running:
             s.call.cancel()
         await asyncio.gather(*tasks)
-        loaded_p99.append(p99([g for s in running for g in gaps(s, arrived, finished)]))
+        spans = [
+            (
+                next(k for k, t in enumerate(s.at) if t >= arrived),
+                max(k for k, t in enumerate(s.at) if t <= finished),
+            )
+            for s in running
+        ]
+        loaded_p99.append(
+            p99([g for s, span in zip(running, spans, strict=True) for g in gaps(s, span)])
+        )
         prompt_s.append(finished - arrived)
+        # Without it: the same streams again, as far as they got.
+        quiet = await asyncio.gather(
+            *(run_stream(stub, counting(i), span[1] + 1, Stream()) for i, span in enumerate(spans))
+        )
+        idle_p99.append(
+            p99([g for s, span in zip(quiet, spans, strict=True) for g in gaps(s, span)])
+        )
     ratio = median(loaded_p99) / median(idle_p99)
     say(
         f"   {prompt_tokens}-token prompt with {streams} streams generating: p99 inter-token "
@@ -308,7 +320,8 @@ async def measure(
                 "slots": SLOTS,
                 "new_tokens": new_tokens,
                 "batched_decode": rows,
-                "interference": await interference(stub, prompt, prompt_tokens, repeats),
+                # One run: its p99 is over thousands of gaps, and a run takes minutes here.
+                "interference": await interference(stub, prompt, prompt_tokens, repeats=1),
             }
     finally:
         raw.close()

@@ -18,7 +18,7 @@ from services.common.engines.llama_cpp import EngineSettings, LlamaCppEngine
 from services.common.engines.llama_cpp.context import ContextSettings, SlotContext
 from services.common.engines.llama_cpp.engine import plan_slots
 from services.common.engines.llama_cpp.model import LlamaModel, ModelLoadError
-from services.common.engines.llama_cpp.step_cost import FIRST_PROMPT_BUDGET, StepCost
+from services.common.engines.llama_cpp.prompt_share import FIRST_PIECE, prompt_pieces
 from services.common.errors import ResourceExhausted
 from services.common.models import resolve_model_path
 from services.common.types import GenerationEnd, Prompt, Sampling, TextChunk
@@ -141,21 +141,17 @@ def test_kv_bytes_per_token_from_the_model() -> None:
         model.close()
 
 
-def test_step_cost_fits_the_steps_and_sizes_the_prompt_share() -> None:
-    cost = StepCost()
-    assert cost.prompt_budget(4, 2.0) == FIRST_PROMPT_BUDGET  # nothing timed yet
-    for rows in (4, 12, 4, 36, 8, 4, 20):  # 10 ms a step plus 5 ms a row
-        cost.observe(rows, 0.010 + 0.005 * rows)
-    fixed, per_row = cost.line()
-    assert abs(fixed - 0.010) < 1e-6 and abs(per_row - 0.005) < 1e-6
-    # 4 rows alone take 30 ms; twice that leaves 30 ms for prompt tokens: 6 of them.
-    assert cost.prompt_budget(4, 2.0) == 6
-    assert cost.prompt_budget(4, 1.0) == 1  # always some progress
-    only_one_size = StepCost()
-    for _ in range(3):
-        only_one_size.observe(8, 0.040)
-    fixed, per_row = only_one_size.line()
-    assert fixed == 0.0 and per_row == pytest.approx(0.005)
+def test_prompt_share_keeps_a_step_within_the_slowdown() -> None:
+    # Nothing timed yet: a first piece of 8 tokens each (fewer if the prompt is shorter).
+    assert prompt_pieces([100, 3], [None, None], None, 2.0, 512) == [FIRST_PIECE, 3]
+    # A 30 ms decode pass and max_slowdown 2: 30 ms of prompt work in all. At 5 ms a token
+    # for one prompt and 2 ms for the other, an equal 15 ms each: 3 and 7 tokens.
+    assert prompt_pieces([100, 100], [0.005, 0.002], 0.030, 2.0, 512) == [3, 7]
+    # A short prompt leaves its share to the next one.
+    assert prompt_pieces([1, 100], [0.005, 0.005], 0.030, 2.0, 512) == [1, 5]
+    # Every prompt moves, however tight; none more than n_batch.
+    assert prompt_pieces([50, 50], [1.0, 1.0], 0.030, 2.0, 512) == [1, 1]
+    assert prompt_pieces([5000], [1e-6], 0.030, 3.0, 512) == [512]
 
 
 def test_a_node_whose_slots_do_not_fit_its_kv_memory_refuses_to_start(tmp_path: Path) -> None:

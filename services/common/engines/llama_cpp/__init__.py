@@ -8,7 +8,7 @@ thread runs a step loop over them (continuous batching, as llama.cpp's own serve
 - `sampling.py`   one sampler chain per request
 - `text.py`       tokens to text: UTF-8, stop strings, limits
 - `scheduler.py`  the step loop: admission, batching, sampling, freeing slots
-- `step_cost.py`  how long a step takes for how many rows: prompt tokens a step can take
+- `prompt_share.py` prompt tokens a step may take while streams generate
 - `engine.py`     the asynchronous `Engine` nodes use
 """
 

@@ -12,7 +12,7 @@ the job's `emit` callback (called on the engine thread; it must not block). Each
 3. Prompt tokens of the slots still evaluating their prompt, each slot in a pass of its
    own (so that a prompt's numbers never depend on another's). With no stream generating,
    each gets its next `n_batch` tokens; while streams generate, they share only what keeps
-   the step within `max_itl_slowdown` times a step without them (step_cost.py), so a long
+   the step within `max_itl_slowdown` times a step without them (prompt_share.py), so a long
    prompt arriving slows the streams down instead of stalling them for its whole length. A
    finished prompt samples its first token; a prefill then exports its slot's KV state and
    frees the slot.
@@ -49,8 +49,8 @@ from services.common import metrics
 from services.common.engines.base import EngineLoad, PrefillOutput, TokenRates
 from services.common.engines.llama_cpp.context import Row, SlotContext
 from services.common.engines.llama_cpp.model import LlamaModel
+from services.common.engines.llama_cpp.prompt_share import prompt_pieces
 from services.common.engines.llama_cpp.sampling import SlotSampler
-from services.common.engines.llama_cpp.step_cost import StepCost
 from services.common.engines.llama_cpp.text import GeneratedToken, TextStream
 from services.common.errors import (
     FailedPrecondition,
@@ -113,6 +113,8 @@ class Slot:
     n_past: int = 0
     first_at: float = 0.0
     kv_load_seconds: float = 0.0
+    # Seconds per token of this slot's last prompt pass.
+    prompt_token_s: float | None = None
 
     @property
     def prompting(self) -> bool:
@@ -152,7 +154,8 @@ class Scheduler:
         self._stopping = False
         self._order = itertools.count()
         self._rates = TokenRates()
-        self._cost = StepCost()
+        # Seconds of a decode pass lately (a running average).
+        self._decode_pass_s: float | None = None
         self.problem: str | None = None
         self._thread = threading.Thread(target=self._run, name=f"engine-{name}", daemon=True)
 
@@ -311,6 +314,10 @@ class Scheduler:
         pieces = self._plan_prompts(prompting, len(generating))
         started = time.perf_counter()
         decoded = self._decode_pass(generating) if generating else []
+        if decoded:
+            took = time.perf_counter() - started
+            last = self._decode_pass_s
+            self._decode_pass_s = took if last is None else (last + took) / 2
         # Sample every generated row before the next pass replaces the logits.
         for i, slot in enumerate(decoded):
             token = slot.sampler.sample(self._ctx.ptr, i)
@@ -318,7 +325,6 @@ class Scheduler:
             self._accept(slot, token)
         prompt_tokens = sum(self._prompt_pass(slot, end) for slot, end in pieces)
         elapsed = time.perf_counter() - started
-        self._cost.observe(len(decoded) + prompt_tokens, elapsed)
         self._rates.add(prompt_tokens, len(decoded))
         metrics.engine_step(elapsed, prompt_tokens, len(decoded))
 
@@ -351,6 +357,7 @@ class Scheduler:
         rows = [
             Row(tokens[p], p, slot.index, p == len(tokens) - 1) for p in range(slot.evaluated, end)
         ]
+        started = time.perf_counter()
         code = self._ctx.decode(rows)
         if code == 1 and self._parked_cells:
             self._free_parked()
@@ -365,6 +372,7 @@ class Scheduler:
                 else EngineError(f"llama_decode failed with code {code}"),
             )
             return 0
+        slot.prompt_token_s = (time.perf_counter() - started) / len(rows)
         slot.evaluated = slot.n_past = end
         if end == len(tokens):
             token = slot.sampler.sample(self._ctx.ptr, len(rows) - 1)
@@ -379,25 +387,21 @@ class Scheduler:
         """How far each prompting slot gets this step. With no stream generating, every one
         gets its next `n_batch` tokens, cut where a prompt alone would be cut, so its numbers
         are those it would have alone. While streams generate, they share what keeps the
-        step within `max_itl_slowdown` (a fair share each in the order they arrived, the
-        rest to whoever can use it)."""
+        step within `max_itl_slowdown` times its decode pass (prompt_share.py)."""
         n_batch = self._ctx.n_batch
         if not generating:
             return [
                 (s, min(len(s.job.tokens), (s.evaluated // n_batch + 1) * n_batch))
                 for s in prompting
             ]
-        if not prompting:
-            return []
-        budget = min(n_batch, self._cost.prompt_budget(generating, self._settings.max_itl_slowdown))
-        share = max(1, budget // len(prompting))
-        ends = {s: s.evaluated for s in prompting}
-        for share_now in (share, budget):
-            for slot in prompting:
-                take = min(len(slot.job.tokens) - ends[slot], share_now, budget)
-                ends[slot] += take
-                budget -= take
-        return [(s, ends[s]) for s in prompting if ends[s] > s.evaluated]
+        pieces = prompt_pieces(
+            [len(s.job.tokens) - s.evaluated for s in prompting],
+            [s.prompt_token_s for s in prompting],
+            self._decode_pass_s,
+            self._settings.max_itl_slowdown,
+            n_batch,
+        )
+        return [(s, s.evaluated + n) for s, n in zip(prompting, pieces, strict=True)]
 
     def _accept(self, slot: Slot, token: int) -> None:
         """A generated token: send its text; end the stream or keep it for the next step."""
