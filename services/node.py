@@ -12,8 +12,8 @@ import sys
 import structlog
 
 from services.common.auth import TokenError, token_from_topology, use_token
-from services.common.logging import configure_logging
 from services.common.models import ModelFileError
+from services.common.observability.logging import configure_logging
 from services.common.server import BindError
 from services.common.topology import TopologyError, load_topology
 

@@ -16,9 +16,9 @@ from typing import Any
 import grpc
 import structlog
 
-from services.common import metrics
 from services.common.errors import MeshError
-from services.common.logging import REQUEST_ID_KEY, new_request_id
+from services.common.observability import metrics
+from services.common.observability.logging import REQUEST_ID_KEY, new_request_id
 
 log = structlog.get_logger("rpc")
 

@@ -17,7 +17,7 @@ from services.common import convert
 from services.common.errors import UpstreamError
 from services.common.kv import KvChunk
 from services.common.kv_wire import parse_fetch_kv_response
-from services.common.logging import outgoing_metadata
+from services.common.observability.logging import outgoing_metadata
 from services.common.types import DecodeStats, KvSource, PrefillResult, Prompt, Sampling, TextChunk
 
 MAX_MESSAGE_BYTES = 8 * 1024 * 1024

@@ -21,8 +21,8 @@ from grpc_reflection.v1alpha import reflection
 
 from services.common.auth import TokenInterceptor, configured_token
 from services.common.grpc_status import RequestScopeInterceptor
-from services.common.metrics import serve_metrics
 from services.common.node_clients import MAX_MESSAGE_BYTES
+from services.common.observability.metrics import serve_metrics
 from services.common.topology import Node
 
 log = structlog.get_logger("server")

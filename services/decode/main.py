@@ -6,10 +6,10 @@ import grpc
 
 from disagg.v1 import decode_pb2, decode_pb2_grpc
 from services.common.engines import open_engine
-from services.common.metrics import watch_engine
 from services.common.node_clients import ChannelPool
 from services.common.node_info import SERVICE_NAME as NODE_SERVICE_NAME
 from services.common.node_info import add_node_service, describer, engine_of, load_of
+from services.common.observability.metrics import watch_engine
 from services.common.readiness import Ready
 from services.common.server import metrics_address, serve
 from services.common.tls import tls_for

@@ -9,9 +9,9 @@ import grpc
 
 from services.common.engines import open_engine
 from services.common.kv import KvStore
-from services.common.metrics import watch_engine, watch_kv_store
 from services.common.node_info import SERVICE_NAME as NODE_SERVICE_NAME
 from services.common.node_info import add_node_service, describer, engine_of, load_of
+from services.common.observability.metrics import watch_engine, watch_kv_store
 from services.common.readiness import Ready
 from services.common.server import metrics_address, serve
 from services.common.tls import tls_for

@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 import grpc
 import structlog
 
-from services.common import metrics
 from services.common.engines.ollama_engine import OllamaEngine
 from services.common.errors import DeadlineExceeded, MeshError, NotFound, UpstreamError
 from services.common.node_clients import ChannelPool, DecodeClient, PrefillClient
+from services.common.observability import metrics
 from services.common.retries import call_with_retries, is_retryable
 from services.common.topology import ModelRoute, Node, Step, Topology
 from services.common.types import (

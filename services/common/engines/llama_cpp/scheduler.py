@@ -45,7 +45,6 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from services.common import metrics
 from services.common.engines.base import EngineLoad, PrefillOutput, TokenRates
 from services.common.engines.llama_cpp.context import Row, SlotContext
 from services.common.engines.llama_cpp.model import LlamaModel
@@ -58,6 +57,7 @@ from services.common.errors import (
     ResourceExhausted,
     Unavailable,
 )
+from services.common.observability import metrics
 from services.common.types import FinishReason, GenerationEnd, Sampling, TextChunk
 
 log = structlog.get_logger("engine")

@@ -1,0 +1,2 @@
+"""What a node tells about itself: structlog lines (logging.py) and Prometheus metrics
+(metrics.py)."""
