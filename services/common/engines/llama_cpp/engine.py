@@ -100,7 +100,6 @@ class LlamaCppEngine:
         self._scheduler = scheduler
         self.fingerprint = fingerprint
         self.n_ctx = context.n_ctx
-        self.slots = context.slots
 
     @classmethod
     async def open(cls, name: str, model_path: Path, settings: EngineSettings) -> LlamaCppEngine:

@@ -38,7 +38,6 @@ class LlamaModel:
             )
         except ValueError as exc:
             raise ModelLoadError(f"llama.cpp cannot load {path}: {exc}") from None
-        self.path = path
         self.ptr = self._model.model
         self.n_vocab: int = self._model.n_vocab()
         self.metadata: dict[str, str] = self._model.metadata()
