@@ -110,7 +110,7 @@ def test_sequence_ids_are_checked_before_llama_cpp_sees_them() -> None:
     try:
         for bad in (-1, 2, 3, 1000):
             with pytest.raises(ValueError, match=r"outside 0\.\.1"):
-                context.clear(bad)
+                context.park(bad)
             with pytest.raises(ValueError, match=r"outside 0\.\.1"):
                 context.export_state(bad)
         assert context.pos_max(1) == -1  # the process is still here

@@ -124,11 +124,6 @@ class SlotContext:
         batch.n_tokens = len(rows)
         return int(llama_cpp.llama_decode(self._ctx, batch))
 
-    def clear(self, slot: int) -> None:
-        """Free the slot's KV cells."""
-        self.check_slot(slot)
-        llama_cpp.llama_memory_seq_rm(self._mem, slot, -1, -1)
-
     def park(self, slot: int) -> None:
         """The slot is free at once; its cells stay in use, under the parked sequence, until
         `free_parked` (no copy: the cells change owner)."""

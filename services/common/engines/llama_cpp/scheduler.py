@@ -267,8 +267,7 @@ class Scheduler:
         return admitted
 
     def _start(self, slot: Slot) -> None:
-        job = slot.job
-        self._ctx.clear(slot.index)
+        job = slot.job  # its sequence is empty: a freed slot's cells were parked
         if job.kind is JobKind.GENERATE:
             slot.text = TextStream(job.sampling.max_tokens, job.sampling.stop)
         if job.kind is not JobKind.CONTINUE:
