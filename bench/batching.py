@@ -32,8 +32,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "generated")]
 
+import llama_cpp  # noqa: E402, I001  (before grpc: see services/node.py)
 import grpc  # noqa: E402
-import llama_cpp  # noqa: E402
 
 from disagg.v1 import decode_pb2, decode_pb2_grpc, types_pb2  # noqa: E402
 from services.common.models import resolve_model_path  # noqa: E402

@@ -34,6 +34,7 @@ import os
 import platform
 import re
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -484,13 +485,32 @@ def machine() -> dict[str, Any]:
         pass
     import importlib.metadata as md
 
+    from services.common.engines.llama_cpp.model import gpu_backend
+
     versions = {name: md.version(name) for name in ("llama-cpp-python", "grpcio", "protobuf")}
     return {
         "cores": os.cpu_count(),
         "cpu": cpu,
+        "gpu": gpu_name(),
+        "llama_cpp_backend": gpu_backend() or "CPU",
         "python": platform.python_version(),
         "versions": versions,
     }
+
+
+def gpu_name() -> str:
+    """The NVIDIA GPU's name and memory (nvidia-smi), "" without one."""
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return out.strip().splitlines()[0] if out.strip() else ""
 
 
 async def run_all(bench: Bench, args: argparse.Namespace) -> dict[str, Any]:

@@ -265,6 +265,8 @@ async def _check(node: Any, args: argparse.Namespace) -> NodeRow:
             notes.append(info.problem)
         if node.engine == "ollama":
             notes.append("model in memory" if info.model_loaded_in_memory else "model not loaded")
+        if info.backend:
+            notes.append(f"{info.backend}, {info.gpu_layers}/{info.model_layers} layers on GPU")
         if info.slots:
             notes.append(
                 f"slots {info.slots_busy}/{info.slots}, queue {info.queue_depth}/"

@@ -9,6 +9,10 @@ import argparse
 import asyncio
 import sys
 
+# llama.cpp's libraries load first, before grpc's: with grpc (or numpy, or sentencepiece)
+# loaded before it, a CUDA build of llama.cpp crashed the process (SIGSEGV while setting up
+# the model's tokenizer) on an H100 machine. Importing it here costs the router ~0.1 s.
+import llama_cpp  # noqa: F401
 import structlog
 
 from services.common.auth import TokenError, token_from_topology, use_token

@@ -231,7 +231,7 @@ async def test_a_bad_request_in_one_slot_leaves_the_other_streams_alone(
         await expect_error(
             decode_qwen.Generate(kv_request(mesh, reply, fingerprint=other)),
             grpc.StatusCode.FAILED_PRECONDITION,
-            "model sha256",
+            "model_sha256 is 000000000000… where the state was made",
         )
     elif bad == "state of another length":  # intact bytes, loaded into a slot, then refused
         await expect_error(

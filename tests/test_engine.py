@@ -33,7 +33,12 @@ BYTES_PER_TOKEN = 23_040
 
 async def open_engine(**settings: object) -> LlamaCppEngine:
     base: dict[str, object] = dict(n_ctx=512, n_threads=1, max_queue=1, slots=2)
-    return await LlamaCppEngine.open("test", PATH, EngineSettings(**{**base, **settings}))  # type: ignore[arg-type]
+    return await LlamaCppEngine.open(
+        "test",
+        PATH,
+        EngineSettings(**{**base, **settings}),  # type: ignore[arg-type]
+        model_sha256="0" * 64,
+    )
 
 
 @pytest_asyncio.fixture
@@ -136,7 +141,10 @@ def test_slots_follow_the_kv_memory_a_node_may_use() -> None:
 def test_kv_bytes_per_token_from_the_model() -> None:
     model = LlamaModel(PATH)
     try:
-        assert model.kv_bytes_per_token == BYTES_PER_TOKEN
+        assert model.kv_bytes_per_token() == BYTES_PER_TOKEN
+        # q8_0: blocks of 32 values in 34 bytes, so a 64-value head takes 68 bytes.
+        assert model.kv_bytes_per_token("q8_0", "q8_0") == 30 * 3 * (68 + 68)
+        assert model.placement.backend == "CPU" and model.placement.layers == 31
     finally:
         model.close()
 

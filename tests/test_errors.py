@@ -187,7 +187,7 @@ async def test_fingerprint_mismatch_is_refused_before_any_transfer(
     await expect_error(
         decode_qwen.Generate(kv_request(mesh, reply, fingerprint=other)),
         grpc.StatusCode.FAILED_PRECONDITION,
-        "n_ctx 2048",
+        "n_ctx is 2048 where the state was made, 4096 on this node",
     )
     # Nothing was fetched: the handle is still there for a correct request.
     got = await collect(decode_qwen.Generate(kv_request(mesh, reply)))

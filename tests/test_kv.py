@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import re
 
 import pytest
 
@@ -112,7 +114,30 @@ def test_a_size_other_than_announced_is_data_loss() -> None:
         assemble(chunks(), size=len(DATA) + 1)
 
 
-def test_a_state_from_another_engine_setup_is_refused() -> None:
-    other = Fingerprint(FP.model_sha256, 2048, FP.engine_version)
-    with pytest.raises(FailedPrecondition, match="n_ctx 2048"):
+@pytest.mark.parametrize(
+    ("setting", "value", "said"),
+    [
+        (
+            "model_sha256",
+            "cd" * 32,
+            "model_sha256 is abababababab… where the state was made, cdcdcdcdcdcd… on this node",
+        ),
+        ("n_ctx_tokens", 2048, "n_ctx is 4096 where the state was made, 2048 on this node"),
+        (
+            "engine_version",
+            "x/2",
+            "engine_version is 'llama-cpp-python/test' where the state was made, 'x/2'",
+        ),
+        ("type_k", "q8_0", "type_k is 'f16' where the state was made, 'q8_0' on this node"),
+        ("type_v", "q4_0", "type_v is 'f16' where the state was made, 'q4_0' on this node"),
+        ("flash_attn", False, "flash_attn is on where the state was made, off on this node"),
+        ("kv_unified", False, "kv_unified is on where the state was made, off on this node"),
+        ("swa_full", True, "swa_full is off where the state was made, on on this node"),
+    ],
+)
+def test_a_state_from_another_engine_setup_is_refused_naming_the_setting(
+    setting: str, value: object, said: str
+) -> None:
+    other = dataclasses.replace(FP, **{setting: value})  # type: ignore[arg-type]
+    with pytest.raises(FailedPrecondition, match=re.escape(said)):
         assemble(chunks(), fp=other)

@@ -52,12 +52,28 @@ def prompt_messages_to_proto(prompt: Prompt) -> list[types_pb2.ChatMessage]:
 
 
 def fingerprint_from_proto(msg: types_pb2.KvFingerprint) -> Fingerprint:
-    return Fingerprint(msg.model_sha256, msg.n_ctx_tokens, msg.engine_version)
+    return Fingerprint(
+        model_sha256=msg.model_sha256,
+        n_ctx_tokens=msg.n_ctx_tokens,
+        engine_version=msg.engine_version,
+        type_k=msg.type_k,
+        type_v=msg.type_v,
+        flash_attn=msg.flash_attn,
+        kv_unified=msg.kv_unified,
+        swa_full=msg.swa_full,
+    )
 
 
 def fingerprint_to_proto(fp: Fingerprint) -> types_pb2.KvFingerprint:
     return types_pb2.KvFingerprint(
-        model_sha256=fp.model_sha256, n_ctx_tokens=fp.n_ctx_tokens, engine_version=fp.engine_version
+        model_sha256=fp.model_sha256,
+        n_ctx_tokens=fp.n_ctx_tokens,
+        engine_version=fp.engine_version,
+        type_k=fp.type_k,
+        type_v=fp.type_v,
+        flash_attn=fp.flash_attn,
+        kv_unified=fp.kv_unified,
+        swa_full=fp.swa_full,
     )
 
 

@@ -176,8 +176,21 @@ class KvAssembler:
 
 
 def check_fingerprint(got: Fingerprint, mine: Fingerprint) -> None:
-    if got != mine:
+    """Refuse a KV state whose producer's settings differ from this engine's, naming the
+    setting and both values."""
+    differs = got.mismatch(mine)
+    if differs is not None:
+        name, theirs, ours = differs
         raise FailedPrecondition(
-            f"KV state was made by a different engine setup ({got.describe()}) than this "
-            f"node's ({mine.describe()}); both nodes need the same model file, n_ctx and engine"
+            f"KV state fingerprint mismatch: {name} is {_shown(name, theirs)} where the state "
+            f"was made, {_shown(name, ours)} on this node; a KV handoff needs the same model "
+            "file and KV settings on both nodes (disagg doctor compares them)"
         )
+
+
+def _shown(name: str, value: object) -> str:
+    if name == "model_sha256" and isinstance(value, str):
+        return f"{value[:12]}…" if value else "(unknown)"
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return repr(value) if isinstance(value, str) else str(value)

@@ -10,7 +10,7 @@ import grpc
 
 from disagg.v1 import node_pb2, node_pb2_grpc
 from services.common import convert
-from services.common.engines.base import Engine, EngineLoad
+from services.common.engines.base import Engine, EngineLoad, Placement
 from services.common.kv import KvStore
 from services.common.readiness import Ready
 from services.common.topology import Node, Topology
@@ -34,6 +34,7 @@ class NodeStatus:
     kv_store_handles: int = 0
     kv_store_bytes: int = 0
     load: EngineLoad | None = None
+    placement: Placement = field(default_factory=Placement)
 
 
 def describer(
@@ -63,6 +64,7 @@ def describer(
         status.problem = problem or ""
         status.model_loaded_in_memory = current.loaded_in_memory
         status.load = current.load()
+        status.placement = current.placement
         kv = store()
         if kv is not None:
             status.kv_store_handles, status.kv_store_bytes = len(kv), kv.bytes_held
@@ -113,6 +115,9 @@ class NodeServicer(node_pb2_grpc.NodeServiceServicer):
             decode_tokens_per_second=load.decode_tokens_per_second,
             kv_cache_bytes=load.kv_cache_bytes,
             kv_cache_used_bytes=load.kv_cache_used_bytes,
+            backend=s.placement.backend,
+            gpu_layers=s.placement.gpu_layers,
+            model_layers=s.placement.layers,
         )
 
 

@@ -52,9 +52,9 @@ class MeshProcesses:
         for node in nodes or self.topology.nodes:
             self.start_node(node)
 
-    def start_node(self, node: Node) -> None:
+    def start_node(self, node: Node, extra_env: dict[str, str] | None = None) -> None:
         log = (self.log_dir / f"{node.name}.log").open("ab")
-        env = {**os.environ, "LOG_FORMAT": "json", "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "LOG_FORMAT": "json", "PYTHONUNBUFFERED": "1", **(extra_env or {})}
         self.procs[node.name] = subprocess.Popen(
             [
                 sys.executable,

@@ -21,6 +21,8 @@ Step = Literal["disaggregated", "decode_only", "direct_ollama"]
 NodeName = Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9-]*$", max_length=63)]
 Port = Annotated[int, Field(ge=1, le=65535)]
 PositiveSeconds = Annotated[float, Field(gt=0, le=3600)]
+# K/V cache types a llama_cpp node may use (llama.cpp server's --cache-type-k/-v).
+KvCacheTypeName = Literal["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1"]
 # Slots of a llama_cpp node whose topology sets none.
 DEFAULT_SLOTS = {"prefill": 4, "decode": 8}
 
@@ -81,9 +83,13 @@ class Node(_Strict):
     metrics_port: Port | None = None
     # prefill and decode nodes only:
     engine: EngineName | None = None
-    # llama_cpp: a GGUF path (relative to the topology file) or "package:DIST/FILE";
-    # ollama: the model tag on the Ollama server.
+    # llama_cpp: a GGUF path (relative to the topology file), "package:DIST/FILE", or
+    # "ollama:NAME" (a model pulled into this machine's Ollama store, read without Ollama
+    # running); ollama: the model tag on the Ollama server.
     model: str | None = None
+    # llama_cpp "ollama:" models: the Ollama store's folder (default: $OLLAMA_MODELS,
+    # ~/.ollama/models, /usr/share/ollama/.ollama/models, /var/lib/ollama, first found).
+    ollama_models: str | None = None
     # Context, tokens, of every request: each slot holds this much, whatever the others hold.
     n_ctx: Annotated[int, Field(ge=256, le=1_048_576)] = 4096
     n_threads: Annotated[int, Field(ge=1, le=1024)] | None = None
@@ -100,6 +106,15 @@ class Node(_Strict):
     # Flash attention, set explicitly (it decides the V layout of a KV state, so the
     # prefill and decode nodes of a model must agree).
     flash_attn: bool = True
+    # llama_cpp: layers on the GPU (-1 or unset: all of them when llama.cpp was built with
+    # a GPU backend, 0: CPU only). The KV state's bytes do not depend on it: a GPU node
+    # and a CPU node of the same model hand KV over to each other.
+    n_gpu_layers: Annotated[int, Field(ge=-1, le=10_000)] | None = None
+    # llama_cpp: K and V cache types (quantized V needs flash_attn); the prefill and decode
+    # nodes of a model must agree, as on swa_full (full-size sliding-window caches).
+    type_k: KvCacheTypeName = "f16"
+    type_v: KvCacheTypeName = "f16"
+    swa_full: bool = False
     # While streams generate, a step that also evaluates prompt tokens takes at most this
     # many times as long as one that does not: a long prompt arriving slows the streams
     # down by this factor instead of stalling them.
@@ -132,6 +147,10 @@ class Node(_Strict):
                 raise ValueError(f"a {self.role} node needs engine (llama_cpp or ollama)")
             if not self.model:
                 raise ValueError(f"a {self.role} node needs model")
+        if self.type_v not in ("f16", "f32", "bf16") and not self.flash_attn:
+            raise ValueError(
+                f"type_v = {self.type_v!r} (a quantized V cache) needs flash_attn = true"
+            )
         if self.engine == "llama_cpp" and self.n_batch < (self.slots or self.default_slots):
             raise ValueError(
                 f"n_batch = {self.n_batch} must be at least slots = "
@@ -249,7 +268,7 @@ class Topology(_Strict):
 def _check_kv_compatible(index: int, nodes: list[Node]) -> None:
     """A model's embedded prefill and decode nodes must write and read the same KV layout."""
     embedded = [n for n in nodes if n.engine == "llama_cpp"]
-    for key in ("n_ctx", "flash_attn"):
+    for key in ("n_ctx", "flash_attn", "type_k", "type_v", "swa_full"):
         values = {getattr(n, key) for n in embedded}
         if len(values) > 1:
             listed = ", ".join(f"{n.name} has {getattr(n, key)}" for n in embedded)

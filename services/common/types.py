@@ -36,17 +36,54 @@ class Prompt:
 
 @dataclass(frozen=True)
 class Fingerprint:
-    """What produced a KV state; a state loads only into an engine with an equal one."""
+    """Everything that shapes a KV state's bytes; a state loads only into an engine whose
+    fingerprint is equal (`mismatch` names the first setting that differs)."""
 
     model_sha256: str
     n_ctx_tokens: int
+    # llama-cpp-python's version and the llama.cpp it carries.
     engine_version: str
+    # ggml type names of the K and V caches ("f16", "q8_0", ...).
+    type_k: str = "f16"
+    type_v: str = "f16"
+    # Flash attention decides the V cache's layout (transposed without it).
+    flash_attn: bool = True
+    # One KV stream for all sequences (a one-sequence state loads only into one).
+    kv_unified: bool = True
+    # Full-size cache for sliding-window layers, or only the window.
+    swa_full: bool = False
+
+    def settings(self) -> dict[str, object]:
+        return {
+            "model_sha256": self.model_sha256,
+            "n_ctx": self.n_ctx_tokens,
+            "engine_version": self.engine_version,
+            "type_k": self.type_k,
+            "type_v": self.type_v,
+            "flash_attn": self.flash_attn,
+            "kv_unified": self.kv_unified,
+            "swa_full": self.swa_full,
+        }
+
+    def mismatch(self, other: Fingerprint) -> tuple[str, object, object] | None:
+        """The first setting that differs: (name, this value, the other's), or None."""
+        theirs = other.settings()
+        for name, mine in self.settings().items():
+            if mine != theirs[name]:
+                return name, mine, theirs[name]
+        return None
 
     def describe(self) -> str:
         return (
             f"model sha256 {self.model_sha256[:12]}…, n_ctx {self.n_ctx_tokens}, "
-            f"{self.engine_version}"
+            f"{self.engine_version}, K/V {self.type_k}/{self.type_v}, flash_attn "
+            f"{_on_off(self.flash_attn)}, kv_unified {_on_off(self.kv_unified)}, swa_full "
+            f"{_on_off(self.swa_full)}"
         )
+
+
+def _on_off(value: bool) -> str:
+    return "on" if value else "off"
 
 
 class FinishReason(enum.Enum):

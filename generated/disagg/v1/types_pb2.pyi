@@ -50,14 +50,24 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class KvFingerprint(_message.Message):
-    __slots__ = ("model_sha256", "n_ctx_tokens", "engine_version")
+    __slots__ = ("model_sha256", "n_ctx_tokens", "engine_version", "type_k", "type_v", "flash_attn", "kv_unified", "swa_full")
     MODEL_SHA256_FIELD_NUMBER: _ClassVar[int]
     N_CTX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ENGINE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TYPE_K_FIELD_NUMBER: _ClassVar[int]
+    TYPE_V_FIELD_NUMBER: _ClassVar[int]
+    FLASH_ATTN_FIELD_NUMBER: _ClassVar[int]
+    KV_UNIFIED_FIELD_NUMBER: _ClassVar[int]
+    SWA_FULL_FIELD_NUMBER: _ClassVar[int]
     model_sha256: str
     n_ctx_tokens: int
     engine_version: str
-    def __init__(self, model_sha256: _Optional[str] = ..., n_ctx_tokens: _Optional[int] = ..., engine_version: _Optional[str] = ...) -> None: ...
+    type_k: str
+    type_v: str
+    flash_attn: bool
+    kv_unified: bool
+    swa_full: bool
+    def __init__(self, model_sha256: _Optional[str] = ..., n_ctx_tokens: _Optional[int] = ..., engine_version: _Optional[str] = ..., type_k: _Optional[str] = ..., type_v: _Optional[str] = ..., flash_attn: _Optional[bool] = ..., kv_unified: _Optional[bool] = ..., swa_full: _Optional[bool] = ...) -> None: ...
 
 class TextDelta(_message.Message):
     __slots__ = ("text", "token_ids")

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from services.common.engines.base import Engine
 from services.common.errors import MeshError
-from services.common.models import resolve_model_path
+from services.common.models import locate_model
 from services.common.topology import Node, Topology
 
 
@@ -18,7 +20,9 @@ async def open_engine(topology: Topology, node: Node) -> Engine:
     if node.engine == "llama_cpp":
         from services.common.engines.llama_cpp import EngineSettings, LlamaCppEngine
 
-        path = resolve_model_path(node.model, topology.source.parent)
+        located = await asyncio.to_thread(
+            locate_model, node.model, topology.source.parent, node.ollama_models
+        )
         settings = EngineSettings(
             n_ctx=node.n_ctx,
             n_threads=topology.threads_for(node),
@@ -30,8 +34,12 @@ async def open_engine(topology: Topology, node: Node) -> Engine:
             flash_attn=node.flash_attn,
             max_itl_slowdown=node.max_itl_slowdown,
             kv_cache_max_bytes=node.kv_cache_max_bytes,
+            n_gpu_layers=node.n_gpu_layers,
+            type_k=node.type_k,
+            type_v=node.type_v,
+            swa_full=node.swa_full,
         )
-        return await LlamaCppEngine.open(node.name, path, settings)
+        return await LlamaCppEngine.open(node.name, located.path, settings, located.sha256)
     if node.engine == "ollama":
         from services.common.engines.ollama_engine import OllamaEngine
 

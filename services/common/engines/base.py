@@ -58,6 +58,17 @@ class EngineLoad:
     kv_cache_used_bytes: int = 0
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Where a loaded model runs: the backend ("CPU", "CUDA", "Metal"; "" when the engine
+    does not say) and how many of its layers are on the GPU, counted as llama.cpp counts
+    them (the repeating layers plus the output layer)."""
+
+    backend: str = ""
+    gpu_layers: int = 0
+    layers: int = 0
+
+
 RATE_WINDOW_S = 10.0
 
 
@@ -92,6 +103,7 @@ class Engine(Protocol):
     """A loaded model behind a node."""
 
     fingerprint: Fingerprint
+    placement: Placement
     kv_transfer: KvTransferKind
     # Whether the model sits in memory now (Ollama unloads idle models).
     loaded_in_memory: bool

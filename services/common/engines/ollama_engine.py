@@ -29,7 +29,13 @@ from typing import Any
 import httpx
 import ollama
 
-from services.common.engines.base import EngineLoad, Generation, PrefillOutput, TokenRates
+from services.common.engines.base import (
+    EngineLoad,
+    Generation,
+    Placement,
+    PrefillOutput,
+    TokenRates,
+)
 from services.common.errors import (
     DataLoss,
     FailedPrecondition,
@@ -79,6 +85,8 @@ class OllamaEngine:
         self._rates = TokenRates()
         # The model's digest is learned from the server (problem() refreshes it).
         self.fingerprint = Fingerprint("", n_ctx, ENGINE_VERSION)
+        # Ollama places the model itself (its /api/ps tells how much sits in VRAM).
+        self.placement = Placement()
         self.loaded_in_memory = False
 
     # -- health ----------------------------------------------------------------------------

@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 
 import llama_cpp
 
-from services.common.engines.llama_cpp.model import LlamaModel, ModelLoadError
+from services.common.engines.llama_cpp.model import KV_CACHE_TYPES, LlamaModel, ModelLoadError
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,13 @@ class ContextSettings:
     n_ubatch: int
     n_threads: int
     flash_attn: bool = True
+    # K and V cache types (names of KV_CACHE_TYPES), and full-size sliding-window caches.
+    type_k: str = "f16"
+    type_v: str = "f16"
+    swa_full: bool = False
+    # Let llama.cpp run large batches' matrix products on a GPU even for layers kept on the
+    # CPU; off on a CPU-only node (n_gpu_layers = 0), which then never touches the GPU.
+    op_offload: bool = True
     # KV cells in all: slots * n_ctx, so no slot can be crowded out. Tests make it smaller
     # to exercise a full cache.
     kv_cells: int | None = None
@@ -83,12 +90,17 @@ class SlotContext:
             if settings.flash_attn
             else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
         )
+        params.type_k = KV_CACHE_TYPES[settings.type_k].ggml_type
+        params.type_v = KV_CACHE_TYPES[settings.type_v].ggml_type
+        params.swa_full = settings.swa_full
+        params.op_offload = settings.op_offload
         params.no_perf = True
         ctx = llama_cpp.llama_init_from_model(model.ptr, params)
         if not ctx:
+            kv_bytes = settings.cells * model.kv_bytes_per_token(settings.type_k, settings.type_v)
             raise ModelLoadError(
                 f"llama.cpp could not create a context of {settings.cells} KV cells "
-                f"({settings.cells * model.kv_bytes_per_token / 2**20:.0f} MiB) for "
+                f"({kv_bytes / 2**20:.0f} MiB, K/V {settings.type_k}/{settings.type_v}) for "
                 f"{settings.slots} slots: lower slots or n_ctx"
             )
         self._ctx: Any = ctx

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import threading
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from dataclasses import dataclass
@@ -29,7 +30,6 @@ from services.common.engines.llama_cpp.scheduler import (
     SchedulerSettings,
 )
 from services.common.errors import InvalidArgument, MeshError
-from services.common.models import file_sha256
 from services.common.types import (
     Fingerprint,
     GenerationEnd,
@@ -56,6 +56,11 @@ class EngineSettings:
     flash_attn: bool = True
     max_itl_slowdown: float = 2.0
     kv_cache_max_bytes: int | None = None
+    # None: every layer on the GPU when the build has one; 0: CPU only.
+    n_gpu_layers: int | None = None
+    type_k: str = "f16"
+    type_v: str = "f16"
+    swa_full: bool = False
     # Tests only: fewer KV cells than slots * n_ctx, to fill the cache on purpose.
     kv_cells: int | None = None
 
@@ -99,14 +104,22 @@ class LlamaCppEngine:
         self._context = context
         self._scheduler = scheduler
         self.fingerprint = fingerprint
+        self.placement = model.placement
         self.n_ctx = context.n_ctx
+        self._handoff: _Handoff | None = None
 
     @classmethod
-    async def open(cls, name: str, model_path: Path, settings: EngineSettings) -> LlamaCppEngine:
+    async def open(
+        cls, name: str, model_path: Path, settings: EngineSettings, model_sha256: str
+    ) -> LlamaCppEngine:
+        """Load the model and its context; model_sha256 is the file's SHA-256 (known from
+        Ollama's store or a cache: a large file is never hashed at every start)."""
+
         def build() -> tuple[LlamaModel, SlotContext, Fingerprint]:
-            model = LlamaModel(model_path)
+            model = LlamaModel(model_path, settings.n_gpu_layers)
+            bytes_per_token = model.kv_bytes_per_token(settings.type_k, settings.type_v)
             try:
-                slots = plan_slots(settings, model.kv_bytes_per_token)
+                slots = plan_slots(settings, bytes_per_token)
                 context = SlotContext(
                     model,
                     ContextSettings(
@@ -116,6 +129,10 @@ class LlamaCppEngine:
                         n_ubatch=settings.n_ubatch,
                         n_threads=settings.n_threads,
                         flash_attn=settings.flash_attn,
+                        type_k=settings.type_k,
+                        type_v=settings.type_v,
+                        swa_full=settings.swa_full,
+                        op_offload=model.placement.gpu_layers > 0,
                         kv_cells=settings.kv_cells,
                     ),
                 )
@@ -123,9 +140,14 @@ class LlamaCppEngine:
                 model.close()
                 raise
             fingerprint = Fingerprint(
-                model_sha256=file_sha256(model_path),
+                model_sha256=model_sha256,
                 n_ctx_tokens=settings.n_ctx,
                 engine_version=ENGINE_VERSION,
+                type_k=settings.type_k,
+                type_v=settings.type_v,
+                flash_attn=settings.flash_attn,
+                kv_unified=True,
+                swa_full=settings.swa_full,
             )
             return model, context, fingerprint
 
@@ -135,7 +157,7 @@ class LlamaCppEngine:
             model,
             context,
             SchedulerSettings(settings.max_queue, settings.max_itl_slowdown),
-            kv_bytes_per_token=model.kv_bytes_per_token,
+            kv_bytes_per_token=model.kv_bytes_per_token(settings.type_k, settings.type_v),
         )
         scheduler.start()
         return cls(model, context, scheduler, fingerprint)
@@ -183,19 +205,27 @@ class LlamaCppEngine:
 
     async def _events(self, job: Job) -> AsyncGenerator[Event, None]:
         """Run the job on the step loop and hand its events over as they come. If the caller
-        stops early (its RPC was cancelled), the job is cancelled and its slot freed."""
-        loop = asyncio.get_running_loop()
+        stops early (its RPC was cancelled), the job is cancelled and its slot freed.
+
+        Text that piled up while the caller was busy goes out as one chunk: at GPU speed a
+        node with many streams makes tokens faster than one message per token can leave."""
+        if self._handoff is None:
+            self._handoff = _Handoff(asyncio.get_running_loop())
         queue: asyncio.Queue[Event] = asyncio.Queue()
-
-        def emit(event: Event) -> None:
-            loop.call_soon_threadsafe(queue.put_nowait, event)
-
-        job.emit = emit
+        handoff = self._handoff
+        job.emit = lambda event: handoff.put(queue, event)
         self._scheduler.submit(job)
         finished = False
+        held: Event | None = None
         try:
             while True:
-                event = await queue.get()
+                event, held = (held, None) if held is not None else (await queue.get(), None)
+                while isinstance(event, TextChunk) and not queue.empty():
+                    after = queue.get_nowait()
+                    if not isinstance(after, TextChunk):
+                        held = after
+                        break
+                    event = TextChunk(event.text + after.text, event.token_ids + after.token_ids)
                 if isinstance(event, MeshError):
                     finished = True
                     raise event
@@ -221,3 +251,33 @@ class LlamaCppEngine:
 
 def _sha256(data: memoryview) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+class _Handoff:
+    """Events from the engine thread to the event loop's queues, with at most one wake-up
+    of the loop pending however many events a step makes (one per token per stream would
+    wake it 16 times a step with 16 streams, each wake-up a write to the loop's pipe)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._lock = threading.Lock()
+        self._items: list[tuple[asyncio.Queue[Event], Event]] = []
+        self._scheduled = False
+
+    def put(self, queue: asyncio.Queue[Event], event: Event) -> None:
+        with self._lock:
+            self._items.append((queue, event))
+            if self._scheduled:
+                return
+            self._scheduled = True
+        try:
+            self._loop.call_soon_threadsafe(self._deliver)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            pass
+
+    def _deliver(self) -> None:
+        with self._lock:
+            items, self._items = self._items, []
+            self._scheduled = False
+        for queue, event in items:
+            queue.put_nowait(event)

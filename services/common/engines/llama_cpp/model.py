@@ -7,6 +7,7 @@ same flags), so the mesh's output can be compared with single-process llama-cpp-
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -14,12 +15,56 @@ import llama_cpp
 from llama_cpp import _internals, _logger
 from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
+from services.common.engines.base import Placement
 from services.common.errors import FailedPrecondition, InvalidArgument, MeshError
 from services.common.types import Prompt
 
-ENGINE_VERSION = f"llama-cpp-python/{llama_cpp.__version__}"
-# Bytes per element of the KV cache types the engine uses (ggml's f16).
-_F16_BYTES = 2
+ENGINE_VERSION = (
+    f"llama-cpp-python/{llama_cpp.__version__} "
+    f"(llama.cpp {llama_cpp.llama_version().decode(errors='replace')})"
+)
+
+
+@dataclass(frozen=True)
+class KvCacheType:
+    """A ggml type the K or V cache may use: its id and the bytes of one block of values."""
+
+    ggml_type: int
+    block_bytes: int
+    block_values: int
+
+    def size(self, values: int) -> int:
+        return -(-values // self.block_values) * self.block_bytes
+
+
+# The cache types llama.cpp's server accepts (--cache-type-k/-v); quantized V needs flash
+# attention.
+KV_CACHE_TYPES = {
+    "f32": KvCacheType(llama_cpp.GGML_TYPE_F32, 4, 1),
+    "f16": KvCacheType(llama_cpp.GGML_TYPE_F16, 2, 1),
+    "bf16": KvCacheType(30, 2, 1),  # GGML_TYPE_BF16, which llama_cpp does not export
+    "q8_0": KvCacheType(llama_cpp.GGML_TYPE_Q8_0, 34, 32),
+    "q4_0": KvCacheType(llama_cpp.GGML_TYPE_Q4_0, 18, 32),
+    "q4_1": KvCacheType(llama_cpp.GGML_TYPE_Q4_1, 20, 32),
+    "iq4_nl": KvCacheType(llama_cpp.GGML_TYPE_IQ4_NL, 18, 32),
+    "q5_0": KvCacheType(llama_cpp.GGML_TYPE_Q5_0, 22, 32),
+    "q5_1": KvCacheType(llama_cpp.GGML_TYPE_Q5_1, 24, 32),
+}
+# n_gpu_layers meaning "every layer" (llama.cpp offloads min(n_gpu_layers, layers)).
+ALL_LAYERS = 999
+
+
+def gpu_backend() -> str | None:
+    """The GPU backend this llama.cpp build can use now: "CUDA", "Metal", another name, or
+    None when it has none (a CPU build, or no device visible: CUDA_VISIBLE_DEVICES="")."""
+    llama_cpp.llama_backend_init()
+    if not llama_cpp.llama_supports_gpu_offload():
+        return None
+    info = llama_cpp.llama_print_system_info().decode(errors="replace")
+    for marker, name in (("CUDA", "CUDA"), ("MTL", "Metal"), ("Metal", "Metal")):
+        if f"{marker} :" in info:
+            return name
+    return "GPU"
 
 
 class ModelLoadError(MeshError):
@@ -27,9 +72,16 @@ class ModelLoadError(MeshError):
 
 
 class LlamaModel:
-    def __init__(self, path: Path, n_gpu_layers: int = 0) -> None:
+    def __init__(self, path: Path, n_gpu_layers: int | None = None) -> None:
+        """n_gpu_layers: layers to put on the GPU; None: all of them when the build has a
+        GPU backend (and a device), none otherwise."""
         _logger.set_verbose(False)  # llama.cpp's own log: errors only
         llama_cpp.llama_backend_init()
+        backend = gpu_backend()
+        if backend is None or n_gpu_layers == 0:
+            n_gpu_layers = 0
+        elif n_gpu_layers is None or n_gpu_layers < 0:
+            n_gpu_layers = ALL_LAYERS
         params = llama_cpp.llama_model_default_params()
         params.n_gpu_layers = n_gpu_layers
         try:
@@ -39,6 +91,12 @@ class LlamaModel:
         except ValueError as exc:
             raise ModelLoadError(f"llama.cpp cannot load {path}: {exc}") from None
         self.ptr = self._model.model
+        layers = int(llama_cpp.llama_model_n_layer(self.ptr)) + 1
+        self.placement = Placement(
+            backend=backend if backend is not None and n_gpu_layers > 0 else "CPU",
+            gpu_layers=min(n_gpu_layers, layers),
+            layers=layers,
+        )
         self.n_vocab: int = self._model.n_vocab()
         self.metadata: dict[str, str] = self._model.metadata()
         self._bos: int = self._model.token_bos()
@@ -51,9 +109,8 @@ class LlamaModel:
                 bos_token=self._special_text(self._bos),
             )
 
-    @property
-    def kv_bytes_per_token(self) -> int:
-        """KV cache bytes one token takes in every layer (f16 K and V)."""
+    def kv_bytes_per_token(self, type_k: str = "f16", type_v: str = "f16") -> int:
+        """KV cache bytes one token takes in every layer, with these cache types."""
         arch = self.metadata.get("general.architecture", "")
         n_head = llama_cpp.llama_model_n_head(self.ptr)
         n_head_kv = llama_cpp.llama_model_n_head_kv(self.ptr)
@@ -61,7 +118,9 @@ class LlamaModel:
         head_k = int(self.metadata.get(f"{arch}.attention.key_length", n_embd // max(n_head, 1)))
         head_v = int(self.metadata.get(f"{arch}.attention.value_length", head_k))
         n_layer = llama_cpp.llama_model_n_layer(self.ptr)
-        return int(n_layer * n_head_kv * (head_k + head_v) * _F16_BYTES)
+        k, v = KV_CACHE_TYPES[type_k], KV_CACHE_TYPES[type_v]
+        per_layer = n_head_kv * (k.size(head_k) + v.size(head_v))
+        return int(n_layer * per_layer)
 
     def _special_text(self, token: int) -> str:
         if token < 0:

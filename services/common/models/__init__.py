@@ -1,0 +1,38 @@
+"""Model files: by path, by installed package or from Ollama's store, and their identity.
+
+- `files.py`         paths and package:DIST/FILE names; a file's SHA-256, cached
+- `ollama_store.py`  "ollama:NAME": the GGUF blob of a model pulled with Ollama
+- `gguf_header.py`   the architecture a GGUF declares, checked before llama.cpp loads it
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from services.common.models import ollama_store
+from services.common.models.files import ModelFileError, cached_sha256, resolve_model_path
+from services.common.models.gguf_header import check_loadable
+
+__all__ = ["LocatedModel", "ModelFileError", "locate_model", "resolve_model_path"]
+
+
+@dataclass(frozen=True)
+class LocatedModel:
+    path: Path
+    sha256: str
+    architecture: str
+
+
+def locate_model(spec: str, relative_to: Path, ollama_models: str | None = None) -> LocatedModel:
+    """The GGUF file a llama_cpp node's `model` names, checked loadable, with its SHA-256
+    (Ollama's digest, or hashed once and cached). Blocking: run it in a thread."""
+    if spec.startswith(ollama_store.PREFIX):
+        found = ollama_store.find_model(spec.removeprefix(ollama_store.PREFIX), ollama_models)
+        path, sha256 = found.path, found.sha256
+        arch = check_loadable(path, spec)
+    else:
+        path = resolve_model_path(spec, relative_to)
+        arch = check_loadable(path, spec)
+        sha256 = cached_sha256(path)
+    return LocatedModel(path=path, sha256=sha256, architecture=arch)
