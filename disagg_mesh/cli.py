@@ -4,6 +4,7 @@
     echo "prompt" | disagg generate --model gpt-oss:120b -            # prompt from stdin
     disagg status [--watch]                                           # every node's health
     disagg models                                                     # logical models, routes
+    disagg doctor                              # can each prefill node hand KV to each decode node?
 
 The router's address: --router, else $DISAGG_ROUTER, else the router of --topology
 (default topology/local.toml), else 127.0.0.1:50051.
@@ -104,6 +105,12 @@ def _parser() -> argparse.ArgumentParser:
     models = commands.add_parser("models", help="the logical models and their routes")
     models.add_argument("--json", action="store_true")
     models.set_defaults(run=_models)
+
+    doctor = commands.add_parser(
+        "doctor", help="will a KV handoff work between each model's prefill and decode nodes?"
+    )
+    doctor.add_argument("--json", action="store_true")
+    doctor.set_defaults(run=_doctor)
     return parser
 
 
@@ -301,6 +308,35 @@ def _headline_figures(node: Any) -> str:
             elif sample.name == "disagg_rpcs_in_flight":
                 in_flight += sample.value
     return f"{served:.0f} calls, {failed:.0f} failed, {in_flight:.0f} in flight"
+
+
+# -- doctor --------------------------------------------------------------------------------
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    from disagg_mesh import doctor
+
+    topology = _topology(args)
+    credentials = TlsFiles(args.ca, args.cert, args.key).credentials() if args.ca else None
+    metadata = (("authorization", f"Bearer {args.token}"),) if args.token else ()
+    found = asyncio.run(doctor.run(topology, credentials, metadata))
+    if args.json:
+        print(json.dumps([v.__dict__ for v in found], indent=2))
+    else:
+        rows = [
+            {
+                "model": v.model,
+                "prefill": v.prefill,
+                "decode": v.decode,
+                "handoff": "ok" if v.ok else "NO",
+                "why": v.says,
+            }
+            for v in found
+        ]
+        print(_table(rows))
+        bad = sum(not v.ok for v in found)
+        print(f"{len(found) - bad} of {len(found)} prefill/decode pairs can hand KV over")
+    return 1 if any(not v.ok for v in found) else 0
 
 
 def _table(rows: list[dict[str, str]]) -> str:

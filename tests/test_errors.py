@@ -175,19 +175,33 @@ async def test_expired_kv_handle_is_not_found_and_its_bytes_are_freed(
     await still_serves(router, "test/short-ttl")
 
 
+@pytest.mark.parametrize(
+    ("setting", "value", "said"),
+    [
+        ("n_ctx_tokens", 2048, "n_ctx is 2048 where the state was made, 4096 on this node"),
+        ("type_v", "q8_0", "type_v is 'q8_0' where the state was made, 'f16' on this node"),
+        ("flash_attn", False, "flash_attn is off where the state was made, on on this node"),
+        ("kv_unified", False, "kv_unified is off where the state was made, on on this node"),
+        ("swa_full", True, "swa_full is on where the state was made, off on this node"),
+        ("engine_version", "llama-cpp-python/0.3.1", "engine_version is 'llama-cpp-python/0.3.1'"),
+    ],
+)
 async def test_fingerprint_mismatch_is_refused_before_any_transfer(
     mesh: Mesh,
     prefill_qwen: prefill_pb2_grpc.PrefillServiceAsyncStub,
     decode_qwen: decode_pb2_grpc.DecodeServiceAsyncStub,
+    setting: str,
+    value: object,
+    said: str,
 ) -> None:
     reply = await prefill(prefill_qwen)
     other = types_pb2.KvFingerprint()
     other.CopyFrom(reply.fingerprint)
-    other.n_ctx_tokens = 2048
+    setattr(other, setting, value)
     await expect_error(
         decode_qwen.Generate(kv_request(mesh, reply, fingerprint=other)),
         grpc.StatusCode.FAILED_PRECONDITION,
-        "n_ctx is 2048 where the state was made, 4096 on this node",
+        said,
     )
     # Nothing was fetched: the handle is still there for a correct request.
     got = await collect(decode_qwen.Generate(kv_request(mesh, reply)))

@@ -180,12 +180,17 @@ def check_fingerprint(got: Fingerprint, mine: Fingerprint) -> None:
     setting and both values."""
     differs = got.mismatch(mine)
     if differs is not None:
-        name, theirs, ours = differs
+        said = describe_mismatch(differs, "where the state was made", "on this node")
         raise FailedPrecondition(
-            f"KV state fingerprint mismatch: {name} is {_shown(name, theirs)} where the state "
-            f"was made, {_shown(name, ours)} on this node; a KV handoff needs the same model "
-            "file and KV settings on both nodes (disagg doctor compares them)"
+            f"KV state fingerprint mismatch: {said}; a KV handoff needs the same model file "
+            "and KV settings on both nodes (disagg doctor compares them)"
         )
+
+
+def describe_mismatch(differs: tuple[str, object, object], where_a: str, where_b: str) -> str:
+    """"type_k is 'f16' <where_a>, 'q8_0' <where_b>" for a Fingerprint.mismatch result."""
+    name, a, b = differs
+    return f"{name} is {_shown(name, a)} {where_a}, {_shown(name, b)} {where_b}"
 
 
 def _shown(name: str, value: object) -> str:
