@@ -21,15 +21,26 @@ def test_local_topology() -> None:
 
 def test_seed_topology_is_the_users_four_machines() -> None:
     t = load_topology(ROOT / "topology/seed.toml")
-    nodes = {n.name: (n.role, n.host, n.model) for n in t.nodes if n.role != "router"}
+    nodes = {n.name: (n.role, n.host, n.engine, n.model) for n in t.nodes if n.role != "router"}
     assert nodes == {
-        "dgx-spark-1": ("prefill", "169.254.150.103", "qwen3-coder:30b"),
-        "dgx-spark-2": ("prefill", "169.254.150.104", "gpt-oss:120b"),
-        "mac-studio-1": ("decode", "169.254.150.101", "gpt-oss:120b"),
-        "mac-studio-2": ("decode", "169.254.150.102", "qwen3-coder:30b"),
+        "dgx-spark-1": ("prefill", "169.254.150.103", "llama_cpp", "ollama:qwen3-coder:30b"),
+        "dgx-spark-2": ("prefill", "169.254.150.104", "llama_cpp", "ollama:gpt-oss-120b-native"),
+        "mac-studio-1": ("decode", "169.254.150.101", "llama_cpp", "ollama:gpt-oss-120b-native"),
+        "mac-studio-2": ("decode", "169.254.150.102", "llama_cpp", "ollama:qwen3-coder:30b"),
     }
+    for name in ("qwen3-coder:30b", "gpt-oss:120b"):
+        route = t.route(name)
+        assert route is not None
+        assert route.chain == ["disaggregated", "decode_only", "direct_ollama"]
     qwen = t.route("qwen3-coder:30b")
     assert qwen is not None and (qwen.prefill, qwen.decode) == (["dgx-spark-1"], ["mac-studio-2"])
+
+
+def test_seed_ollama_topology_keeps_the_ollama_engine() -> None:
+    t = load_topology(ROOT / "topology/seed-ollama.toml")
+    nodes = {n.name: (n.engine, n.model) for n in t.nodes if n.role != "router"}
+    assert nodes["dgx-spark-2"] == ("ollama", "gpt-oss:120b")
+    assert all(engine == "ollama" for engine, _ in nodes.values())
 
 
 GOOD = (ROOT / "topology/local.toml").read_text()

@@ -123,9 +123,13 @@ def check_loadable(path: Path, spec: str) -> str:
     if arch == OLLAMA_GPT_OSS:
         raise ModelFileError(
             f"model {spec!r} is Ollama's own gpt-oss build (GGUF architecture 'gptoss', with "
-            "renamed tensors), which stock llama.cpp cannot load: pull a llama.cpp-native "
-            "gpt-oss GGUF into the same store (`ollama pull hf.co/ggml-org/gpt-oss-120b-GGUF`) "
-            'and set model = "ollama:hf.co/ggml-org/gpt-oss-120b-GGUF"'
+            "renamed tensors), which stock llama.cpp cannot load: put a llama.cpp-native "
+            "gpt-oss GGUF (architecture 'gpt-oss') into the same store, either with "
+            "`ollama pull hf.co/<org>/<repo>:<quant>` from a single-file GGUF repository, or, "
+            "for ggml-org/gpt-oss-120b-GGUF (sharded, which ollama pull refuses), by merging "
+            "its shards with llama-gguf-split --merge and `ollama create gpt-oss-120b-native "
+            "-f Modelfile` (FROM the merged file); then set model = "
+            '"ollama:gpt-oss-120b-native" (README: "gpt-oss on the embedded engine")'
         )
     if arch not in gguf.MODEL_ARCH_NAMES.values():
         raise ModelFileError(
