@@ -2,10 +2,11 @@
 
     python bench/gpu_check.py [--prompts 8] [--tokens 64]
 
-Needs llama-cpp-python built with a GPU backend (`LLAMA_BACKEND=cuda make venv`). Starts a
-mesh of its own on this machine: two prefill and two decode nodes of SmolLM2-135M, one of
-each with every layer on the GPU and one of each on the CPU alone (its process sees no GPU:
-CUDA_VISIBLE_DEVICES=""), and four logical models, one per pair:
+Needs llama-cpp-python built with a GPU backend (`make venv` on a machine with nvcc and a
+GPU, or LLAMA_BACKEND=cuda). Starts a mesh of its own on this machine: two prefill and two
+decode nodes of SmolLM2-135M, one of each with every layer on the GPU and one of each on the
+CPU alone (n_gpu_layers = 0, which also turns llama.cpp's offload of large batches off), and
+four logical models, one per pair:
 
     gpu-to-cpu   prefill on the GPU, decode on the CPU
     cpu-to-gpu   the reverse
@@ -15,8 +16,9 @@ Each of N prompts runs greedy for M tokens through each pair. Reported: the back
 layers each node reports (GetNodeInfo), for each cross pair the tokens that agree with the
 reference of its decode side's backend and of its prefill side's (a GPU and a CPU round
 differently, so greedy texts part at some token; agreement counts the tokens before that),
-whole prompts identical, and the handoff time (KV fetch + load) against the same-backend
-pair's. Writes JSON to bench/results/.
+whole prompts identical, the handoff time (KV fetch + load) against the same-backend pairs',
+and how many of the prompts sent all at once through a same-backend pair give the text they
+give alone. Writes JSON to bench/results/.
 """
 
 from __future__ import annotations
