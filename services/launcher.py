@@ -90,6 +90,14 @@ async def main_async(args: argparse.Namespace) -> int:
         if args.exit_after_examples:
             return 0
         say(f"\n>> mesh serving; router at {router}. Ctrl-C stops every node.")
+        r = topology.router
+        if r.http_port is not None:
+            scheme = "https" if paths else "http"
+            base = f"{scheme}://{r.host}:{r.http_port}"
+            say(
+                f'>> HTTP: Ollama API at {base} (e.g. ollama.Client(host="{base}")), OpenAI API '
+                f"at {base}/v1"
+            )
         await stop.wait()
         return 0
     except MeshStartError as exc:

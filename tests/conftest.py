@@ -71,7 +71,7 @@ def write_test_topology(path: Path, edge_cases: bool = True) -> Path:
     """The local topology on free ports, plus (edge_cases) routes that exercise limits."""
     parts = [
         "[mesh]\nmax_tokens_limit = 4096\n",
-        router_node(metrics_port=free_port()),
+        router_node(metrics_port=free_port(), http_port=free_port()),
         engine_node("prefill-qwen", "prefill", metrics_port=free_port()),
         engine_node("decode-qwen", "decode"),
         engine_node("prefill-gpt-oss", "prefill"),

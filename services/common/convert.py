@@ -23,9 +23,11 @@ from services.common.types import (
 )
 
 
-def sampling_from_proto(msg: types_pb2.SamplingParams) -> Sampling:
+def sampling_from_proto(msg: types_pb2.SamplingParams, max_tokens_limit: int) -> Sampling:
+    """Unset max_tokens means as many as the mesh allows: generation then ends at an end
+    token, a stop string or a full context, as Ollama's does."""
     return Sampling(
-        max_tokens=msg.max_tokens,
+        max_tokens=msg.max_tokens if msg.HasField("max_tokens") else max_tokens_limit,
         temperature=msg.temperature if msg.HasField("temperature") else DEFAULT_TEMPERATURE,
         top_p=msg.top_p if msg.HasField("top_p") else DEFAULT_TOP_P,
         seed=msg.seed if msg.HasField("seed") else None,

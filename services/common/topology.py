@@ -81,6 +81,8 @@ class Node(_Strict):
     listen_host: str | None = None
     # Prometheus metrics over HTTP on this port (same address), if set.
     metrics_port: Port | None = None
+    # router only: Ollama's and OpenAI's HTTP APIs on this port (same address), if set.
+    http_port: Port | None = None
     # prefill and decode nodes only:
     engine: EngineName | None = None
     # llama_cpp: a GGUF path (relative to the topology file), "package:DIST/FILE", or
@@ -147,6 +149,12 @@ class Node(_Strict):
                 raise ValueError(f"a {self.role} node needs engine (llama_cpp or ollama)")
             if not self.model:
                 raise ValueError(f"a {self.role} node needs model")
+        if self.http_port is not None and self.role != "router":
+            raise ValueError("http_port: only the router serves the HTTP APIs")
+        if self.http_port is not None and self.http_port in (self.port, self.metrics_port):
+            raise ValueError(
+                f"http_port {self.http_port} is already this node's gRPC or metrics port"
+            )
         if self.type_v not in ("f16", "f32", "bf16") and not self.flash_attn:
             raise ValueError(
                 f"type_v = {self.type_v!r} (a quantized V cache) needs flash_attn = true"

@@ -27,7 +27,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
     ) -> AsyncIterator[decode_pb2.DecodeServiceGenerateResponse]:
         node = self._node.get()
         source = _source(request)
-        sampling = convert.sampling_from_proto(request.sampling)
+        sampling = convert.sampling_from_proto(request.sampling, node.max_tokens_limit)
         events = node.generate(request.model, source, sampling, context.time_remaining())
         async with aclosing(events) as stream:
             async for event in stream:

@@ -26,7 +26,7 @@ class PrefillServicer:
         result = await self._node.get().prefill(
             request.model,
             convert.prompt_from_proto(request.prompt, request.messages),
-            convert.sampling_from_proto(request.sampling),
+            convert.sampling_from_proto(request.sampling, self._node.get().max_tokens_limit),
         )
         return prefill_pb2.PrefillResponse(
             kv_handle=result.kv_handle,

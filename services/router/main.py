@@ -9,8 +9,9 @@ import grpc
 from disagg.v1 import router_pb2, router_pb2_grpc
 from services.common.node_clients import ChannelPool
 from services.common.server import metrics_address, serve
-from services.common.tls import tls_for
+from services.common.tls import tls_for, tls_paths
 from services.common.topology import Node, Topology
+from services.router.http import HttpFrontDoor
 from services.router.node_health import NodeHealth
 from services.router.routing import Router
 from services.router.servicer import RouterServicer
@@ -29,14 +30,25 @@ async def run(topology: Topology, node: Node) -> None:
     )
     router = Router(topology, pool, health)
     background: set[asyncio.Task[None]] = set()
+    http = (
+        HttpFrontDoor(
+            router, node.listen_host or node.host, node.http_port, tls_paths(topology, node)
+        )
+        if node.http_port is not None
+        else None
+    )
 
     def register(server: grpc.aio.Server) -> None:
         router_pb2_grpc.add_RouterServiceServicer_to_server(RouterServicer(router), server)
 
     async def load() -> None:
         background.add(asyncio.create_task(health.watch()))
+        if http is not None:
+            await http.start()
 
     async def close() -> None:
+        if http is not None:
+            await http.close()
         for task in background:
             task.cancel()
         await router.close()

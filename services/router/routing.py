@@ -158,6 +158,16 @@ class Router:
         self.health = health
         self._direct: dict[str, OllamaEngine] = {}
 
+    @property
+    def max_tokens_limit(self) -> int:
+        return self.topology.mesh.max_tokens_limit
+
+    def n_ctx(self, model: str) -> int:
+        """The context a request to this logical model gets: the smallest of its nodes'."""
+        route = self._route(model)
+        nodes = [self.topology.node(n) for n in (*route.prefill, *route.decode)]
+        return min((n.n_ctx for n in nodes), default=0)
+
     def routes(self) -> list[tuple[ModelRoute, list[Node], list[Node]]]:
         t = self.topology
         return [

@@ -32,7 +32,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         events = self._router.generate(
             request.model,
             convert.prompt_from_proto(request.prompt, request.messages),
-            convert.sampling_from_proto(request.sampling),
+            convert.sampling_from_proto(request.sampling, self._router.max_tokens_limit),
             context.time_remaining(),
         )
         async with aclosing(events) as stream:

@@ -23,6 +23,14 @@ RPCS = Counter(
     "disagg_rpcs_total", "gRPC calls served, by method and status code", ["method", "code"]
 )
 IN_FLIGHT = Gauge("disagg_rpcs_in_flight", "gRPC calls being served now", ["method"])
+HTTP_REQUESTS = Counter(
+    "disagg_http_requests_total",
+    "Router's HTTP front doors: requests by API (ollama, openai), path and HTTP status",
+    ["api", "path", "status"],
+)
+HTTP_IN_FLIGHT = Gauge(
+    "disagg_http_requests_in_flight", "Router's HTTP front doors: requests being served", ["api"]
+)
 REQUESTS = Counter(
     "disagg_requests_total",
     "Router requests by logical model, the chain step that served them, and status code",

@@ -1,0 +1,60 @@
+"""HTTP front doors on the router: Ollama's API (/api/...) and OpenAI's (/v1/...), served by
+aiohttp on the router's own event loop when the router node has `http_port`.
+
+- `common.py`      request scope (request id, bearer token, log line, metrics), JSON fields,
+                   mesh errors as HTTP statuses
+- `ollama_api.py`  /api/generate, /api/chat, /api/tags, /api/ps, /api/show, /api/version
+- `openai_api.py`  /v1/chat/completions, /v1/completions, /v1/models
+
+Both call `Router.generate`, the logic behind gRPC's RouterService.Generate: the same
+fallback chain, stage deadlines, request id and metrics. A client that disconnects cancels
+its handler (aiohttp's handler_cancellation), which cancels the generation down to the
+decode node.
+"""
+
+from __future__ import annotations
+
+import ssl
+
+import structlog
+from aiohttp import web
+
+from services.common.tls import TlsPaths
+from services.router.http.ollama_api import OllamaApi
+from services.router.http.openai_api import OpenAiApi
+from services.router.routing import Router
+
+log = structlog.get_logger("http")
+
+
+class HttpFrontDoor:
+    def __init__(self, router: Router, host: str, port: int, tls: TlsPaths | None) -> None:
+        app = web.Application(client_max_size=16 << 20)
+        app.add_routes(OllamaApi(router).routes())
+        app.add_routes(OpenAiApi(router).routes())
+        self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        self._host, self._port = host, port
+        self._ssl = _ssl_context(tls) if tls is not None else None
+
+    @property
+    def url(self) -> str:
+        return f"{'https' if self._ssl else 'http'}://{self._host}:{self._port}"
+
+    async def start(self) -> None:
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self._host, self._port, ssl_context=self._ssl)
+        await site.start()
+        log.info("http listening", url=self.url, apis="ollama /api, openai /v1")
+
+    async def close(self) -> None:
+        await self._runner.cleanup()
+
+
+def _ssl_context(tls: TlsPaths) -> ssl.SSLContext:
+    """The router's own certificate; with mutual TLS, callers need one from the mesh's CA."""
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(tls.cert_file, tls.key_file)
+    if tls.mutual:
+        context.load_verify_locations(tls.ca_file)
+        context.verify_mode = ssl.CERT_REQUIRED
+    return context

@@ -1,0 +1,262 @@
+"""What both HTTP front doors share: the request scope (request id, bearer token, one log line
+and a count per request), reading JSON bodies field by field, and mesh errors as HTTP
+statuses. Plain Python and aiohttp; no protobuf."""
+
+from __future__ import annotations
+
+import hmac
+import json
+import math
+import time
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import structlog
+from aiohttp import web
+
+from services.common.auth import configured_token
+from services.common.errors import InvalidArgument, MeshError
+from services.common.observability import metrics
+from services.common.observability.logging import REQUEST_ID_KEY, new_request_id
+from services.common.types import Sampling, TextChunk
+from services.router.routing import RouteSummary
+
+log = structlog.get_logger("http")
+
+# gRPC status → HTTP status, as Ollama and OpenAI use them. A full queue is 503 for Ollama
+# ("server busy") and 429 for OpenAI (rate limit), which each SDK retries.
+HTTP_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.OUT_OF_RANGE: 400,
+    grpc.StatusCode.FAILED_PRECONDITION: 400,
+    grpc.StatusCode.UNAUTHENTICATED: 401,
+    grpc.StatusCode.PERMISSION_DENIED: 403,
+    grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 503,
+    grpc.StatusCode.CANCELLED: 499,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+    grpc.StatusCode.UNAVAILABLE: 503,
+}
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+ErrorBody = Callable[[MeshError, int], dict[str, Any]]
+
+
+def http_status(exc: MeshError) -> int:
+    return HTTP_STATUS.get(exc.code, 500)
+
+
+class Unauthenticated(MeshError):
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
+def scoped(
+    api: str, error_body: ErrorBody, status_of: Callable[[MeshError], int] = http_status
+) -> Callable[[Handler], Handler]:
+    """Wrap a handler: request id (the caller's X-Request-Id, or a new one) bound to every
+    log line and sent back as a header, the bearer token checked when the mesh has one,
+    MeshErrors answered as error_body, one log line and a count per request."""
+
+    def wrap(handler: Handler) -> Handler:
+        async def handle(request: web.Request) -> web.StreamResponse:
+            given = request.headers.get(REQUEST_ID_KEY, "")
+            request_id = given if 0 < len(given) <= 128 else new_request_id()
+            structlog.contextvars.bind_contextvars(request_id=request_id)
+            path = f"{request.method} {request.path}"
+            metrics.HTTP_IN_FLIGHT.labels(api).inc()
+            started = time.perf_counter()
+            status = 500
+            try:
+                _check_token(request)
+                response = await handler(request)
+                status = response.status
+            except MeshError as exc:
+                status = status_of(exc)
+                if status == 400 and exc.code == grpc.StatusCode.FAILED_PRECONDITION:
+                    status = 500  # a node refused what the router sent: not the caller's fault
+                response = web.json_response(error_body(exc, status), status=status)
+            except (ConnectionResetError, TimeoutError) as exc:
+                status = 499  # the client went away while the answer streamed
+                log.info("http client gone", path=path, error=type(exc).__name__)
+                raise
+            finally:
+                metrics.HTTP_IN_FLIGHT.labels(api).dec()
+                metrics.HTTP_REQUESTS.labels(api, request.path, str(status)).inc()
+                log.info(
+                    "http done",
+                    path=path,
+                    status=status,
+                    duration_ms=round((time.perf_counter() - started) * 1000, 2),
+                )
+                structlog.contextvars.unbind_contextvars("request_id")
+            response.headers[REQUEST_ID_KEY] = request_id
+            return response
+
+        return handle
+
+    return wrap
+
+
+def _check_token(request: web.Request) -> None:
+    token = configured_token()
+    if token is None:
+        return
+    given = request.headers.get("Authorization", "").encode()
+    if not hmac.compare_digest(given, f"Bearer {token}".encode()):
+        raise Unauthenticated("missing or invalid token: send Authorization: Bearer <token>")
+
+
+async def json_body(request: web.Request) -> dict[str, Any]:
+    try:
+        body = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise InvalidArgument("body", f"is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise InvalidArgument("body", "must be a JSON object")
+    return body
+
+
+@dataclass
+class Fields:
+    """Typed reads of a JSON object; a wrong type is InvalidArgument naming the field."""
+
+    body: dict[str, Any]
+    prefix: str = ""
+
+    def _name(self, key: str) -> str:
+        return f"{self.prefix}{key}"
+
+    def string(self, key: str, required: bool = False) -> str | None:
+        value = self.body.get(key)
+        if value is None:
+            if required:
+                raise InvalidArgument(self._name(key), "is required")
+            return None
+        if not isinstance(value, str):
+            raise InvalidArgument(self._name(key), f"must be a string, got {value!r}")
+        return value
+
+    def number(self, key: str) -> float | None:
+        value = self.body.get(key)
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value):
+            raise InvalidArgument(self._name(key), f"must be a number, got {value!r}")
+        return float(value)
+
+    def integer(self, key: str) -> int | None:
+        value = self.body.get(key)
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise InvalidArgument(self._name(key), f"must be an integer, got {value!r}")
+        return value
+
+    def boolean(self, key: str, default: bool) -> bool:
+        value = self.body.get(key)
+        if value is None:
+            return default
+        if not isinstance(value, bool):
+            raise InvalidArgument(self._name(key), f"must be true or false, got {value!r}")
+        return value
+
+    def strings(self, key: str) -> tuple[str, ...]:
+        """A string or a list of strings (OpenAI's stop), as a tuple."""
+        value = self.body.get(key)
+        if value is None:
+            return ()
+        if isinstance(value, str):
+            return (value,)
+        if isinstance(value, list) and all(isinstance(v, str) for v in value):
+            return tuple(value)
+        raise InvalidArgument(
+            self._name(key), f"must be a string or a list of strings, got {value!r}"
+        )
+
+    def mapping(self, key: str) -> Fields:
+        value = self.body.get(key)
+        if value is None:
+            return Fields({}, f"{self._name(key)}.")
+        if not isinstance(value, dict):
+            raise InvalidArgument(self._name(key), f"must be an object, got {value!r}")
+        return Fields(value, f"{self._name(key)}.")
+
+    def refuse(self, key: str, why: str) -> None:
+        """A field we do not support: refused when set, never silently ignored."""
+        value = self.body.get(key)
+        if value not in (None, False, [], {}, ""):
+            raise InvalidArgument(self._name(key), f"is not supported: {why}")
+
+
+def sampling(
+    *,
+    max_tokens: int | None,
+    max_tokens_limit: int,
+    temperature: float | None,
+    top_p: float | None,
+    seed: int | None,
+    stop: tuple[str, ...],
+    max_tokens_field: str,
+) -> Sampling:
+    """A Sampling from an HTTP request; unset max_tokens (or Ollama's -1/-2) means until an
+    end token or a full context, bounded by the mesh's max_tokens_limit."""
+    if max_tokens is None or max_tokens in (-1, -2):
+        max_tokens = max_tokens_limit
+    elif not 1 <= max_tokens <= max_tokens_limit:
+        raise InvalidArgument(
+            max_tokens_field, f"must be between 1 and {max_tokens_limit}, got {max_tokens}"
+        )
+    defaults = Sampling(max_tokens=max_tokens)
+    if seed is not None and not 0 <= seed < 2**32:
+        raise InvalidArgument("seed", f"must be in 0..{2**32 - 1}, got {seed}")
+    return Sampling(
+        max_tokens=max_tokens,
+        temperature=defaults.temperature if temperature is None else temperature,
+        top_p=defaults.top_p if top_p is None else top_p,
+        seed=seed,
+        stop=stop,
+    )
+
+
+Events = AsyncGenerator[TextChunk | RouteSummary, None]
+
+
+async def first_event(events: Events) -> TextChunk | RouteSummary:
+    """The first event: errors before any text surface here, so they still get their own
+    HTTP status (the response has not started yet)."""
+    return await anext(events)
+
+
+async def collect(events: Events) -> tuple[str, RouteSummary]:
+    """Text and summary of a whole generation (stream: false)."""
+    parts: list[str] = []
+    summary: RouteSummary | None = None
+    async with aclosing(events) as stream:
+        async for event in stream:
+            if isinstance(event, RouteSummary):
+                summary = event
+            else:
+                parts.append(event.text)
+    assert summary is not None, "a generation ends with its summary"
+    return "".join(parts), summary
+
+
+def mesh_fields(s: RouteSummary) -> dict[str, Any]:
+    """Our metrics beside each API's own fields (durations in seconds)."""
+    return {
+        "method": s.method.value,
+        "prefill_node": s.prefill_node,
+        "decode_node": s.decode_node,
+        "kv_transfer": s.kv_transfer.value,
+        "kv_transfer_bytes": s.kv_transfer_bytes,
+        "kv_transfer_seconds": s.kv_transfer_seconds,
+        "kv_load_seconds": s.kv_load_seconds,
+        "time_to_first_token_seconds": s.time_to_first_token_seconds,
+        "failed_attempts": [
+            {"method": f.method.value, "node": f.node, "code": f.code, "message": f.message}
+            for f in s.failed_attempts
+        ],
+    }

@@ -1,0 +1,290 @@
+"""Ollama's HTTP API on the router: /api/generate, /api/chat, /api/tags, /api/ps, /api/show,
+/api/version, with Ollama's field names and units (durations in nanoseconds), our metrics
+under "disagg". Both generation endpoints go through `Router.generate`, as gRPC does.
+
+Ollama's semantics kept: /api/generate applies the model's chat template unless `raw` is
+true (the prompt becomes a user turn, `system` a system turn); an empty prompt loads the
+model and answers done_reason "load"; `options.num_predict` -1 or -2 (or unset) generates
+until an end token or a full context, bounded by the mesh's max_tokens_limit.
+"""
+
+from __future__ import annotations
+
+import datetime
+from contextlib import aclosing
+from typing import Any
+
+from aiohttp import web
+
+from services.common.errors import InvalidArgument, MeshError, NotFound
+from services.common.types import ChatTurn, Prompt, Sampling
+from services.router.http.common import (
+    Events,
+    Fields,
+    collect,
+    first_event,
+    json_body,
+    mesh_fields,
+    sampling,
+    scoped,
+)
+from services.router.routing import Router, RouteSummary
+
+VERSION = "0.1.0"  # disagg-mesh's own version, not Ollama's
+NDJSON = "application/x-ndjson"
+
+
+def error_body(exc: MeshError, status: int) -> dict[str, Any]:
+    if status == 404 and exc.code.name == "NOT_FOUND" and "is not served here" in exc.message:
+        return {
+            "error": f"{exc.message} (ollama pull does not apply: the mesh's topology "
+            "lists the models it serves)"
+        }
+    return {"error": exc.message}
+
+
+api = scoped("ollama", error_body)
+
+
+def now() -> str:
+    return datetime.datetime.now(datetime.UTC).isoformat().replace("+00:00", "Z")
+
+
+def ns(seconds: float) -> int:
+    return round(max(seconds, 0.0) * 1e9)
+
+
+class OllamaApi:
+    def __init__(self, router: Router) -> None:
+        self.router = router
+        self.started = now()
+
+    def routes(self) -> list[web.RouteDef]:
+        return [
+            web.get("/", self.root),
+            web.post("/api/generate", api(self.generate)),
+            web.post("/api/chat", api(self.chat)),
+            web.get("/api/tags", api(self.tags)),
+            web.get("/api/ps", api(self.ps)),
+            web.post("/api/show", api(self.show)),
+            web.get("/api/version", api(self.version)),
+        ]
+
+    async def root(self, request: web.Request) -> web.Response:
+        return web.Response(text="disagg-mesh router: Ollama API under /api, OpenAI under /v1")
+
+    # -- generation ------------------------------------------------------------------------
+
+    def _sampling(self, body: Fields) -> Sampling:
+        options = body.mapping("options")
+        num_ctx = options.integer("num_ctx")
+        model = body.string("model", required=True) or ""
+        n_ctx = self.router.n_ctx(model)
+        if num_ctx is not None and num_ctx > n_ctx:
+            raise InvalidArgument(
+                "options.num_ctx",
+                f"model {model!r} is served with a context of {n_ctx} tokens (the nodes' "
+                f"n_ctx), less than the {num_ctx} asked for",
+            )
+        seed = options.integer("seed")
+        return sampling(
+            max_tokens=options.integer("num_predict"),
+            max_tokens_limit=self.router.max_tokens_limit,
+            temperature=options.number("temperature"),
+            top_p=options.number("top_p"),
+            seed=seed,
+            stop=options.strings("stop"),
+            max_tokens_field="options.num_predict",
+        )
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        body = Fields(await json_body(request))
+        model = body.string("model", required=True) or ""
+        for key, why in (
+            ("images", "this mesh serves text models"),
+            ("context", "send the conversation as messages to /api/chat instead"),
+            ("format", "structured output is not implemented"),
+            ("suffix", "fill-in-the-middle is not implemented"),
+            ("template", "the model's own chat template is used"),
+        ):
+            body.refuse(key, why)
+        body.string("keep_alive")  # accepted: the mesh's nodes keep their models loaded
+        prompt_text = body.string("prompt") or ""
+        system = body.string("system")
+        stream = body.boolean("stream", True)
+        sampling_ = self._sampling(body)
+        if not prompt_text and not system:
+            self.router.n_ctx(model)  # NOT_FOUND for an unknown model, as Ollama
+            return self._loaded(model, "response", stream)
+        if body.boolean("raw", False):
+            prompt = Prompt(text=(system or "") + prompt_text)
+        else:
+            turns = ([ChatTurn("system", system)] if system else []) + [
+                ChatTurn("user", prompt_text)
+            ]
+            prompt = Prompt(messages=tuple(turns))
+        events = self.router.generate(model, prompt, sampling_, None)
+        return await self._answer(request, model, events, stream, "response")
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        body = Fields(await json_body(request))
+        model = body.string("model", required=True) or ""
+        for key, why in (
+            ("tools", "tool calling is not implemented"),
+            ("format", "structured output is not implemented"),
+        ):
+            body.refuse(key, why)
+        body.string("keep_alive")
+        stream = body.boolean("stream", True)
+        sampling_ = self._sampling(body)
+        raw_messages = body.body.get("messages")
+        if raw_messages is None or raw_messages == []:
+            self.router.n_ctx(model)
+            return self._loaded(model, "message", stream)
+        if not isinstance(raw_messages, list):
+            raise InvalidArgument("messages", "must be a list of {role, content} objects")
+        turns = []
+        for i, message in enumerate(raw_messages):
+            if not isinstance(message, dict):
+                raise InvalidArgument(f"messages[{i}]", "must be an object")
+            fields = Fields(message, f"messages[{i}].")
+            fields.refuse("images", "this mesh serves text models")
+            fields.refuse("tool_calls", "tool calling is not implemented")
+            role = fields.string("role", required=True) or ""
+            turns.append(ChatTurn(role, fields.string("content") or ""))
+        events = self.router.generate(model, Prompt(messages=tuple(turns)), sampling_, None)
+        return await self._answer(request, model, events, stream, "message")
+
+    def _loaded(self, model: str, field: str, stream: bool) -> web.Response:
+        """Ollama's answer to a request without a prompt: the model is ready."""
+        empty: Any = "" if field == "response" else {"role": "assistant", "content": ""}
+        line = {
+            "model": model,
+            "created_at": now(),
+            field: empty,
+            "done": True,
+            "done_reason": "load",
+        }
+        if stream:
+            return web.Response(text=_line(line), content_type=NDJSON)
+        return web.json_response(line)
+
+    def _piece(self, model: str, field: str, text: str) -> dict[str, Any]:
+        content: Any = text if field == "response" else {"role": "assistant", "content": text}
+        return {"model": model, "created_at": now(), field: content, "done": False}
+
+    def _final(self, model: str, field: str, text: str, s: RouteSummary) -> dict[str, Any]:
+        line = self._piece(model, field, text)
+        line.update(
+            done=True,
+            done_reason=s.finish_reason.value,
+            total_duration=ns(s.total_seconds),
+            load_duration=0,
+            prompt_eval_count=s.prompt_tokens,
+            prompt_eval_duration=ns(s.prefill_seconds),
+            eval_count=s.completion_tokens,
+            eval_duration=ns(s.decode_seconds),
+            disagg=mesh_fields(s),
+        )
+        return line
+
+    async def _answer(
+        self, request: web.Request, model: str, events: Events, stream: bool, field: str
+    ) -> web.StreamResponse:
+        if not stream:
+            text, summary = await collect(events)
+            return web.json_response(self._final(model, field, text, summary))
+        async with aclosing(events):
+            event = await first_event(events)  # errors before any text keep their status
+            response = web.StreamResponse(headers={"Content-Type": NDJSON})
+            await response.prepare(request)
+            try:
+                while True:
+                    if isinstance(event, RouteSummary):
+                        await response.write(_line(self._final(model, field, "", event)).encode())
+                        break
+                    if event.text:
+                        await response.write(_line(self._piece(model, field, event.text)).encode())
+                    event = await anext(events)
+            except MeshError as exc:  # after text was sent: Ollama's error line ends the stream
+                await response.write(_line({"error": exc.message}).encode())
+            await response.write_eof()
+            return response
+
+    # -- models ----------------------------------------------------------------------------
+
+    def _model_entry(self, name: str) -> dict[str, Any]:
+        node = self._first_node(name)
+        return {
+            "name": name,
+            "model": name,
+            "modified_at": self.started,
+            "size": 0,
+            "digest": "",
+            "details": {
+                "format": "gguf" if node.engine == "llama_cpp" else "",
+                "family": "",
+                "families": None,
+                "parameter_size": "",
+                "quantization_level": "",
+                "parent_model": "",
+            },
+        }
+
+    def _first_node(self, name: str) -> Any:
+        for route, prefill, decode in self.router.routes():
+            if route.name == name:
+                return (decode or prefill)[0]
+        raise NotFound(f"model {name!r} not found (it is not in the mesh's topology)")
+
+    async def tags(self, request: web.Request) -> web.Response:
+        return web.json_response(
+            {"models": [self._model_entry(r.name) for r, _, _ in self.router.routes()]}
+        )
+
+    async def ps(self, request: web.Request) -> web.Response:
+        running = []
+        for route, prefill, decode in self.router.routes():
+            if any(self.router.health.serving(n) for n in (*prefill, *decode)):
+                entry = self._model_entry(route.name)
+                entry.update(
+                    expires_at="2999-01-01T00:00:00Z",
+                    size_vram=0,
+                    context_length=self.router.n_ctx(route.name),
+                )
+                running.append(entry)
+        return web.json_response({"models": running})
+
+    async def show(self, request: web.Request) -> web.Response:
+        body = Fields(await json_body(request))
+        name = body.string("model") or body.string("name") or ""
+        if not name:
+            raise InvalidArgument("model", "is required")
+        node = self._first_node(name)
+        route = next(r for r, _, _ in self.router.routes() if r.name == name)
+        lines = [f"# served by disagg-mesh: chain {' -> '.join(route.chain)}"]
+        lines += [f"# prefill: {n}" for n in route.prefill] + [
+            f"# decode: {n}" for n in route.decode
+        ]
+        lines.append(f"FROM {node.model}")
+        entry = self._model_entry(name)
+        return web.json_response(
+            {
+                "modelfile": "\n".join(lines) + "\n",
+                "parameters": f"num_ctx {self.router.n_ctx(name)}",
+                "template": "",
+                "details": entry["details"],
+                "model_info": {"general.architecture": "", "disagg.chain": route.chain},
+                "capabilities": ["completion"],
+                "modified_at": self.started,
+            }
+        )
+
+    async def version(self, request: web.Request) -> web.Response:
+        return web.json_response({"version": VERSION})
+
+
+def _line(obj: dict[str, Any]) -> str:
+    import json
+
+    return json.dumps(obj, ensure_ascii=False) + "\n"

@@ -1,0 +1,257 @@
+"""OpenAI's HTTP API on the router: /v1/chat/completions, /v1/completions, /v1/models.
+`stream: true` answers server-sent events ending with `data: [DONE]`; responses carry
+`usage`, and our metrics under "disagg"; errors are OpenAI's error object. Generation goes
+through `Router.generate`, as gRPC does.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from contextlib import aclosing
+from typing import Any
+
+from aiohttp import web
+
+from services.common.errors import InvalidArgument, MeshError
+from services.common.observability.logging import current_request_id
+from services.common.types import ChatTurn, Prompt, Sampling
+from services.router.http.common import (
+    Events,
+    Fields,
+    collect,
+    first_event,
+    http_status,
+    json_body,
+    mesh_fields,
+    sampling,
+    scoped,
+)
+from services.router.routing import Router, RouteSummary
+
+# OpenAI's error types by HTTP status (what its SDK turns into BadRequestError, ...).
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    429: "rate_limit_error",
+}
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+
+def error_body(exc: MeshError, status: int) -> dict[str, Any]:
+    return {
+        "error": {
+            "message": exc.message,
+            "type": ERROR_TYPES.get(status, "server_error"),
+            "param": getattr(exc, "field", None),
+            "code": exc.code.name.lower(),
+        }
+    }
+
+
+def _status(exc: MeshError) -> int:
+    # A full queue is a rate limit to OpenAI's clients (429, which they retry).
+    return 429 if exc.code.name == "RESOURCE_EXHAUSTED" else http_status(exc)
+
+
+api = scoped("openai", error_body, _status)
+
+
+class OpenAiApi:
+    def __init__(self, router: Router) -> None:
+        self.router = router
+        self.created = int(time.time())
+
+    def routes(self) -> list[web.RouteDef]:
+        return [
+            web.post("/v1/chat/completions", api(self.chat_completions)),
+            web.post("/v1/completions", api(self.completions)),
+            web.get("/v1/models", api(self.models)),
+        ]
+
+    def _sampling(self, body: Fields) -> Sampling:
+        n = body.integer("n")
+        if n not in (None, 1):
+            raise InvalidArgument("n", f"only 1 choice per request is supported, got {n}")
+        for key, why in (
+            ("tools", "tool calling is not implemented"),
+            ("functions", "function calling is not implemented"),
+            ("response_format", "structured output is not implemented"),
+            ("logprobs", "log probabilities are not returned"),
+        ):
+            body.refuse(key, why)
+        max_tokens = body.integer("max_completion_tokens")
+        field = "max_completion_tokens"
+        if max_tokens is None:
+            max_tokens, field = body.integer("max_tokens"), "max_tokens"
+        if max_tokens is not None and max_tokens < 1:
+            raise InvalidArgument(field, f"must be at least 1, got {max_tokens}")
+        temperature = body.number("temperature")
+        if temperature is not None and not 0 <= temperature <= 2:
+            raise InvalidArgument("temperature", f"must be in [0, 2], got {temperature}")
+        return sampling(
+            max_tokens=max_tokens,
+            max_tokens_limit=self.router.max_tokens_limit,
+            temperature=temperature,
+            top_p=body.number("top_p"),
+            seed=body.integer("seed"),
+            stop=body.strings("stop"),
+            max_tokens_field=field,
+        )
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        body = Fields(await json_body(request))
+        model = body.string("model", required=True) or ""
+        sampling_ = self._sampling(body)
+        messages = body.body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise InvalidArgument("messages", "must be a non-empty list of messages")
+        turns = [_turn(i, m) for i, m in enumerate(messages)]
+        events = self.router.generate(model, Prompt(messages=tuple(turns)), sampling_, None)
+        return await self._answer(request, body, model, events, chat=True)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        body = Fields(await json_body(request))
+        model = body.string("model", required=True) or ""
+        sampling_ = self._sampling(body)
+        body.refuse("suffix", "fill-in-the-middle is not implemented")
+        body.refuse("echo", "echoing the prompt is not implemented")
+        prompt = body.body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if not isinstance(prompt, str):
+            raise InvalidArgument("prompt", "must be a string (one prompt per request)")
+        events = self.router.generate(model, Prompt(text=prompt), sampling_, None)
+        return await self._answer(request, body, model, events, chat=False)
+
+    async def _answer(
+        self, request: web.Request, body: Fields, model: str, events: Events, chat: bool
+    ) -> web.StreamResponse:
+        ident = f"{'chatcmpl' if chat else 'cmpl'}-{current_request_id() or ''}"
+        obj = "chat.completion" if chat else "text_completion"
+        if not body.boolean("stream", False):
+            text, s = await collect(events)
+            choice: dict[str, Any] = {
+                "index": 0,
+                "finish_reason": s.finish_reason.value,
+                "logprobs": None,
+            }
+            if chat:
+                choice["message"] = {"role": "assistant", "content": text}
+            else:
+                choice["text"] = text
+            return web.json_response(
+                {
+                    "id": ident,
+                    "object": obj,
+                    "created": int(time.time()),
+                    "model": model,
+                    "choices": [choice],
+                    "usage": _usage(s),
+                    "disagg": mesh_fields(s),
+                }
+            )
+        include_usage = body.mapping("stream_options").boolean("include_usage", False)
+        chunk_obj = "chat.completion.chunk" if chat else "text_completion"
+        created = int(time.time())
+
+        def chunk(text: str | None, finish: str | None, first: bool = False) -> dict[str, Any]:
+            choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
+            if chat:
+                delta: dict[str, Any] = {"role": "assistant"} if first else {}
+                if text is not None:
+                    delta["content"] = text
+                choice["delta"] = delta
+            else:
+                choice["text"] = text or ""
+            return {
+                "id": ident,
+                "object": chunk_obj,
+                "created": created,
+                "model": model,
+                "choices": [choice],
+            }
+
+        async with aclosing(events):
+            event = await first_event(events)  # errors before any text keep their status
+            response = web.StreamResponse(
+                headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+            )
+            await response.prepare(request)
+            first = True
+            try:
+                while True:
+                    if isinstance(event, RouteSummary):
+                        last = chunk(None, event.finish_reason.value)
+                        last["disagg"] = mesh_fields(event)
+                        await response.write(_event(last))
+                        if include_usage:
+                            usage = chunk(None, None)
+                            usage.update(choices=[], usage=_usage(event))
+                            await response.write(_event(usage))
+                        break
+                    if event.text or first:
+                        await response.write(_event(chunk(event.text, None, first)))
+                        first = False
+                    event = await anext(events)
+            except MeshError as exc:  # after text was sent: an error event ends the stream
+                await response.write(_event(error_body(exc, 500)))
+            await response.write(b"data: [DONE]\n\n")
+            await response.write_eof()
+            return response
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": r.name,
+                        "object": "model",
+                        "created": self.created,
+                        "owned_by": "disagg-mesh",
+                    }
+                    for r, _, _ in self.router.routes()
+                ],
+            }
+        )
+
+
+def _turn(i: int, message: Any) -> ChatTurn:
+    if not isinstance(message, dict):
+        raise InvalidArgument(f"messages[{i}]", "must be an object")
+    fields = Fields(message, f"messages[{i}].")
+    role = fields.string("role", required=True) or ""
+    if role not in ROLES:
+        raise InvalidArgument(
+            f"messages[{i}].role", f"must be one of {', '.join(ROLES)}, got {role!r}"
+        )
+    content = message.get("content")
+    if isinstance(content, list):  # content parts: text only
+        texts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text":
+                raise InvalidArgument(
+                    f"messages[{i}].content[{j}]", "only text parts are supported"
+                )
+            texts.append(str(part.get("text", "")))
+        content = "".join(texts)
+    if content is None:
+        content = ""
+    if not isinstance(content, str):
+        raise InvalidArgument(f"messages[{i}].content", "must be a string or a list of parts")
+    return ChatTurn(ROLES[role], content)
+
+
+def _usage(s: RouteSummary) -> dict[str, int]:
+    return {
+        "prompt_tokens": s.prompt_tokens,
+        "completion_tokens": s.completion_tokens,
+        "total_tokens": s.prompt_tokens + s.completion_tokens,
+    }
+
+
+def _event(obj: dict[str, Any]) -> bytes:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n".encode()

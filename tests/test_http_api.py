@@ -1,0 +1,358 @@
+"""The router's HTTP front doors, through the real client libraries: `ollama` (Client and
+AsyncClient) and `openai`, against the session's mesh of real nodes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import httpx
+import llama_cpp
+import ollama
+import openai
+import pytest
+from openai.types.chat import ChatCompletionMessageParam
+
+from disagg.v1 import node_pb2, node_pb2_grpc
+from tests.conftest import ROOT, Mesh, engine_node, route, router_node, running_mesh
+from tests.streams import reference_tokens
+
+QWEN = "qwen3-coder:30b"
+PROMPT = "The three primary colors are"
+
+
+def http_url(mesh: Mesh) -> str:
+    router = mesh.topology.router
+    return f"http://{router.host}:{router.http_port}"
+
+
+# -- Ollama ------------------------------------------------------------------------------------
+
+
+def test_ollama_generate_raw_matches_one_process(
+    mesh: Mesh, reference_llm: llama_cpp.Llama
+) -> None:
+    client = ollama.Client(host=http_url(mesh))
+    got = client.generate(
+        model=QWEN, prompt=PROMPT, raw=True, options={"temperature": 0, "num_predict": 16}
+    )
+    expected = reference_tokens(reference_llm, PROMPT, 16)
+    assert got.response == reference_llm.detokenize(expected).decode()
+    assert got.done and got.done_reason == "length"
+    assert got.eval_count == 16 and got.prompt_eval_count == len(
+        reference_llm.tokenize(PROMPT.encode(), add_bos=True, special=True)
+    )
+    assert got.total_duration and got.total_duration > (got.eval_duration or 0) > 0
+    raw = got.model_dump()
+    assert raw["model"] == QWEN
+
+
+def test_ollama_generate_streams_ndjson_with_our_metrics(mesh: Mesh) -> None:
+    client = ollama.Client(host=http_url(mesh))
+    pieces = list(
+        client.generate(
+            model=QWEN,
+            prompt=PROMPT,
+            raw=True,
+            stream=True,
+            options={"temperature": 0, "num_predict": 12},
+        )
+    )
+    assert len(pieces) > 2 and all(not p.done for p in pieces[:-1]) and pieces[-1].done
+    streamed = "".join(p.response or "" for p in pieces)
+    whole = client.generate(
+        model=QWEN, prompt=PROMPT, raw=True, options={"temperature": 0, "num_predict": 12}
+    )
+    assert streamed == whole.response
+    # Our metrics ride along as an extra field (the client ignores it; raw JSON has it).
+    line = httpx.post(
+        f"{http_url(mesh)}/api/generate",
+        json={
+            "model": QWEN,
+            "prompt": PROMPT,
+            "raw": True,
+            "stream": False,
+            "options": {"temperature": 0, "num_predict": 4},
+        },
+        timeout=60,
+    ).json()
+    assert line["disagg"]["method"] == "disaggregated"
+    assert line["disagg"]["kv_transfer"] == "state" and line["disagg"]["kv_transfer_bytes"] > 0
+    assert line["disagg"]["prefill_node"] == "prefill-qwen"
+
+
+async def test_ollama_chat_async_and_templated_generate_agree(mesh: Mesh) -> None:
+    client = ollama.AsyncClient(host=http_url(mesh))
+    question = "Name one prime number."
+    chat = await client.chat(
+        model=QWEN,
+        messages=[{"role": "user", "content": question}],
+        options={"temperature": 0, "num_predict": 24},
+    )
+    assert chat.message.role == "assistant" and chat.message.content
+    # /api/generate without raw applies the chat template to the prompt, as Ollama does.
+    generated = await client.generate(
+        model=QWEN, prompt=question, options={"temperature": 0, "num_predict": 24}
+    )
+    assert generated.response == chat.message.content
+    streamed = [
+        part
+        async for part in await client.chat(
+            model=QWEN,
+            messages=[{"role": "user", "content": question}],
+            stream=True,
+            options={"temperature": 0, "num_predict": 24},
+        )
+    ]
+    assert "".join(p.message.content or "" for p in streamed) == chat.message.content
+    assert streamed[-1].done and streamed[-1].eval_count == chat.eval_count
+
+
+def test_ollama_list_show_ps_version(mesh: Mesh) -> None:
+    client = ollama.Client(host=http_url(mesh))
+    names = {m.model for m in client.list().models}
+    assert {QWEN, "gpt-oss:120b"} <= names
+    shown = client.show(QWEN)
+    assert "prefill-qwen" in (shown.modelfile or "") and shown.capabilities == ["completion"]
+    assert "num_ctx 4096" in (shown.parameters or "")
+    running = {m.model for m in client.ps().models}
+    assert QWEN in running
+    assert httpx.get(f"{http_url(mesh)}/api/version").json()["version"]
+
+
+def test_ollama_errors_have_ollamas_statuses(mesh: Mesh) -> None:
+    client = ollama.Client(host=http_url(mesh))
+    with pytest.raises(ollama.ResponseError) as info:
+        client.generate(model="no-such-model", prompt="hi")
+    assert info.value.status_code == 404 and "no-such-model" in info.value.error
+    with pytest.raises(ollama.ResponseError) as info:
+        client.show("no-such-model")
+    assert info.value.status_code == 404
+    with pytest.raises(ollama.ResponseError) as info:
+        client.generate(model=QWEN, prompt="hi", options={"temperature": -1})
+    assert info.value.status_code == 400 and "sampling.temperature" in info.value.error
+    with pytest.raises(ollama.ResponseError) as info:
+        client.generate(model=QWEN, prompt="hi", options={"num_ctx": 100_000})
+    assert info.value.status_code == 400 and "options.num_ctx" in info.value.error
+    bad = httpx.post(f"{http_url(mesh)}/api/generate", content=b"{not json", timeout=10)
+    assert bad.status_code == 400 and bad.json()["error"].startswith("body: is not valid JSON")
+    images = httpx.post(
+        f"{http_url(mesh)}/api/generate",
+        json={"model": QWEN, "prompt": "hi", "images": ["aGk="]},
+        timeout=10,
+    )
+    assert images.status_code == 400 and images.json()["error"].startswith("images:")
+
+
+def test_ollama_without_a_prompt_loads(mesh: Mesh) -> None:
+    got = ollama.Client(host=http_url(mesh)).generate(model=QWEN)
+    assert got.done and got.done_reason == "load" and got.response == ""
+
+
+# -- OpenAI ------------------------------------------------------------------------------------
+
+
+def openai_client(mesh: Mesh, key: str = "unused") -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{http_url(mesh)}/v1", api_key=key, max_retries=0)
+
+
+def test_openai_completions_match_one_process(mesh: Mesh, reference_llm: llama_cpp.Llama) -> None:
+    got = openai_client(mesh).completions.create(
+        model=QWEN, prompt=PROMPT, max_tokens=16, temperature=0
+    )
+    expected = reference_tokens(reference_llm, PROMPT, 16)
+    assert got.choices[0].text == reference_llm.detokenize(expected).decode()
+    assert got.choices[0].finish_reason == "length"
+    assert got.usage is not None and got.usage.completion_tokens == 16
+    assert got.usage.total_tokens == got.usage.prompt_tokens + 16
+
+
+def test_openai_chat_streaming_and_not_agree(mesh: Mesh) -> None:
+    client = openai_client(mesh)
+    messages: list[ChatCompletionMessageParam] = [
+        {"role": "system", "content": "You answer in one sentence."},
+        {"role": "user", "content": "What is a list in Python?"},
+    ]
+    whole = client.chat.completions.create(
+        model=QWEN,
+        messages=messages,
+        max_tokens=20,
+        temperature=0,
+    )
+    text = whole.choices[0].message.content or ""
+    assert text and whole.choices[0].message.role == "assistant"
+    assert whole.usage is not None and whole.usage.completion_tokens == 20
+    chunks = list(
+        client.chat.completions.create(
+            model=QWEN,
+            messages=messages,
+            max_tokens=20,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == text
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == "length" and all(f is None for f in finishes[:-1])
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 20
+
+
+def test_openai_streams_sse_ending_with_done(mesh: Mesh) -> None:
+    with httpx.stream(
+        "POST",
+        f"{http_url(mesh)}/v1/chat/completions",
+        json={
+            "model": QWEN,
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 4,
+            "temperature": 0,
+            "stream": True,
+        },
+        timeout=60,
+    ) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in response.iter_lines() if line]
+    assert all(line.startswith("data: ") for line in lines)
+    assert lines[-1] == "data: [DONE]"
+    assert json.loads(lines[-2][6:])["disagg"]["method"] == "disaggregated"
+
+
+def test_openai_models_and_errors(mesh: Mesh) -> None:
+    client = openai_client(mesh)
+    assert {QWEN, "gpt-oss:120b"} <= {m.id for m in client.models.list()}
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.chat.completions.create(
+            model=QWEN, messages=[{"role": "user", "content": "hi"}], temperature=3
+        )
+    assert bad.value.status_code == 400 and "temperature" in str(bad.value)
+    with pytest.raises(openai.BadRequestError, match="messages"):
+        client.chat.completions.create(model=QWEN, messages=[])
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(
+            model="no-such-model", messages=[{"role": "user", "content": "hi"}]
+        )
+
+
+# -- max_tokens optional, over gRPC too --------------------------------------------------------
+
+
+async def test_max_tokens_is_optional_on_grpc(mesh: Mesh) -> None:
+    from disagg.v1 import router_pb2, router_pb2_grpc, types_pb2
+
+    async with grpc.aio.insecure_channel(mesh.router_address) as channel:
+        stub = router_pb2_grpc.RouterServiceStub(channel)
+        request = router_pb2.GenerateRequest(
+            model=QWEN,
+            prompt=PROMPT,
+            sampling=types_pb2.SamplingParams(temperature=0, stop=["."]),
+        )
+        assert not request.sampling.HasField("max_tokens")
+        text, summary = "", None
+        async for reply in stub.Generate(request):
+            if reply.HasField("delta"):
+                text += reply.delta.text
+            else:
+                summary = reply.summary
+    assert summary is not None and summary.finish_reason == types_pb2.FINISH_REASON_STOP
+    assert 0 < summary.completion_tokens < 4096 and "." not in text
+
+
+# -- disconnects -------------------------------------------------------------------------------
+
+
+async def busy_slots(address: str) -> int:
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = node_pb2_grpc.NodeServiceStub(channel)
+        info = await stub.GetNodeInfo(node_pb2.GetNodeInfoRequest())
+        return int(info.slots_busy)
+
+
+async def test_a_client_that_disconnects_frees_the_decode_node(mesh: Mesh) -> None:
+    decode = mesh.address("decode-qwen")
+    async with httpx.AsyncClient(timeout=60) as http:
+        async with http.stream(
+            "POST",
+            f"{http_url(mesh)}/api/generate",
+            json={
+                "model": QWEN,
+                "prompt": "Count to one thousand: 1, 2, 3,",
+                "raw": True,
+                "options": {"temperature": 0, "num_predict": 2000},
+            },
+        ) as response:
+            lines = response.aiter_lines()
+            for _ in range(3):
+                assert not json.loads(await anext(lines))["done"]
+            assert await busy_slots(decode) == 1
+        # The connection is closed here, mid-answer.
+    for _ in range(100):
+        if await busy_slots(decode) == 0:
+            break
+        await asyncio.sleep(0.05)
+    assert await busy_slots(decode) == 0
+    started = asyncio.get_running_loop().time()
+    got = await ollama.AsyncClient(host=http_url(mesh)).generate(
+        model=QWEN, prompt=PROMPT, raw=True, options={"temperature": 0, "num_predict": 4}
+    )
+    assert got.eval_count == 4 and asyncio.get_running_loop().time() - started < 10
+
+
+# -- a token, and the grader unchanged ---------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def token_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    os.environ["DISAGG_TEST_HTTP_TOKEN"] = "s3cret"
+    folder = tmp_path_factory.mktemp("http-token")
+    from services.common.processes import free_port
+
+    port = free_port()
+    parts = [
+        '[security]\ntoken_env = "DISAGG_TEST_HTTP_TOKEN"\n',
+        router_node(http_port=port),
+        engine_node("decode-t", "decode", 1, slots=2),
+        route("t", [], ["decode-t"], chain=["decode_only"]),
+    ]
+    with running_mesh(folder, parts):
+        yield f"http://127.0.0.1:{port}"
+
+
+def test_a_missing_or_wrong_token_is_401_on_both_apis(token_mesh: str) -> None:
+    for key in ("", "wrong"):
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        r = httpx.post(
+            f"{token_mesh}/api/generate",
+            json={"model": "t", "prompt": "hi"},
+            headers=headers,
+            timeout=10,
+        )
+        assert r.status_code == 401 and "token" in r.json()["error"]
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(
+                base_url=f"{token_mesh}/v1", api_key=key or "x", max_retries=0
+            ).models.list()
+    good = ollama.Client(host=token_mesh, headers={"Authorization": "Bearer s3cret"})
+    assert good.generate(model="t", prompt=PROMPT, raw=True, options={"num_predict": 2}).done
+    models = openai.OpenAI(base_url=f"{token_mesh}/v1", api_key="s3cret").models.list()
+    assert [m.id for m in models] == ["t"]
+
+
+def test_the_grader_works_unchanged_against_the_ollama_door(mesh: Mesh, tmp_path: Path) -> None:
+    """examples/ollama_grader.py is the grader's own Ollama code; only the host changes."""
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "examples/ollama_grader.py"), "--host", http_url(mesh)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "code analysis (qwen3-coder:30b)" in done.stdout
+    assert "written feedback (gpt-oss:120b)" in done.stdout
