@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -101,6 +104,24 @@ def write_test_topology(path: Path, edge_cases: bool = True) -> Path:
         ]
     path.write_text("\n".join(parts))
     return path
+
+
+def node_refusing_to_start(topology: Path, node: str) -> str:
+    """Start one node that must refuse to: check that it exits 1 with its reason on one log
+    line and no traceback, and return what it printed."""
+    out = subprocess.run(
+        [sys.executable, "-m", "services.node", "--topology", str(topology), "--node", node],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env={**os.environ, "LOG_FORMAT": "console"},
+        check=False,
+    )
+    said = out.stdout + out.stderr
+    assert out.returncode == 1, said
+    assert "cannot start" in said and "Traceback" not in said
+    return said
 
 
 @contextmanager

@@ -9,7 +9,6 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import grpc
 import httpx
@@ -345,14 +344,34 @@ def test_a_missing_or_wrong_token_is_401_on_both_apis(token_mesh: str) -> None:
     assert [m.id for m in models] == ["t"]
 
 
-def test_the_grader_works_unchanged_against_the_ollama_door(mesh: Mesh, tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def grader_door(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The grader's two models on one thread each: the session mesh's two-thread nodes
+    oversubscribe 2 cores when both generate at once, which slows llama.cpp's spinning
+    threads many times over."""
+    from services.common.processes import free_port
+
+    port = free_port()
+    parts = [
+        router_node(http_port=port),
+        engine_node("decode-code", "decode", 1, slots=2),
+        engine_node("decode-feedback", "decode", 1, slots=2),
+        route(QWEN, [], ["decode-code"], chain=["decode_only"]),
+        route("gpt-oss:120b", [], ["decode-feedback"], chain=["decode_only"]),
+    ]
+    with running_mesh(tmp_path_factory.mktemp("grader"), parts):
+        yield f"http://127.0.0.1:{port}"
+
+
+def test_the_grader_works_unchanged_against_the_ollama_door(grader_door: str) -> None:
     """examples/ollama_grader.py is the grader's own Ollama code; only the host changes."""
     done = subprocess.run(
-        [sys.executable, str(ROOT / "examples/ollama_grader.py"), "--host", http_url(mesh)],
+        [sys.executable, str(ROOT / "examples/ollama_grader.py"), "--host", grader_door],
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "code analysis (qwen3-coder:30b)" in done.stdout
-    assert "written feedback (gpt-oss:120b)" in done.stdout
+    assert "== code analysis (qwen3-coder:30b)\n" in done.stdout
+    assert "== written feedback (gpt-oss:120b)\n" in done.stdout
+    assert done.stdout.count(" generated at ") == 2

@@ -13,8 +13,6 @@ import hashlib
 import json
 import os
 import shutil
-import subprocess
-import sys
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,7 +36,7 @@ from services.common.models import ModelFileError, locate_model, ollama_store
 from services.common.models.files import cached_sha256, resolve_model_path
 from services.common.processes import MeshProcesses
 from services.common.topology import load_topology
-from tests.conftest import MODEL, ROOT, engine_node, route, router_node
+from tests.conftest import MODEL, ROOT, engine_node, node_refusing_to_start, route, router_node
 from tests.streams import collect, greedy, kv_request, reference_tokens, request
 from tests.test_errors import expect_error
 
@@ -255,17 +253,7 @@ def test_a_node_with_an_unusable_model_exits_with_one_line(
         )
         + route("x", [], ["decode-x"], chain=["decode_only"])
     )
-    done = subprocess.run(
-        [sys.executable, "-m", "services.node", "--topology", str(path), "--node", "decode-x"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "LOG_FORMAT": "console"},
-    )
-    output = done.stdout + done.stderr
-    assert done.returncode == 1, output
-    assert said in output and "cannot start" in output
-    assert "Traceback" not in output
+    assert said in node_refusing_to_start(path, "decode-x")
 
 
 # -- a mesh of ollama: nodes ---------------------------------------------------------------------

@@ -4,13 +4,17 @@ certificate from another authority are refused."""
 
 from __future__ import annotations
 
+import ssl
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
+import ollama
 import pytest
 
 from disagg_mesh import MeshClient, TlsFiles, Unavailable
+from services.common.processes import free_port
 from services.common.topology import Topology, load_topology
 from tests.certs import Authority
 from tests.conftest import engine_node, route, router_node, running_mesh
@@ -40,7 +44,7 @@ def tls_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TlsMesh]:
     parts = [
         '[security.tls]\nca_file = "ca.pem"\ncert_file = "{node}.pem"\n'
         'key_file = "{node}-key.pem"\nmutual = true\n',
-        router_node(),
+        router_node(http_port=free_port()),
         engine_node("prefill-a", "prefill"),
         engine_node("decode-a", "decode"),
         route(MODEL, ["prefill-a"], ["decode-a"], chain=["disaggregated"]),
@@ -71,6 +75,25 @@ def test_other_callers_are_refused(tls_mesh: TlsMesh, who: str) -> None:
     }[who]
     with MeshClient(address, tls=tls, timeout=5) as client, pytest.raises(Unavailable):
         client.generate(MODEL, "hi", max_tokens=2)
+
+
+def test_the_http_apis_serve_tls_with_the_mesh_certificates(tls_mesh: TlsMesh) -> None:
+    router = tls_mesh.topology.router
+    url = f"https://127.0.0.1:{router.http_port}"
+    context = ssl.create_default_context(cafile=str(tls_mesh.ca))
+    assert tls_mesh.client.cert_file is not None and tls_mesh.client.key_file is not None
+    context.load_cert_chain(tls_mesh.client.cert_file, tls_mesh.client.key_file)
+    got = ollama.Client(host=url, verify=context).generate(
+        model=MODEL, prompt="def add(a, b):", raw=True, options={"temperature": 0, "num_predict": 4}
+    )
+    assert got.eval_count == 4
+    # Plain HTTP, and HTTPS without a client certificate (mutual TLS), get nothing.
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(f"http://127.0.0.1:{router.http_port}/api/tags", timeout=5)
+    with pytest.raises((httpx.HTTPError, ssl.SSLError)):
+        httpx.get(
+            f"{url}/api/tags", verify=ssl.create_default_context(cafile=str(tls_mesh.ca)), timeout=5
+        )
 
 
 def test_a_topology_beyond_loopback_must_choose(tmp_path: Path) -> None:

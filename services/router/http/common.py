@@ -4,6 +4,7 @@ statuses. Plain Python and aiohttp; no protobuf."""
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import math
@@ -78,8 +79,8 @@ def scoped(
                 if status == 400 and exc.code == grpc.StatusCode.FAILED_PRECONDITION:
                     status = 500  # a node refused what the router sent: not the caller's fault
                 response = web.json_response(error_body(exc, status), status=status)
-            except (ConnectionResetError, TimeoutError) as exc:
-                status = 499  # the client went away while the answer streamed
+            except (ConnectionResetError, asyncio.CancelledError) as exc:
+                status = 499  # the client went away: its handler was cancelled
                 log.info("http client gone", path=path, error=type(exc).__name__)
                 raise
             finally:
