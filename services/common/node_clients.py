@@ -18,7 +18,15 @@ from services.common.errors import UpstreamError
 from services.common.kv import KvChunk
 from services.common.kv_wire import parse_fetch_kv_response
 from services.common.observability.logging import outgoing_metadata
-from services.common.types import DecodeStats, KvSource, PrefillResult, Prompt, Sampling, TextChunk
+from services.common.types import (
+    Continuation,
+    DecodeStats,
+    KvSource,
+    PrefillResult,
+    Prompt,
+    Sampling,
+    TextChunk,
+)
 
 MAX_MESSAGE_BYTES = 8 * 1024 * 1024
 FETCH_KV_METHOD = "/disagg.v1.PrefillService/FetchKv"
@@ -129,10 +137,19 @@ class DecodeClient:
         source: KvSource | Prompt,
         sampling: Sampling,
         timeout_s: float,
+        continuation: Continuation | None = None,
     ) -> AsyncGenerator[TextChunk | DecodeStats, None]:
         request = decode_pb2.DecodeServiceGenerateRequest(
             model=model, sampling=convert.sampling_to_proto(sampling)
         )
+        if continuation is not None:
+            request.continuation.CopyFrom(
+                decode_pb2.Continuation(
+                    generated_token_ids=continuation.generated_token_ids,
+                    generated_text=continuation.generated_text,
+                    first_token_from_prefill=continuation.first_token_from_prefill,
+                )
+            )
         if isinstance(source, KvSource):
             request.kv.CopyFrom(
                 decode_pb2.KvSource(

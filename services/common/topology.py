@@ -179,6 +179,11 @@ class ModelRoute(_Strict):
     prefill: list[NodeName] = []
     decode: list[NodeName] = []
     prefill_deadline_s: PositiveSeconds = 60.0
+    # A decode node that fails after text was delivered hands the generation over to
+    # another decode node of this model (from the prompt and the tokens delivered), at most
+    # max_migrations times per request.
+    migrate: bool = True
+    max_migrations: Annotated[int, Field(ge=0, le=10)] = 2
     decode_deadline_s: PositiveSeconds = 180.0
     # direct_ollama: the Ollama server and model tag (default: this logical model's name).
     ollama_url: str | None = None

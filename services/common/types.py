@@ -121,6 +121,18 @@ class PrefillResult:
 
 
 @dataclass(frozen=True)
+class Continuation:
+    """A generation another node started and that failed: what it generated and the caller
+    already received. The node that takes over evaluates the prompt and these tokens, then
+    generates what comes next, never sending them again."""
+
+    generated_token_ids: tuple[int, ...]
+    generated_text: str
+    # The first token was sampled by a prefill node (a disaggregated generation).
+    first_token_from_prefill: bool = False
+
+
+@dataclass(frozen=True)
 class KvSource:
     """Where a decode node pulls a prompt's KV state from."""
 

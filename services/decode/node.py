@@ -11,6 +11,7 @@ from services.common.errors import InvalidArgument
 from services.common.kv import KvAssembler, check_fingerprint
 from services.common.node_clients import ChannelPool, PrefillClient
 from services.common.types import (
+    Continuation,
     DecodeStats,
     GenerationEnd,
     KvSource,
@@ -47,8 +48,10 @@ class DecodeNode:
         source: KvSource | Prompt,
         sampling: Sampling,
         time_remaining: float | None,
+        continuation: Continuation | None = None,
     ) -> AsyncGenerator[TextChunk | DecodeStats, None]:
-        """Text chunks as they are produced, then one DecodeStats."""
+        """Text chunks as they are produced, then one DecodeStats. With a continuation (and a
+        prompt), the generation resumes after the tokens another node generated."""
         arrived = time.perf_counter()
         check_served(model, self.name, self.models)
         validate_sampling(sampling, self.max_tokens_limit)
@@ -59,7 +62,7 @@ class DecodeNode:
         else:
             validate_prompt(source)
             stats.kv_transfer = KvTransferKind.NONE
-            generation = self.engine.generate(source, sampling)
+            generation = self.engine.generate(source, sampling, continuation)
         end: GenerationEnd | None = None
         async with aclosing(generation) as items:
             async for item in items:

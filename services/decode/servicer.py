@@ -12,7 +12,7 @@ from disagg.v1 import decode_pb2, decode_pb2_grpc, types_pb2
 from services.common import convert
 from services.common.errors import InvalidArgument
 from services.common.readiness import Ready
-from services.common.types import DecodeStats, KvSource, Prompt
+from services.common.types import Continuation, DecodeStats, KvSource, Prompt
 from services.decode.node import DecodeNode
 
 Context = grpc.aio.ServicerContext[Any, Any]
@@ -28,7 +28,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         node = self._node.get()
         source = _source(request)
         sampling = convert.sampling_from_proto(request.sampling, node.max_tokens_limit)
-        events = node.generate(request.model, source, sampling, context.time_remaining())
+        continuation = _continuation(request)
+        events = node.generate(
+            request.model, source, sampling, context.time_remaining(), continuation
+        )
         async with aclosing(events) as stream:
             async for event in stream:
                 if isinstance(event, DecodeStats):
@@ -39,6 +42,19 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                     yield decode_pb2.DecodeServiceGenerateResponse(
                         delta=types_pb2.TextDelta(text=event.text, token_ids=event.token_ids)
                     )
+
+
+def _continuation(request: decode_pb2.DecodeServiceGenerateRequest) -> Continuation | None:
+    if not request.HasField("continuation"):
+        return None
+    if request.HasField("kv"):
+        raise InvalidArgument("continuation", "goes with prompt or messages, not kv")
+    c = request.continuation
+    return Continuation(
+        generated_token_ids=tuple(c.generated_token_ids),
+        generated_text=c.generated_text,
+        first_token_from_prefill=c.first_token_from_prefill,
+    )
 
 
 def _source(request: decode_pb2.DecodeServiceGenerateRequest) -> KvSource | Prompt:

@@ -25,6 +25,7 @@ from services.common.observability import metrics
 from services.common.retries import call_with_retries, is_retryable
 from services.common.topology import ModelRoute, Node, Step, Topology
 from services.common.types import (
+    Continuation,
     DecodeStats,
     FinishReason,
     GenerationEnd,
@@ -62,6 +63,9 @@ NODE_TROUBLE_CODES = frozenset(
     }
 )
 DIRECT_OLLAMA_MAX_IN_FLIGHT = 64
+# A decode stage that fails this way after text was delivered moves to another decode node:
+# the node is gone, hung past its stage deadline, broke its stream or ran out of KV cells.
+MIGRATABLE_CODES = NODE_TROUBLE_CODES | {grpc.StatusCode.RESOURCE_EXHAUSTED}
 
 
 class RouteMethod(enum.Enum):
@@ -77,6 +81,17 @@ class FailedAttempt:
     code: str
     message: str
     seconds: float
+
+
+@dataclass
+class Migration:
+    """A decode node failed after text was delivered and another node took over."""
+
+    failed_node: str
+    code: str
+    tokens_delivered: int
+    resumed_on: str = ""
+    resume_seconds: float = 0.0
 
 
 @dataclass
@@ -103,6 +118,22 @@ class RouteSummary:
     decode_node: str = ""
     decode_address: str = ""
     failed_attempts: list[FailedAttempt] = field(default_factory=list)
+    migrations: list[Migration] = field(default_factory=list)
+
+
+@dataclass
+class _Delivered:
+    """What the caller has received so far: a migration resumes from exactly there."""
+
+    deltas: int = 0
+    token_ids: list[int] = field(default_factory=list)
+    text: list[str] = field(default_factory=list)
+    failed_nodes: set[str] = field(default_factory=set)
+
+    def add(self, chunk: TextChunk) -> None:
+        self.deltas += 1
+        self.token_ids.extend(chunk.token_ids)
+        self.text.append(chunk.text)
 
 
 class _Clock:
@@ -201,26 +232,32 @@ class Router:
             for attempt in self._attempts(step, route):
                 attempt.started = time.perf_counter()
                 summary = RouteSummary(method=attempt.method)
-                delivered = 0
+                sent = _Delivered()
                 try:
                     events = self._run(attempt, route, prompt, sampling, clock, summary, failed)
                     async with aclosing(events) as stream:
                         async for chunk in stream:
-                            if not delivered:
+                            if not sent.deltas:
                                 summary.time_to_first_token_seconds = clock.elapsed()
-                            delivered += 1
+                            sent.add(chunk)
                             yield chunk
                 except MeshError as exc:
-                    if delivered:
+                    if sent.deltas:
                         self._blame(attempt, exc)
-                        raise _midstream_error(exc, attempt, delivered) from exc
-                    if exc.code in FINAL_CODES or isinstance(exc, CallerDeadlineExceeded):
+                        resumed = self._migrate(
+                            route, attempt, prompt, sampling, clock, summary, sent, exc
+                        )
+                        async with aclosing(resumed) as stream:
+                            async for chunk in stream:
+                                yield chunk
+                    elif exc.code in FINAL_CODES or isinstance(exc, CallerDeadlineExceeded):
                         raise
-                    self._attempt_failed(route, attempt, exc, failed)
-                    last_error = exc
-                    continue
+                    else:
+                        self._attempt_failed(route, attempt, exc, failed)
+                        last_error = exc
+                        continue
                 for node in (attempt.prefill, attempt.decode):
-                    if node is not None:
+                    if node is not None and node.name not in sent.failed_nodes:
                         self.health.succeeded(node)
                 summary.failed_attempts = failed
                 summary.total_seconds = clock.elapsed()
@@ -319,12 +356,7 @@ class Router:
                 stats = event
             else:
                 yield event
-        if stats is None:
-            raise UpstreamError(
-                grpc.StatusCode.DATA_LOSS,
-                f"decode node {attempt.decode.address} ended the stream without a summary",
-            )
-        _add_decode_stats(summary, stats)
+        _add_decode_stats(summary, _required(stats, attempt.decode))
 
     async def _prefill(
         self,
@@ -372,6 +404,91 @@ class Router:
 
         return await call_with_retries(call, clock.remaining(), retryable, on_retry)
 
+    async def _migrate(
+        self,
+        route: ModelRoute,
+        attempt: _Attempt,
+        prompt: Prompt,
+        sampling: Sampling,
+        clock: _Clock,
+        summary: RouteSummary,
+        sent: _Delivered,
+        error: MeshError,
+    ) -> AsyncGenerator[TextChunk, None]:
+        """A decode node failed after text was delivered: go on with the same generation on
+        another decode node of the route, from the prompt and the tokens delivered, up to
+        route.max_migrations times. Nothing is sent twice and nothing is skipped; max_tokens,
+        stop strings and the caller's deadline count across the whole answer. Raises the
+        mid-stream error (saying how much was delivered) when no node can take over."""
+        failed = attempt.current
+        while True:
+            failed_name = failed.name if failed is not None else attempt.label
+            sent.failed_nodes.add(failed_name)
+            done = len(summary.migrations)
+            candidates = [
+                n
+                for n in self.health.pick([self.topology.node(name) for name in route.decode])
+                if n.name not in sent.failed_nodes and n.engine == "llama_cpp"
+            ]
+            if (
+                not route.migrate
+                or attempt.method == RouteMethod.DIRECT_OLLAMA
+                or error.code not in MIGRATABLE_CODES
+                or isinstance(error, CallerDeadlineExceeded)
+                or done >= route.max_migrations
+                or not candidates
+            ):
+                raise _midstream_error(error, failed_name, sent.deltas, done)
+            node = candidates[0]
+            migration = Migration(failed_name, error.code.name, len(sent.token_ids), node.name)
+            summary.migrations.append(migration)
+            metrics.migration(route.name, error.code.name)
+            log.warning(
+                "decode node failed mid-answer, resuming on another",
+                failed_node=failed_name,
+                code=error.code.name,
+                tokens_delivered=len(sent.token_ids),
+                resumed_on=node.name,
+            )
+            failed_at = time.perf_counter()
+            continuation = Continuation(
+                generated_token_ids=tuple(sent.token_ids),
+                generated_text="".join(sent.text),
+                first_token_from_prefill=attempt.method == RouteMethod.DISAGGREGATED,
+            )
+            attempt.current = node
+            stats: DecodeStats | None = None
+            try:
+                events = self._decode(route, node, prompt, sampling, clock, continuation)
+                async with aclosing(events) as stream:
+                    async for event in stream:
+                        if isinstance(event, DecodeStats):
+                            stats = event
+                            continue
+                        if not migration.resume_seconds:
+                            migration.resume_seconds = time.perf_counter() - failed_at
+                        sent.add(event)
+                        yield event
+                stats = _required(stats, node)
+            except MeshError as again:
+                if again.code in NODE_TROUBLE_CODES and not isinstance(
+                    again, CallerDeadlineExceeded
+                ):
+                    self.health.failed(node)
+                failed, error = node, again
+                continue
+            if not migration.resume_seconds:
+                migration.resume_seconds = time.perf_counter() - failed_at
+            attempt.decode = node
+            summary.decode_node, summary.decode_address = node.name, node.address
+            summary.completion_tokens = stats.completion_tokens
+            summary.finish_reason = stats.finish_reason
+            summary.decode_prompt_eval_seconds += stats.prompt_eval_seconds
+            summary.decode_seconds = stats.decode_seconds
+            if stats.decode_seconds > 0:
+                summary.decode_tokens_per_second = stats.completion_tokens / stats.decode_seconds
+            return
+
     async def _decode(
         self,
         route: ModelRoute,
@@ -379,11 +496,13 @@ class Router:
         source: KvSource | Prompt,
         sampling: Sampling,
         clock: _Clock,
+        continuation: Continuation | None = None,
     ) -> AsyncGenerator[TextChunk | DecodeStats, None]:
         timeout, caller_bound = clock.stage_timeout(route.decode_deadline_s)
         client = DecodeClient(self.pool, node.address)
+        generation = client.generate(route.name, source, sampling, timeout, continuation)
         try:
-            async with aclosing(client.generate(route.name, source, sampling, timeout)) as events:
+            async with aclosing(generation) as events:
                 async for event in events:
                     yield event
         except UpstreamError as exc:
@@ -441,6 +560,15 @@ def _count_served(model: str, s: RouteSummary) -> None:
     )
 
 
+def _required(stats: DecodeStats | None, node: Node) -> DecodeStats:
+    if stats is None:
+        raise UpstreamError(
+            grpc.StatusCode.DATA_LOSS,
+            f"decode node {node.address} ended the stream without a summary",
+        )
+    return stats
+
+
 def _add_decode_stats(summary: RouteSummary, stats: DecodeStats) -> None:
     summary.prompt_tokens = summary.prompt_tokens or stats.prompt_tokens
     summary.completion_tokens = stats.completion_tokens
@@ -478,12 +606,12 @@ def _failure(attempt: _Attempt, exc: MeshError, seconds: float) -> FailedAttempt
     return FailedAttempt(attempt.method, node, exc.code.name, exc.message, seconds)
 
 
-def _midstream_error(exc: MeshError, attempt: _Attempt, delivered: int) -> MeshError:
-    node = attempt.current.name if attempt.current else attempt.label
+def _midstream_error(exc: MeshError, node: str, delivered: int, migrations: int) -> MeshError:
+    moved = f" after {migrations} migrations" if migrations else ""
     return UpstreamError(
         exc.code,
-        f"{exc.message} — failed on {node} after {delivered} text deltas were delivered; "
-        "not retried, so no text is sent twice",
+        f"{exc.message} — failed on {node}{moved} after {delivered} text deltas were "
+        "delivered; no node could take the generation over, and no text is sent twice",
     )
 
 

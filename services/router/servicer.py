@@ -101,4 +101,14 @@ def summary_to_proto(s: RouteSummary) -> router_pb2.GenerateSummary:
             )
             for f in s.failed_attempts
         ],
+        migrations=[
+            router_pb2.Migration(
+                failed_node=m.failed_node,
+                code=m.code,
+                tokens_delivered=m.tokens_delivered,
+                resumed_on=m.resumed_on,
+                resume_duration=convert.duration(m.resume_seconds),
+            )
+            for m in s.migrations
+        ],
     )

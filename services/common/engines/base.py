@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from services.common.types import (
+    Continuation,
     Fingerprint,
     GenerationEnd,
     KvSource,
@@ -118,8 +119,12 @@ class Engine(Protocol):
         """Continue a prefill node's work: text chunks from the first token on, then the end."""
         ...
 
-    def generate(self, prompt: Prompt, sampling: Sampling) -> Generation:
-        """Whole generation on this engine: text chunks, then the end."""
+    def generate(
+        self, prompt: Prompt, sampling: Sampling, continuation: Continuation | None = None
+    ) -> Generation:
+        """Whole generation on this engine: text chunks, then the end. With a continuation,
+        it resumes after the tokens another node generated, without sending them again;
+        the end counts them in its completion tokens."""
         ...
 
     async def problem(self) -> str | None:

@@ -46,6 +46,7 @@ from services.common.errors import (
     Unavailable,
 )
 from services.common.types import (
+    Continuation,
     Fingerprint,
     FinishReason,
     GenerationEnd,
@@ -166,7 +167,14 @@ class OllamaEngine:
             ):
                 yield item
 
-    async def generate(self, prompt: Prompt, sampling: Sampling) -> Generation:
+    async def generate(
+        self, prompt: Prompt, sampling: Sampling, continuation: Continuation | None = None
+    ) -> Generation:
+        if continuation is not None:
+            raise FailedPrecondition(
+                "an Ollama node cannot take over another node's generation yet: Ollama "
+                "renders its chat template itself, and its raw mode needs that rendering"
+            )
         options = self._options(sampling, num_predict=sampling.max_tokens)
         async with self._admitted():
             if prompt.messages:

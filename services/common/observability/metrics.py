@@ -45,6 +45,11 @@ STAGE_SECONDS = Histogram(
 TOKENS = Counter(
     "disagg_tokens_total", "Router: tokens by logical model and kind", ["model", "kind"]
 )
+MIGRATIONS = Counter(
+    "disagg_migrations_total",
+    "Router: generations moved to another decode node mid-answer, by the failure's code",
+    ["model", "code"],
+)
 FAILED_ATTEMPTS = Counter(
     "disagg_failed_attempts_total",
     "Router: attempts that failed before a request was served or gave up",
@@ -121,6 +126,10 @@ def request_served(
 
 def request_failed(model: str, code: str) -> None:
     REQUESTS.labels(model, "none", code).inc()
+
+
+def migration(model: str, code: str) -> None:
+    MIGRATIONS.labels(model, code).inc()
 
 
 def attempt_failed(model: str, method: str, code: str) -> None:

@@ -31,6 +31,7 @@ from services.common.engines.llama_cpp.scheduler import (
 )
 from services.common.errors import InvalidArgument, MeshError
 from services.common.types import (
+    Continuation,
     Fingerprint,
     GenerationEnd,
     KvSource,
@@ -195,9 +196,30 @@ class LlamaCppEngine:
                 assert isinstance(event, TextChunk | GenerationEnd)
                 yield event
 
-    async def generate(self, prompt: Prompt, sampling: Sampling) -> Generation:
+    async def generate(
+        self, prompt: Prompt, sampling: Sampling, continuation: Continuation | None = None
+    ) -> Generation:
         tokens = await asyncio.to_thread(self._model.tokenize, prompt, self.n_ctx)
         job = Job(JobKind.GENERATE, sampling, tokens=tokens)
+        if continuation is not None:
+            replay = list(continuation.generated_token_ids)
+            if any(not 0 <= t < self._model.n_vocab for t in replay):
+                raise InvalidArgument(
+                    "continuation.generated_token_ids",
+                    f"every id must be in 0..{self._model.n_vocab - 1}",
+                )
+            if len(tokens) + len(replay) >= self.n_ctx:
+                raise InvalidArgument(
+                    "continuation.generated_token_ids",
+                    f"the prompt's {len(tokens)} tokens and {len(replay)} generated ones leave "
+                    f"no room in a context of {self.n_ctx}",
+                )
+            job.replay = replay
+            # As the interrupted generation drew: a decode_only one drew the first token
+            # from the prompt's logits; a disaggregated one's first draw was the prefill
+            # node's, and its decode node's sampler had the CONTINUE seed offset.
+            job.replay_first_draw = not continuation.first_token_from_prefill
+            job.seed_offset = 1 if continuation.first_token_from_prefill else 0
         async with aclosing(self._events(job)) as events:
             async for event in events:
                 assert isinstance(event, TextChunk | GenerationEnd)

@@ -94,6 +94,13 @@ class Job:
     state: memoryview | None = None
     prompt_tokens: int = 0
     first_token: int = -1
+    # GENERATE continuing an interrupted generation: its tokens, evaluated one step at a time
+    # after the prompt (as they were made) and never sent again; whether the sampler draws
+    # at the prompt's end (then at every replayed token but the last) so that a seeded
+    # sampler's random generator is where it was; its seed offset.
+    replay: list[int] = field(default_factory=list)
+    replay_first_draw: bool = True
+    seed_offset: int = 0
     cancelled: bool = False
 
 
@@ -115,6 +122,8 @@ class Slot:
     kv_load_seconds: float = 0.0
     # Seconds per token of this slot's last prompt pass.
     prompt_token_s: float | None = None
+    # Tokens of job.replay taken so far.
+    replayed: int = 0
 
     @property
     def prompting(self) -> bool:
@@ -253,7 +262,7 @@ class Scheduler:
             if job.cancelled:
                 continue
             index = next(free)
-            seed_offset = 1 if job.kind is JobKind.CONTINUE else 0
+            seed_offset = 1 if job.kind is JobKind.CONTINUE else job.seed_offset
             slot = Slot(
                 index=index,
                 job=job,
@@ -321,7 +330,10 @@ class Scheduler:
         for i, slot in enumerate(decoded):
             token = slot.sampler.sample(self._ctx.ptr, i)
             slot.n_past += 1
-            self._accept(slot, token)
+            if slot.replayed < len(slot.job.replay):
+                self._accept_replayed(slot)  # the draw above keeps a seeded sampler in step
+            else:
+                self._accept(slot, token)
         prompt_tokens = sum(self._prompt_pass(slot, end) for slot, end in pieces)
         elapsed = time.perf_counter() - started
         self._rates.add(prompt_tokens, len(decoded))
@@ -374,8 +386,13 @@ class Scheduler:
         slot.prompt_token_s = (time.perf_counter() - started) / len(rows)
         slot.evaluated = slot.n_past = end
         if end == len(tokens):
-            token = slot.sampler.sample(self._ctx.ptr, len(rows) - 1)
             slot.first_at = time.perf_counter()
+            if slot.job.replay:
+                if slot.job.replay_first_draw:
+                    slot.sampler.sample(self._ctx.ptr, len(rows) - 1)  # drawn, not used
+                self._accept_replayed(slot)
+                return len(rows)
+            token = slot.sampler.sample(self._ctx.ptr, len(rows) - 1)
             if slot.job.kind is JobKind.PREFILL:
                 self._finish_prefill(slot, token)
             else:
@@ -415,6 +432,24 @@ class Scheduler:
                 self._finish_generation(slot, event)
                 return
             _emit(slot.job, event)
+        slot.next_token = token
+
+    def _accept_replayed(self, slot: Slot) -> None:
+        """The next token of an interrupted generation: through the slot's text stream, so
+        that its UTF-8, stop-string and token-count state is where it was, but its text is
+        not sent again (the caller has it). The next step evaluates it."""
+        assert slot.text is not None
+        token = slot.job.replay[slot.replayed]
+        slot.replayed += 1
+        is_end = self._model.is_end(token)
+        piece = b"" if is_end else self._model.piece(token)
+        events = slot.text.push(GeneratedToken(token, piece, is_end))
+        if not slot.text.done and slot.n_past >= self._ctx.n_ctx:
+            events += slot.text.end(FinishReason.LENGTH)
+        for event in events:
+            if isinstance(event, GenerationEnd):  # it had ended already: nothing more to say
+                self._finish_generation(slot, event)
+                return
         slot.next_token = token
 
     def _finish_generation(self, slot: Slot, end: GenerationEnd) -> None:

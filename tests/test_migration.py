@@ -1,0 +1,306 @@
+"""A generation that another node takes over mid-answer: the engine's continuation (prompt,
+then the generated tokens replayed one step at a time, never sent again), and the router
+migrating a stream whose decode node was killed or hung."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
+
+import grpc
+import pytest
+import pytest_asyncio
+
+from disagg.v1 import router_pb2, router_pb2_grpc, types_pb2
+from services.common.engines.llama_cpp import LlamaCppEngine
+from services.common.processes import MeshProcesses
+from services.common.types import Continuation, GenerationEnd, Prompt, Sampling, TextChunk
+from tests.conftest import engine_node, route, router_node
+from tests.test_engine import open_engine
+
+PROMPT = "Count from one to fifty in words, separated by commas: one, two,"
+LONG = 200
+
+
+async def run(
+    engine: LlamaCppEngine,
+    sampling: Sampling,
+    continuation: Continuation | None = None,
+) -> tuple[list[TextChunk], GenerationEnd]:
+    chunks: list[TextChunk] = []
+    end = None
+    async for item in engine.generate(Prompt(text=PROMPT), sampling, continuation):
+        if isinstance(item, TextChunk):
+            chunks.append(item)
+        else:
+            end = item
+    assert end is not None
+    return chunks, end
+
+
+def split_after(chunks: list[TextChunk], n_chunks: int) -> tuple[list[int], str, str]:
+    """Token ids and text of the first n chunks (what a caller had received), and the
+    rest of the text."""
+    ids = [t for c in chunks[:n_chunks] for t in c.token_ids]
+    return (
+        ids,
+        "".join(c.text for c in chunks[:n_chunks]),
+        "".join(c.text for c in chunks[n_chunks:]),
+    )
+
+
+@pytest_asyncio.fixture
+async def engine() -> AsyncIterator[LlamaCppEngine]:
+    engine = await open_engine(n_ctx=1024)
+    yield engine
+    await engine.close()
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [Sampling(max_tokens=48, temperature=0.0), Sampling(max_tokens=48, temperature=0.9, seed=7)],
+    ids=["greedy", "seeded"],
+)
+async def test_a_continuation_gives_the_rest_of_the_same_answer(
+    engine: LlamaCppEngine, sampling: Sampling
+) -> None:
+    whole, end = await run(engine, sampling)
+    assert end.completion_tokens == 48
+    for cut in (1, 7, 20):
+        ids, delivered, rest = split_after(whole, cut)
+        chunks, resumed = await run(
+            engine, sampling, Continuation(tuple(ids), delivered, first_token_from_prefill=False)
+        )
+        # Nothing sent twice, nothing skipped; max_tokens counts the whole answer.
+        assert "".join(c.text for c in chunks) == rest
+        assert resumed.completion_tokens == 48
+
+
+async def test_a_continuation_keeps_stop_strings_across_the_boundary(
+    engine: LlamaCppEngine,
+) -> None:
+    sampling = Sampling(max_tokens=60, temperature=0.0, stop=("twenty",))
+    whole, end = await run(engine, sampling)
+    text = "".join(c.text for c in whole)
+    assert "twenty" not in text and end.finish_reason.value == "stop"
+    ids, delivered, rest = split_after(whole, len(whole) // 2)
+    chunks, resumed = await run(engine, sampling, Continuation(tuple(ids), delivered))
+    assert "".join(c.text for c in chunks) == rest
+    assert (
+        resumed.finish_reason.value == "stop" and resumed.completion_tokens == end.completion_tokens
+    )
+
+
+async def test_a_continuation_with_bad_ids_is_refused(engine: LlamaCppEngine) -> None:
+    from services.common.errors import InvalidArgument
+
+    with pytest.raises(InvalidArgument, match=r"continuation\.generated_token_ids"):
+        await run(engine, Sampling(max_tokens=4), Continuation((10**7,), "x"))
+
+
+# -- the router migrates ---------------------------------------------------------------------
+
+
+@dataclass
+class MigrationMesh:
+    processes: MeshProcesses
+
+    @property
+    def router(self) -> str:
+        return self.processes.topology.router.address
+
+    def pid(self, node: str) -> int:
+        return self.processes.procs[node].pid
+
+    async def restart(self, *nodes: str) -> None:
+        for name in nodes:
+            proc = self.processes.procs[name]
+            if proc.poll() is None:
+                os.kill(proc.pid, signal.SIGCONT)
+                proc.kill()
+                proc.wait()
+            self.processes.start_node(self.processes.topology.node(name))
+        await self.processes.wait_serving(120, names=list(nodes))
+        await asyncio.sleep(1.5)  # the router's health checks see them again, cool-downs end
+
+
+@pytest.fixture(scope="module")
+def migration_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MigrationMesh]:
+    folder = tmp_path_factory.mktemp("migration")
+    parts = [
+        "[mesh]\ncooldown_s = 0.5\nhealth_check_every_s = 0.5\n",
+        router_node(),
+        engine_node("prefill-m", "prefill", 1, slots=2),
+        engine_node("decode-a", "decode", 1, slots=2),
+        engine_node("decode-b", "decode", 1, slots=2),
+        engine_node("decode-c", "decode", 1, slots=2),
+        route(
+            "m",
+            ["prefill-m"],
+            ["decode-a", "decode-b", "decode-c"],
+            chain=["disaggregated", "decode_only"],
+            decode_deadline_s=8.0,
+        ),
+    ]
+    path = folder / "topology.toml"
+    path.write_text("\n".join(parts))
+    from services.common.topology import load_topology
+
+    processes = MeshProcesses(load_topology(path), folder / "logs")
+    processes.start()
+    try:
+        asyncio.run(processes.wait_serving(240))
+        yield MigrationMesh(processes)
+    finally:
+        for proc in processes.procs.values():
+            proc.send_signal(signal.SIGCONT)
+        processes.stop()
+
+
+@dataclass
+class Streamed:
+    deltas: list[str]
+    summary: router_pb2.GenerateSummary | None
+    error: grpc.aio.AioRpcError | None
+
+
+async def stream(
+    router: str,
+    max_tokens: int,
+    at: frozenset[int] = frozenset(),
+    action: Callable[[], None] | None = None,
+    stop: tuple[str, ...] = (),
+) -> Streamed:
+    """A greedy generation through the router; action() runs once the caller has received
+    each number of deltas in `at`."""
+    deltas: list[str] = []
+    summary = None
+    async with grpc.aio.insecure_channel(router) as channel:
+        stub = router_pb2_grpc.RouterServiceStub(channel)
+        request = router_pb2.GenerateRequest(
+            model="m",
+            prompt=PROMPT,
+            sampling=types_pb2.SamplingParams(
+                max_tokens=max_tokens, temperature=0.0, stop=list(stop)
+            ),
+        )
+        try:
+            async for reply in stub.Generate(request, timeout=120):
+                if reply.HasField("delta"):
+                    deltas.append(reply.delta.text)
+                    if len(deltas) in at and action is not None:
+                        action()
+                else:
+                    summary = reply.summary
+        except grpc.aio.AioRpcError as exc:
+            return Streamed(deltas, summary, exc)
+    return Streamed(deltas, summary, None)
+
+
+def kill(mesh: MigrationMesh, node: str, how: signal.Signals) -> Callable[[], None]:
+    return lambda: os.kill(mesh.pid(node), how)
+
+
+async def test_a_killed_decode_node_is_replaced_mid_answer_with_the_same_text(
+    migration_mesh: MigrationMesh,
+) -> None:
+    mesh = migration_mesh
+    alone = await stream(mesh.router, LONG)
+    assert alone.error is None and alone.summary is not None
+    assert alone.summary.decode_node == "decode-a" and not alone.summary.migrations
+    try:
+        got = await stream(
+            mesh.router, LONG, at=frozenset({5}), action=kill(mesh, "decode-a", signal.SIGKILL)
+        )
+        assert got.error is None, got.error
+        assert "".join(got.deltas) == "".join(alone.deltas)
+        assert (
+            got.summary is not None
+            and got.summary.completion_tokens == alone.summary.completion_tokens
+        )
+        (m,) = got.summary.migrations
+        assert m.failed_node == "decode-a" and m.resumed_on in ("decode-b", "decode-c")
+        assert m.code == "UNAVAILABLE" and m.tokens_delivered >= 5
+        assert m.resume_duration.ToNanoseconds() > 0
+    finally:
+        await mesh.restart("decode-a")
+
+
+async def test_a_hung_decode_node_is_replaced_after_its_stage_deadline(
+    migration_mesh: MigrationMesh,
+) -> None:
+    mesh = migration_mesh
+    alone = await stream(mesh.router, LONG)
+    try:
+        got = await stream(
+            mesh.router, LONG, at=frozenset({5}), action=kill(mesh, "decode-a", signal.SIGSTOP)
+        )
+        assert got.error is None, got.error
+        assert "".join(got.deltas) == "".join(alone.deltas)
+        assert got.summary is not None
+        (m,) = got.summary.migrations
+        assert m.failed_node == "decode-a" and m.code == "DEADLINE_EXCEEDED"
+    finally:
+        await mesh.restart("decode-a")
+
+
+async def test_two_failures_then_success_and_a_third_exhausts_the_migrations(
+    migration_mesh: MigrationMesh,
+) -> None:
+    mesh = migration_mesh
+    alone = await stream(mesh.router, LONG)
+    state: dict[str, list[str]] = {"killed": []}
+
+    def kill_current() -> None:
+        # Kill whichever decode node serves now: the first, then the one that took over.
+        for name in ("decode-a", "decode-b", "decode-c"):
+            if name not in state["killed"]:
+                state["killed"].append(name)
+                os.kill(mesh.pid(name), signal.SIGKILL)
+                return
+
+    try:
+        got = await stream(mesh.router, LONG, frozenset({5, 15}), kill_current)
+        assert got.error is None, got.error
+        assert "".join(got.deltas) == "".join(alone.deltas)
+        assert got.summary is not None and len(got.summary.migrations) == 2
+        assert [m.failed_node for m in got.summary.migrations] == ["decode-a", "decode-b"]
+    finally:
+        await mesh.restart("decode-a", "decode-b")
+    state["killed"] = []
+    try:
+        got = await stream(mesh.router, LONG, frozenset({5, 15, 25}), kill_current)
+        assert got.error is not None and got.error.code() == grpc.StatusCode.UNAVAILABLE
+        details = got.error.details() or ""
+        assert "after 2 migrations" in details and "text deltas were delivered" in details
+        assert len(got.deltas) >= 25
+        assert "".join(alone.deltas).startswith("".join(got.deltas))
+    finally:
+        await mesh.restart("decode-a", "decode-b", "decode-c")
+
+
+async def test_max_tokens_and_stop_strings_hold_across_a_migration(
+    migration_mesh: MigrationMesh,
+) -> None:
+    mesh = migration_mesh
+    alone = await stream(mesh.router, 60, stop=("twenty",))
+    assert alone.summary is not None
+    try:
+        got = await stream(
+            mesh.router,
+            60,
+            at=frozenset({4}),
+            action=kill(mesh, "decode-a", signal.SIGKILL),
+            stop=("twenty",),
+        )
+        assert got.error is None and got.summary is not None
+        text = "".join(got.deltas)
+        assert text == "".join(alone.deltas) and "twenty" not in text
+        assert got.summary.completion_tokens == alone.summary.completion_tokens <= 60
+        assert got.summary.finish_reason == alone.summary.finish_reason
+        assert len(got.summary.migrations) == 1
+    finally:
+        await mesh.restart("decode-a")
