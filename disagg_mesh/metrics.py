@@ -9,6 +9,15 @@ from disagg.v1 import router_pb2, types_pb2
 
 
 @dataclass(frozen=True)
+class Migration:
+    failed_node: str
+    code: str
+    tokens_delivered: int
+    resumed_on: str
+    resume_time: float  # seconds
+
+
+@dataclass(frozen=True)
 class FailedAttempt:
     method: str
     node: str
@@ -42,6 +51,7 @@ class Metrics:
     prefill_node: str
     decode_node: str
     failed_attempts: tuple[FailedAttempt, ...] = field(default=())
+    migrations: tuple[Migration, ...] = field(default=())
 
     @classmethod
     def from_summary(cls, s: router_pb2.GenerateSummary) -> Metrics:
@@ -81,6 +91,16 @@ class Metrics:
                 )
                 for f in s.failed_attempts
             ),
+            migrations=tuple(
+                Migration(
+                    failed_node=m.failed_node,
+                    code=m.code,
+                    tokens_delivered=m.tokens_delivered,
+                    resumed_on=m.resumed_on,
+                    resume_time=secs(m.resume_duration),
+                )
+                for m in s.migrations
+            ),
         )
 
     def as_dict(self) -> dict[str, Any]:
@@ -103,6 +123,11 @@ class Metrics:
         ]
         if self.failed_attempts:
             parts.append(f"{len(self.failed_attempts)} failed attempt(s)")
+        for m in self.migrations:
+            parts.append(
+                f"moved {m.failed_node} -> {m.resumed_on} after {m.tokens_delivered} tok "
+                f"({m.code}, resumed in {m.resume_time:.2f} s)"
+            )
         return " | ".join(parts)
 
 
