@@ -12,7 +12,14 @@ from typing import Any, NoReturn
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from disagg.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from disagg.v1 import (
+    decode_pb2,
+    decode_pb2_grpc,
+    node_pb2,
+    node_pb2_grpc,
+    prefill_pb2,
+    prefill_pb2_grpc,
+)
 from services.common import convert
 from services.common.errors import UpstreamError
 from services.common.kv import KvChunk
@@ -176,6 +183,18 @@ class DecodeClient:
             _fail("decode", self.address, exc)
         finally:
             call.cancel()
+
+
+async def node_slots(channel: grpc.aio.Channel, timeout_s: float) -> int:
+    """The slots a prefill or decode node serves at once (GetNodeInfo); 0 if it cannot say."""
+    stub: Any = node_pb2_grpc.NodeServiceStub(channel)
+    try:
+        info = await stub.GetNodeInfo(
+            node_pb2.GetNodeInfoRequest(), timeout=timeout_s, metadata=outgoing_metadata()
+        )
+    except grpc.aio.AioRpcError:
+        return 0
+    return int(info.slots)
 
 
 async def health_status(channel: grpc.aio.Channel, timeout_s: float) -> tuple[str, str]:

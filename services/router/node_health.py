@@ -1,18 +1,26 @@
-"""What the router knows about its nodes' health: active checks and passive cool-down.
+"""What the router knows about its nodes: health (active checks and passive cool-down) and
+load.
 
 Every node's `grpc.health.v1` is checked in the background; a node whose call failed is
 skipped for a cool-down. A dead node thus costs at most one failed attempt, not one per
 request. When every candidate looks down, they are tried anyway (health can lag).
+
+Load: the router counts the calls it has in flight on each node, and learns each node's
+slots (GetNodeInfo) with the health checks. Among the available nodes, those with a free
+slot go first, in the topology's order of preference, then the busy ones, least loaded
+first: a request no longer queues behind another on the first node while the next one idles.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import structlog
 
-from services.common.node_clients import ChannelPool, health_status
+from services.common.node_clients import ChannelPool, health_status, node_slots
 from services.common.topology import Node
 
 log = structlog.get_logger("node_health")
@@ -30,6 +38,9 @@ class NodeHealth:
         # None: not checked yet (given the benefit of the doubt).
         self._serving: dict[str, bool | None] = {n.name: None for n in nodes}
         self._cool_until: dict[str, float] = {}
+        self._in_flight: dict[str, int] = {n.name: 0 for n in nodes}
+        # Slots each node reports (0: not known yet).
+        self._slots: dict[str, int] = {n.name: 0 for n in nodes}
 
     def available(self, node: Node) -> bool:
         """Serving (or not checked yet) and not cooling down."""
@@ -39,14 +50,33 @@ class NodeHealth:
         return self._serving.get(node.name) is not False
 
     def pick(self, nodes: list[Node]) -> list[Node]:
-        """The nodes worth trying, in order: the available ones; if none is, those only
-        cooling down; if none is serving either (or not known to be yet), all of them. What
-        the router knows of health orders and skips, but never fails a request untried."""
-        return (
-            [n for n in nodes if self.available(n)]
-            or [n for n in nodes if self.serving(n)]
-            or list(nodes)
-        )
+        """The nodes worth trying, in order: the available ones, those with a free slot first
+        (in the given order of preference), then the busy ones, least loaded first; if none
+        is available, those only cooling down; if none is serving either (or not known to
+        be yet), all of them. What the router knows of health orders and skips, but never
+        fails a request untried."""
+        available = [n for n in nodes if self.available(n)]
+        if available:
+            return sorted(available, key=self._load)  # stable: preference breaks ties
+        return [n for n in nodes if self.serving(n)] or list(nodes)
+
+    def _load(self, node: Node) -> float:
+        """0 while the node has a free slot (or its slots are not known yet), else calls in
+        flight per slot."""
+        slots = self._slots.get(node.name, 0)
+        in_flight = self._in_flight.get(node.name, 0)
+        if slots <= 0 or in_flight < slots:
+            return 0.0
+        return in_flight / slots
+
+    @contextmanager
+    def busy(self, node: Node) -> Iterator[None]:
+        """Count a call on the node while it lasts."""
+        self._in_flight[node.name] = self._in_flight.get(node.name, 0) + 1
+        try:
+            yield
+        finally:
+            self._in_flight[node.name] -= 1
 
     def failed(self, node: Node) -> None:
         self._cool_until[node.name] = time.monotonic() + self._cooldown_s
@@ -62,8 +92,13 @@ class NodeHealth:
             await asyncio.sleep(self._every_s)
 
     async def _check(self, node: Node) -> None:
-        status, _ = await health_status(self._pool.get(node.address), CHECK_TIMEOUT_S)
+        channel = self._pool.get(node.address)
+        status, _ = await health_status(channel, CHECK_TIMEOUT_S)
         serving = status == "SERVING"
+        if not serving:
+            self._slots[node.name] = 0  # it may come back with other settings
+        elif not self._slots.get(node.name):
+            self._slots[node.name] = await node_slots(channel, CHECK_TIMEOUT_S)
         if serving != self._serving[node.name]:
             log.info("node health", node=node.name, serving=serving)
             self._serving[node.name] = serving

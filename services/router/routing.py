@@ -382,7 +382,8 @@ class Router:
             timeout, caller_bound = clock.stage_timeout(route.prefill_deadline_s)
             client = PrefillClient(self.pool, node.address)
             try:
-                return await client.prefill(route.name, prompt, sampling, timeout_s=timeout)
+                with self.health.busy(node):
+                    return await client.prefill(route.name, prompt, sampling, timeout_s=timeout)
             except UpstreamError as exc:
                 error = _stage_error(exc, "prefill", node, timeout, caller_bound)
                 if type(error) is DeadlineExceeded:
@@ -502,9 +503,10 @@ class Router:
         client = DecodeClient(self.pool, node.address)
         generation = client.generate(route.name, source, sampling, timeout, continuation)
         try:
-            async with aclosing(generation) as events:
-                async for event in events:
-                    yield event
+            with self.health.busy(node):
+                async with aclosing(generation) as events:
+                    async for event in events:
+                        yield event
         except UpstreamError as exc:
             raise _stage_error(exc, "decode", node, timeout, caller_bound) from exc
 
