@@ -139,6 +139,9 @@ def two_prefill_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MeshP
         ),
     ]
     with running_mesh(folder, parts) as processes:
+        # The router checks health every 5 s here: let it see every node loaded once, so
+        # that the first test's request is routed as the topology says.
+        time.sleep(5.5)
         yield processes
 
 
