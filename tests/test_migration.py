@@ -8,6 +8,7 @@ import asyncio
 import os
 import signal
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 import grpc
@@ -231,99 +232,75 @@ def kill_serving(
     return action
 
 
-async def test_a_killed_decode_node_is_replaced_mid_answer_with_the_same_text(
-    migration_mesh: MigrationMesh,
-) -> None:
-    mesh = migration_mesh
-    alone = await stream(mesh.router, LONG)
+@asynccontextmanager
+async def interrupted(
+    mesh: MigrationMesh,
+    how: signal.Signals,
+    at: frozenset[int],
+    max_tokens: int = LONG,
+    stop: tuple[str, ...] = (),
+) -> AsyncIterator[tuple[Streamed, Streamed, list[str]]]:
+    """The same greedy request uninterrupted, then with the generating decode node killed or
+    stopped after each number of deltas in `at`; the nodes are restarted afterwards."""
+    alone = await stream(mesh.router, max_tokens, stop=stop)
     assert alone.error is None and alone.summary is not None and not alone.summary.migrations
     killed: list[str] = []
     try:
-        got = await stream(
-            mesh.router, LONG, frozenset({5}), kill_serving(mesh, signal.SIGKILL, killed)
-        )
-        assert got.error is None, got.error
-        assert "".join(got.deltas) == "".join(alone.deltas)
-        assert got.summary is not None
-        assert got.summary.completion_tokens == alone.summary.completion_tokens
-        (m,) = got.summary.migrations
-        assert m.failed_node == killed[0] and m.resumed_on not in ("", killed[0])
-        assert m.code == "UNAVAILABLE" and m.tokens_delivered >= 5
-        assert m.resume_duration.ToNanoseconds() > 0
+        got = await stream(mesh.router, max_tokens, at, kill_serving(mesh, how, killed), stop=stop)
+        yield alone, got, killed
     finally:
         await mesh.restart(*killed)
+
+
+def same_answer(alone: Streamed, got: Streamed) -> router_pb2.GenerateSummary:
+    assert got.error is None, got.error
+    assert "".join(got.deltas) == "".join(alone.deltas)  # nothing repeated, nothing skipped
+    assert got.summary is not None and alone.summary is not None
+    assert got.summary.completion_tokens == alone.summary.completion_tokens
+    assert got.summary.finish_reason == alone.summary.finish_reason
+    return got.summary
+
+
+async def test_a_killed_decode_node_is_replaced_mid_answer_with_the_same_text(
+    migration_mesh: MigrationMesh,
+) -> None:
+    async with interrupted(migration_mesh, signal.SIGKILL, frozenset({5})) as (alone, got, killed):
+        (m,) = same_answer(alone, got).migrations
+    assert m.failed_node == killed[0] and m.resumed_on not in ("", killed[0])
+    assert m.code == "UNAVAILABLE" and m.tokens_delivered >= 5
+    assert m.resume_duration.ToNanoseconds() > 0
 
 
 async def test_a_hung_decode_node_is_replaced_after_its_stage_deadline(
     migration_mesh: MigrationMesh,
 ) -> None:
-    mesh = migration_mesh
-    alone = await stream(mesh.router, LONG)
-    killed: list[str] = []
-    try:
-        got = await stream(
-            mesh.router, LONG, frozenset({5}), kill_serving(mesh, signal.SIGSTOP, killed)
-        )
-        assert got.error is None, got.error
-        assert "".join(got.deltas) == "".join(alone.deltas)
-        assert got.summary is not None
-        (m,) = got.summary.migrations
-        assert m.failed_node == killed[0] and m.code == "DEADLINE_EXCEEDED"
-    finally:
-        await mesh.restart(*killed)
+    async with interrupted(migration_mesh, signal.SIGSTOP, frozenset({5})) as (alone, got, killed):
+        (m,) = same_answer(alone, got).migrations
+    assert m.failed_node == killed[0] and m.code == "DEADLINE_EXCEEDED"
 
 
 async def test_two_failures_then_success_and_a_third_exhausts_the_migrations(
     migration_mesh: MigrationMesh,
 ) -> None:
-    mesh = migration_mesh
-    alone = await stream(mesh.router, LONG)
-    killed: list[str] = []
-    try:
-        got = await stream(
-            mesh.router, LONG, frozenset({5, 15}), kill_serving(mesh, signal.SIGKILL, killed)
-        )
-        assert got.error is None, got.error
-        assert "".join(got.deltas) == "".join(alone.deltas)
-        assert got.summary is not None
-        assert [m.failed_node for m in got.summary.migrations] == killed
-        assert len(killed) == 2
-    finally:
-        await mesh.restart(*killed)
-    killed = []
-    try:
-        got = await stream(
-            mesh.router, LONG, frozenset({5, 15, 25}), kill_serving(mesh, signal.SIGKILL, killed)
-        )
+    async with interrupted(migration_mesh, signal.SIGKILL, frozenset({5, 15})) as (a, got, killed):
+        assert [m.failed_node for m in same_answer(a, got).migrations] == killed
+    assert len(killed) == 2
+    at = frozenset({5, 15, 25})
+    async with interrupted(migration_mesh, signal.SIGKILL, at) as (alone, got, killed):
         assert got.error is not None and got.error.code() == grpc.StatusCode.UNAVAILABLE
-        details = got.error.details() or ""
-        assert "after 2 migrations" in details and "text deltas were delivered" in details
-        assert len(got.deltas) >= 25
-        assert "".join(alone.deltas).startswith("".join(got.deltas))
-    finally:
-        await mesh.restart(*killed)
+    details = got.error.details() or ""
+    assert "after 2 migrations" in details and "text deltas were delivered" in details
+    assert len(got.deltas) >= 25 and len(killed) == 3
+    assert "".join(alone.deltas).startswith("".join(got.deltas))
 
 
 async def test_max_tokens_and_stop_strings_hold_across_a_migration(
     migration_mesh: MigrationMesh,
 ) -> None:
-    mesh = migration_mesh
-    alone = await stream(mesh.router, 60, stop=("twenty",))
-    assert alone.summary is not None
-    killed: list[str] = []
-    try:
-        got = await stream(
-            mesh.router,
-            60,
-            frozenset({4}),
-            kill_serving(mesh, signal.SIGKILL, killed),
-            stop=("twenty",),
-        )
-        assert got.error is None and got.summary is not None
-        text = "".join(got.deltas)
-        assert text == "".join(alone.deltas) and "twenty" not in text
-        assert got.summary.completion_tokens == alone.summary.completion_tokens <= 60
-        assert got.summary.finish_reason == alone.summary.finish_reason
-        assert len(got.summary.migrations) == 1
-    finally:
-        await mesh.restart(*killed)
+    stop = ("twenty",)
+    async with interrupted(
+        migration_mesh, signal.SIGKILL, frozenset({4}), max_tokens=60, stop=stop
+    ) as (alone, got, _):
+        summary = same_answer(alone, got)
+    assert "twenty" not in "".join(got.deltas) and summary.completion_tokens <= 60
+    assert len(summary.migrations) == 1
