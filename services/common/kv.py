@@ -188,7 +188,7 @@ def check_fingerprint(got: Fingerprint, mine: Fingerprint) -> None:
 
 
 def describe_mismatch(differs: tuple[str, object, object], where_a: str, where_b: str) -> str:
-    """"type_k is 'f16' <where_a>, 'q8_0' <where_b>" for a Fingerprint.mismatch result."""
+    """A Fingerprint.mismatch result in words: type_k is 'f16' <where_a>, 'q8_0' <where_b>."""
     name, a, b = differs
     return f"{name} is {_shown(name, a)} {where_a}, {_shown(name, b)} {where_b}"
 

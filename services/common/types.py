@@ -73,18 +73,6 @@ class Fingerprint:
                 return name, mine, theirs[name]
         return None
 
-    def describe(self) -> str:
-        return (
-            f"model sha256 {self.model_sha256[:12]}…, n_ctx {self.n_ctx_tokens}, "
-            f"{self.engine_version}, K/V {self.type_k}/{self.type_v}, flash_attn "
-            f"{_on_off(self.flash_attn)}, kv_unified {_on_off(self.kv_unified)}, swa_full "
-            f"{_on_off(self.swa_full)}"
-        )
-
-
-def _on_off(value: bool) -> str:
-    return "on" if value else "off"
-
 
 class FinishReason(enum.Enum):
     STOP = "stop"

@@ -472,10 +472,7 @@ class Router:
                         yield event
                 stats = _required(stats, node)
             except MeshError as again:
-                if again.code in NODE_TROUBLE_CODES and not isinstance(
-                    again, CallerDeadlineExceeded
-                ):
-                    self.health.failed(node)
+                self._blame(attempt, again)  # attempt.current is node
                 failed, error = node, again
                 continue
             if not migration.resume_seconds:

@@ -27,12 +27,11 @@ class LocatedModel:
 def locate_model(spec: str, relative_to: Path, ollama_models: str | None = None) -> LocatedModel:
     """The GGUF file a llama_cpp node's `model` names, checked loadable, with its SHA-256
     (Ollama's digest, or hashed once and cached). Blocking: run it in a thread."""
+    digest = None
     if spec.startswith(ollama_store.PREFIX):
         found = ollama_store.find_model(spec.removeprefix(ollama_store.PREFIX), ollama_models)
-        path, sha256 = found.path, found.sha256
-        arch = check_loadable(path, spec)
+        path, digest = found.path, found.sha256
     else:
         path = resolve_model_path(spec, relative_to)
-        arch = check_loadable(path, spec)
-        sha256 = cached_sha256(path)
-    return LocatedModel(path=path, sha256=sha256, architecture=arch)
+    arch = check_loadable(path, spec)  # before hashing: a file llama.cpp refuses is not read
+    return LocatedModel(path=path, sha256=digest or cached_sha256(path), architecture=arch)

@@ -142,11 +142,9 @@ def _find_manifest(name: OllamaName, store: Path) -> Path | None:
         # Ollama matches names without regard to case; the folders keep the first pull's.
         folder = store / "manifests"
         for part in (name.host, name.namespace, name.model, name.tag):
-            match = (
-                next((p for p in folder.iterdir() if p.name.lower() == part.lower()), None)
-                if folder.is_dir()
-                else None
-            )
+            if not folder.is_dir():
+                return None
+            match = next((p for p in folder.iterdir() if p.name.lower() == part.lower()), None)
             if match is None:
                 return None
             folder = match

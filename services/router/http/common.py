@@ -22,17 +22,18 @@ from services.common.auth import configured_token
 from services.common.errors import InvalidArgument, MeshError
 from services.common.observability import metrics
 from services.common.observability.logging import REQUEST_ID_KEY, new_request_id
-from services.common.types import Sampling, TextChunk
+from services.common.types import DEFAULT_TEMPERATURE, DEFAULT_TOP_P, Sampling, TextChunk
 from services.router.routing import RouteSummary
 
 log = structlog.get_logger("http")
 
-# gRPC status → HTTP status, as Ollama and OpenAI use them. A full queue is 503 for Ollama
-# ("server busy") and 429 for OpenAI (rate limit), which each SDK retries.
+# gRPC status → HTTP status, as Ollama and OpenAI use them; anything else is 500 (e.g.
+# FAILED_PRECONDITION: a node refused what the router sent, not the caller's fault). A full
+# queue is 503 for Ollama ("server busy") and 429 for OpenAI (rate limit), which each SDK
+# retries.
 HTTP_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: 400,
     grpc.StatusCode.OUT_OF_RANGE: 400,
-    grpc.StatusCode.FAILED_PRECONDITION: 400,
     grpc.StatusCode.UNAUTHENTICATED: 401,
     grpc.StatusCode.PERMISSION_DENIED: 403,
     grpc.StatusCode.NOT_FOUND: 404,
@@ -76,8 +77,6 @@ def scoped(
                 status = response.status
             except MeshError as exc:
                 status = status_of(exc)
-                if status == 400 and exc.code == grpc.StatusCode.FAILED_PRECONDITION:
-                    status = 500  # a node refused what the router sent: not the caller's fault
                 response = web.json_response(error_body(exc, status), status=status)
             except (ConnectionResetError, asyncio.CancelledError) as exc:
                 status = 499  # the client went away: its handler was cancelled
@@ -210,13 +209,12 @@ def sampling(
         raise InvalidArgument(
             max_tokens_field, f"must be between 1 and {max_tokens_limit}, got {max_tokens}"
         )
-    defaults = Sampling(max_tokens=max_tokens)
     if seed is not None and not 0 <= seed < 2**32:
         raise InvalidArgument("seed", f"must be in 0..{2**32 - 1}, got {seed}")
     return Sampling(
         max_tokens=max_tokens,
-        temperature=defaults.temperature if temperature is None else temperature,
-        top_p=defaults.top_p if top_p is None else top_p,
+        temperature=DEFAULT_TEMPERATURE if temperature is None else temperature,
+        top_p=DEFAULT_TOP_P if top_p is None else top_p,
         seed=seed,
         stop=stop,
     )

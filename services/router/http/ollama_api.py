@@ -11,6 +11,7 @@ until an end token or a full context, bounded by the mesh's max_tokens_limit.
 from __future__ import annotations
 
 import datetime
+import json
 from contextlib import aclosing
 from typing import Any
 
@@ -75,10 +76,9 @@ class OllamaApi:
 
     # -- generation ------------------------------------------------------------------------
 
-    def _sampling(self, body: Fields) -> Sampling:
+    def _sampling(self, model: str, body: Fields) -> Sampling:
         options = body.mapping("options")
         num_ctx = options.integer("num_ctx")
-        model = body.string("model", required=True) or ""
         n_ctx = self.router.n_ctx(model)
         if num_ctx is not None and num_ctx > n_ctx:
             raise InvalidArgument(
@@ -112,7 +112,7 @@ class OllamaApi:
         prompt_text = body.string("prompt") or ""
         system = body.string("system")
         stream = body.boolean("stream", True)
-        sampling_ = self._sampling(body)
+        sampling_ = self._sampling(model, body)
         if not prompt_text and not system:
             self.router.n_ctx(model)  # NOT_FOUND for an unknown model, as Ollama
             return self._loaded(model, "response", stream)
@@ -136,7 +136,7 @@ class OllamaApi:
             body.refuse(key, why)
         body.string("keep_alive")
         stream = body.boolean("stream", True)
-        sampling_ = self._sampling(body)
+        sampling_ = self._sampling(model, body)
         raw_messages = body.body.get("messages")
         if raw_messages is None or raw_messages == []:
             self.router.n_ctx(model)
@@ -285,6 +285,4 @@ class OllamaApi:
 
 
 def _line(obj: dict[str, Any]) -> str:
-    import json
-
     return json.dumps(obj, ensure_ascii=False) + "\n"

@@ -11,6 +11,7 @@ import time
 from contextlib import aclosing
 from typing import Any
 
+import grpc
 from aiohttp import web
 
 from services.common.errors import InvalidArgument, MeshError
@@ -53,7 +54,7 @@ def error_body(exc: MeshError, status: int) -> dict[str, Any]:
 
 def _status(exc: MeshError) -> int:
     # A full queue is a rate limit to OpenAI's clients (429, which they retry).
-    return 429 if exc.code.name == "RESOURCE_EXHAUSTED" else http_status(exc)
+    return 429 if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED else http_status(exc)
 
 
 api = scoped("openai", error_body, _status)

@@ -116,7 +116,7 @@ class LlamaCppEngine:
         """Load the model and its context; model_sha256 is the file's SHA-256 (known from
         Ollama's store or a cache: a large file is never hashed at every start)."""
 
-        def build() -> tuple[LlamaModel, SlotContext, Fingerprint]:
+        def build() -> tuple[LlamaModel, SlotContext, Fingerprint, int]:
             model = LlamaModel(model_path, settings.n_gpu_layers)
             bytes_per_token = model.kv_bytes_per_token(settings.type_k, settings.type_v)
             try:
@@ -150,15 +150,15 @@ class LlamaCppEngine:
                 kv_unified=True,
                 swa_full=settings.swa_full,
             )
-            return model, context, fingerprint
+            return model, context, fingerprint, bytes_per_token
 
-        model, context, fingerprint = await asyncio.to_thread(build)
+        model, context, fingerprint, bytes_per_token = await asyncio.to_thread(build)
         scheduler = Scheduler(
             name,
             model,
             context,
             SchedulerSettings(settings.max_queue, settings.max_itl_slowdown),
-            kv_bytes_per_token=model.kv_bytes_per_token(settings.type_k, settings.type_v),
+            kv_bytes_per_token=bytes_per_token,
         )
         scheduler.start()
         return cls(model, context, scheduler, fingerprint)
@@ -215,11 +215,7 @@ class LlamaCppEngine:
                     f"no room in a context of {self.n_ctx}",
                 )
             job.replay = replay
-            # As the interrupted generation drew: a decode_only one drew the first token
-            # from the prompt's logits; a disaggregated one's first draw was the prefill
-            # node's, and its decode node's sampler had the CONTINUE seed offset.
-            job.replay_first_draw = not continuation.first_token_from_prefill
-            job.seed_offset = 1 if continuation.first_token_from_prefill else 0
+            job.first_token_from_prefill = continuation.first_token_from_prefill
         async with aclosing(self._events(job)) as events:
             async for event in events:
                 assert isinstance(event, TextChunk | GenerationEnd)

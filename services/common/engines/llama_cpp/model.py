@@ -76,8 +76,7 @@ class LlamaModel:
         """n_gpu_layers: layers to put on the GPU; None: all of them when the build has a
         GPU backend (and a device), none otherwise."""
         _logger.set_verbose(False)  # llama.cpp's own log: errors only
-        llama_cpp.llama_backend_init()
-        backend = gpu_backend()
+        backend = gpu_backend()  # initialises llama.cpp's backends
         if backend is None or n_gpu_layers == 0:
             n_gpu_layers = 0
         elif n_gpu_layers is None or n_gpu_layers < 0:

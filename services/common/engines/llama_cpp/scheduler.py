@@ -95,13 +95,17 @@ class Job:
     prompt_tokens: int = 0
     first_token: int = -1
     # GENERATE continuing an interrupted generation: its tokens, evaluated one step at a time
-    # after the prompt (as they were made) and never sent again; whether the sampler draws
-    # at the prompt's end (then at every replayed token but the last) so that a seeded
-    # sampler's random generator is where it was; its seed offset.
+    # after the prompt (as they were made) and never sent again; the sampler draws as the
+    # interrupted one did, so a seeded sampler's random generator is where it was.
     replay: list[int] = field(default_factory=list)
-    replay_first_draw: bool = True
-    seed_offset: int = 0
+    # The first token was sampled by a prefill node: CONTINUE, or a continuation of a
+    # disaggregated generation. This sampler then did not draw it, and has seed offset 1.
+    first_token_from_prefill: bool = False
     cancelled: bool = False
+
+    @property
+    def seed_offset(self) -> int:
+        return 1 if self.kind is JobKind.CONTINUE or self.first_token_from_prefill else 0
 
 
 @dataclass(eq=False)
@@ -262,11 +266,10 @@ class Scheduler:
             if job.cancelled:
                 continue
             index = next(free)
-            seed_offset = 1 if job.kind is JobKind.CONTINUE else job.seed_offset
             slot = Slot(
                 index=index,
                 job=job,
-                sampler=SlotSampler(job.sampling, seed_offset),
+                sampler=SlotSampler(job.sampling, job.seed_offset),
                 order=next(self._order),
                 admitted_at=time.perf_counter(),
             )
@@ -388,7 +391,7 @@ class Scheduler:
         if end == len(tokens):
             slot.first_at = time.perf_counter()
             if slot.job.replay:
-                if slot.job.replay_first_draw:
+                if not slot.job.first_token_from_prefill:
                     slot.sampler.sample(self._ctx.ptr, len(rows) - 1)  # drawn, not used
                 self._accept_replayed(slot)
                 return len(rows)
@@ -419,8 +422,9 @@ class Scheduler:
         )
         return [(s, s.evaluated + n) for s, n in zip(prompting, pieces, strict=True)]
 
-    def _accept(self, slot: Slot, token: int) -> None:
-        """A generated token: send its text; end the stream or keep it for the next step."""
+    def _accept(self, slot: Slot, token: int, send: bool = True) -> None:
+        """A generated token: send its text (unless `send` is false: a replayed token, whose
+        text the caller has); end the stream or keep it for the next step."""
         assert slot.text is not None
         is_end = self._model.is_end(token)
         piece = b"" if is_end else self._model.piece(token)
@@ -431,26 +435,16 @@ class Scheduler:
             if isinstance(event, GenerationEnd):
                 self._finish_generation(slot, event)
                 return
-            _emit(slot.job, event)
+            if send:
+                _emit(slot.job, event)
         slot.next_token = token
 
     def _accept_replayed(self, slot: Slot) -> None:
         """The next token of an interrupted generation: through the slot's text stream, so
         that its UTF-8, stop-string and token-count state is where it was, but its text is
         not sent again (the caller has it). The next step evaluates it."""
-        assert slot.text is not None
-        token = slot.job.replay[slot.replayed]
         slot.replayed += 1
-        is_end = self._model.is_end(token)
-        piece = b"" if is_end else self._model.piece(token)
-        events = slot.text.push(GeneratedToken(token, piece, is_end))
-        if not slot.text.done and slot.n_past >= self._ctx.n_ctx:
-            events += slot.text.end(FinishReason.LENGTH)
-        for event in events:
-            if isinstance(event, GenerationEnd):  # it had ended already: nothing more to say
-                self._finish_generation(slot, event)
-                return
-        slot.next_token = token
+        self._accept(slot, slot.job.replay[slot.replayed - 1], send=False)
 
     def _finish_generation(self, slot: Slot, end: GenerationEnd) -> None:
         now = time.perf_counter()
