@@ -19,7 +19,10 @@ repeated, median reported:
 7. batched decode: 1, 4, 8 and 16 streams on one decode node against raw llama.cpp
    decoding the same batch in one process (bench/batching.py, on a node of its own);
 8. interference: a 3,000-token prompt arriving while 4 streams generate, their p99
-   inter-token latency against idle (bench/batching.py).
+   inter-token latency against idle (bench/batching.py);
+9. migration: a decode node SIGKILLed mid-answer, the time until the answer resumes on
+   another node, against the user's 5 s failover target (bench/migration.py, a mesh of its
+   own).
 
 Prints a table; writes everything (machine, versions, date, every sample) to bench/results/.
 This machine is shared and noisy: read the ratios, not the absolute times.
@@ -49,6 +52,8 @@ sys.path[:0] = [str(ROOT), str(ROOT / "generated")]
 import grpc  # noqa: E402
 
 from bench.batching import measure as measure_batching  # noqa: E402
+from bench.migration import measure as measure_migration  # noqa: E402
+from bench.migration import rows as migration_rows  # noqa: E402
 from bench.parallel_pipelines import measure as measure_parallel  # noqa: E402
 from disagg.v1 import (  # noqa: E402
     decode_pb2,
@@ -550,11 +555,16 @@ async def run_all(bench: Bench, args: argparse.Namespace) -> dict[str, Any]:
                 [1, 4, 8, 16], args.batch_tokens, bench.repeats, args.prompt_tokens, threads
             ),
         ),
+        (
+            "migration",
+            "9. resume after a decode node dies (a mesh of its own)",
+            lambda: measure_migration(args.kills, 200),
+        ),
     ]
     for key, title, step in steps:
         if args.only and key not in args.only:
             continue
-        if key == "batching" and args.running:
+        if key in ("batching", "migration") and args.running:
             say(f">> {title}: skipped with --running (it starts a node on this machine)")
             continue
         say(f">> {title}")
@@ -638,6 +648,8 @@ def table(r: dict[str, Any]) -> str:
                 "<= 3x",
             )
         )
+    if "migration" in r:
+        rows += migration_rows(r["migration"])
     width = [max(len(row[i]) for row in rows) for i in range(3)]
     header = ("measurement", "result", "goal")
     lines = ["  ".join(h.ljust(width[i]) for i, h in enumerate(header))]
@@ -666,6 +678,7 @@ def main() -> int:
     parser.add_argument(
         "--prompt-tokens", type=int, default=3000, help="the prompt that interferes"
     )
+    parser.add_argument("--kills", type=int, default=5, help="decode nodes killed, row 9")
     parser.add_argument(
         "--quick", action="store_true", help="1 repeat, smaller prompts (a smoke run)"
     )
@@ -680,6 +693,7 @@ def main() -> int:
             "concurrency",
             "parallel_pipelines",
             "batching",
+            "migration",
         ],
         help="run only these measurements",
     )
@@ -692,7 +706,7 @@ def main() -> int:
             250,
             5_000_000,
         )
-        args.batch_tokens, args.prompt_tokens = 96, 1000
+        args.batch_tokens, args.prompt_tokens, args.kills = 96, 1000, 2
 
     topology = load_topology(args.topology)
     model = args.model or topology.models[0].name

@@ -102,6 +102,10 @@ class WordModel:
         return "".join(chr(i) for i in ids)
 
     def render_chat(self, messages: list[dict[str, Any]]) -> str:
+        # A last assistant turn stays open: the model continues it (Ollama's chat prefill).
+        if messages and messages[-1]["role"] == "assistant":
+            *turns, last = messages
+            return self.render_chat(turns) + str(last["content"])
         return "".join(f"<|{m['role']}|>{m['content']}" for m in messages) + "<|assistant|>"
 
     def run(self, prompt: str, options: dict[str, Any]) -> Run:
@@ -166,6 +170,10 @@ class LlamaModel:
         return self._llm.detokenize(ids, special=True).decode("utf-8", "replace")
 
     def render_chat(self, messages: list[dict[str, Any]]) -> str:
+        # A last assistant turn stays open: the model continues it (Ollama's chat prefill).
+        if messages and messages[-1]["role"] == "assistant":
+            *others, last = messages
+            return self.render_chat(others) + str(last["content"])
         turns = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
         return turns + "<|im_start|>assistant\n"
 

@@ -36,8 +36,13 @@ def test_reads_what_protobuf_writes(message: prefill_pb2.FetchKvResponse) -> Non
     assert chunk.sha256 == message.sha256
     if message.HasField("fingerprint"):
         assert chunk.fingerprint == Fingerprint(
-            FP.model_sha256, FP.n_ctx_tokens, FP.engine_version, type_k="", type_v="",
-            flash_attn=False, kv_unified=False,
+            FP.model_sha256,
+            FP.n_ctx_tokens,
+            FP.engine_version,
+            type_k="",
+            type_v="",
+            flash_attn=False,
+            kv_unified=False,
         )
     else:
         assert chunk.fingerprint is None

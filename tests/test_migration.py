@@ -20,6 +20,7 @@ from services.common.engines.llama_cpp import LlamaCppEngine
 from services.common.processes import MeshProcesses
 from services.common.types import Continuation, GenerationEnd, Prompt, Sampling, TextChunk
 from tests.conftest import engine_node, route, router_node
+from tests.fake_ollama import FakeOllama, WordModel
 from tests.test_engine import open_engine
 
 PROMPT = "Count from one to fifty in words, separated by commas: one, two,"
@@ -93,6 +94,20 @@ async def test_a_continuation_keeps_stop_strings_across_the_boundary(
     assert (
         resumed.finish_reason.value == "stop" and resumed.completion_tokens == end.completion_tokens
     )
+
+
+async def test_a_continuation_from_text_alone_is_tokenized_and_goes_on(
+    engine: LlamaCppEngine,
+) -> None:
+    """An Ollama node streams text without token ids: the node taking over tokenizes it."""
+    sampling = Sampling(max_tokens=48, temperature=0.0)
+    whole, _ = await run(engine, sampling)
+    ids, delivered, rest = split_after(whole, 9)
+    chunks, resumed = await run(
+        engine, sampling, Continuation((), delivered, generated_tokens=len(ids))
+    )
+    assert "".join(c.text for c in chunks) == rest  # this text tokenizes as it was made
+    assert resumed.completion_tokens == 48
 
 
 async def test_a_continuation_with_bad_ids_is_refused(engine: LlamaCppEngine) -> None:
@@ -304,3 +319,55 @@ async def test_max_tokens_and_stop_strings_hold_across_a_migration(
         summary = same_answer(alone, got)
     assert "twenty" not in "".join(got.deltas) and summary.completion_tokens <= 60
     assert len(summary.migrations) == 1
+
+
+@pytest.fixture(scope="module")
+def takeover_mesh(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[MigrationMesh, FakeOllama]]:
+    """One embedded decode node, then the route's direct_ollama step (an Ollama server in
+    the test)."""
+    folder = tmp_path_factory.mktemp("takeover")
+    ollama = FakeOllama(models=("m",)).start()
+    parts = [
+        router_node(),
+        engine_node("decode-x", "decode", 1, slots=2),
+        route("m", [], ["decode-x"], chain=["decode_only", "direct_ollama"], ollama_url=ollama.url),
+    ]
+    path = folder / "topology.toml"
+    path.write_text("\n".join(parts))
+    from services.common.topology import load_topology
+
+    processes = MeshProcesses(load_topology(path), folder / "logs")
+    processes.start()
+    try:
+        asyncio.run(processes.wait_serving(240))
+        yield MigrationMesh(processes), ollama
+    finally:
+        processes.stop()
+        ollama.stop()
+
+
+async def test_a_killed_embedded_node_hands_over_to_direct_ollama_with_raw_generate(
+    takeover_mesh: tuple[MigrationMesh, FakeOllama],
+) -> None:
+    mesh, ollama = takeover_mesh
+
+    async def kill() -> None:
+        os.kill(mesh.pid("decode-x"), signal.SIGKILL)
+
+    got = await stream(mesh.router, 40, frozenset({5}), kill)
+    assert got.error is None and got.summary is not None, got.error
+    (m,) = got.summary.migrations
+    assert m.failed_node == "decode-x" and m.resumed_on == ollama.url
+    # The embedded node evaluated the prompt text as it is (no template), so Ollama gets it
+    # raw, with the text delivered appended, and only the tokens still allowed.
+    body = ollama.last("/api/generate")
+    assert body["raw"] is True and body["prompt"].startswith(PROMPT + "".join(got.deltas[:5]))
+    received = body["prompt"][len(PROMPT) :]
+    assert "".join(got.deltas).startswith(received)
+    assert body["options"]["num_predict"] == 40 - m.tokens_delivered
+    # What followed is exactly what Ollama generated from there: nothing twice.
+    made = "".join(WordModel().run(body["prompt"], body["options"]).pieces)
+    assert "".join(got.deltas) == received + made
+    assert got.summary.completion_tokens == 40

@@ -13,7 +13,15 @@ import pytest
 import pytest_asyncio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from disagg.v1 import node_pb2, node_pb2_grpc, router_pb2, router_pb2_grpc, types_pb2
+from disagg.v1 import (
+    decode_pb2,
+    decode_pb2_grpc,
+    node_pb2,
+    node_pb2_grpc,
+    router_pb2,
+    router_pb2_grpc,
+    types_pb2,
+)
 from services.common.processes import MeshProcesses, free_port
 from services.common.topology import Topology
 from tests import conftest
@@ -213,22 +221,82 @@ async def test_a_node_with_its_ollama_down_is_not_serving(ollama_mesh: OllamaMes
             assert status == expected, name
 
 
-async def test_failure_after_text_was_sent_is_not_retried_and_says_how_much_arrived(
+async def test_an_ollama_node_failing_mid_answer_hands_over_to_direct_ollama(
+    router: router_pb2_grpc.RouterServiceAsyncStub, ollama_mesh: OllamaMesh
+) -> None:
+    alone = await collect(router.Generate(ollama_request(MODEL, 10)))
+    ollama_mesh.nodes_ollama.drop_after = 3
+    try:
+        got = await collect(router.Generate(ollama_request(MODEL, 10)))
+    finally:
+        ollama_mesh.nodes_ollama.drop_after = -1
+    # The first token (from the prefill node) and 3 streamed words came from the nodes'
+    # Ollama, the rest from the router's own: the same answer, nothing twice.
+    assert got.text == alone.text and got.summary.completion_tokens == 10
+    (migration,) = got.summary.migrations
+    assert migration.failed_node == "decode-ollama" and migration.code == "UNAVAILABLE"
+    assert migration.tokens_delivered == 4
+    assert migration.resumed_on == ollama_mesh.direct_ollama.url
+    # Ollama rendered the prompt with its template: the continuation is a chat whose last
+    # assistant turn holds the text delivered, which Ollama leaves open and continues.
+    chat = ollama_mesh.direct_ollama.last("/api/chat")
+    user, assistant = chat["messages"]
+    assert user == {"role": "user", "content": PROMPT}
+    assert assistant["role"] == "assistant" and assistant["content"]
+    assert alone.text.startswith(assistant["content"]) and alone.text != assistant["content"]
+    assert chat["options"]["num_predict"] == 6
+
+
+@pytest.mark.parametrize("raw_prompt", [True, False], ids=["raw-text", "templated"])
+async def test_an_ollama_decode_node_continues_another_nodes_generation(
+    ollama_mesh: OllamaMesh, raw_prompt: bool
+) -> None:
+    fake = ollama_mesh.nodes_ollama
+    fake.reset()
+    address = ollama_mesh.topology.node("decode-ollama").address
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = decode_pb2_grpc.DecodeServiceStub(channel)
+        got = await collect(
+            stub.Generate(
+                decode_pb2.DecodeServiceGenerateRequest(
+                    model=MODEL,
+                    prompt=PROMPT,
+                    sampling=types_pb2.SamplingParams(max_tokens=9, temperature=0.0),
+                    continuation=decode_pb2.Continuation(
+                        generated_text="\n    return",
+                        raw_prompt=raw_prompt,
+                        generated_tokens=3,
+                    ),
+                )
+            )
+        )
+    # max_tokens counts the tokens made elsewhere; none of their text comes again.
+    assert got.summary.completion_tokens == 3 + got.deltas
+    assert got.text and not got.text.startswith("\n    return")
+    if raw_prompt:  # the prompt had no template: raw /api/generate, text appended
+        body = fake.last("/api/generate")
+        assert body["raw"] is True and body["prompt"] == PROMPT + "\n    return"
+    else:  # Ollama's template: an open assistant turn
+        body = fake.last("/api/chat")
+        assert body["messages"][-1] == {"role": "assistant", "content": "\n    return"}
+    assert body["options"]["num_predict"] == 6
+
+
+async def test_failure_after_text_with_no_node_left_says_how_much_arrived(
     router: router_pb2_grpc.RouterServiceAsyncStub, ollama_mesh: OllamaMesh
 ) -> None:
     ollama_mesh.nodes_ollama.drop_after = 3
     received: list[str] = []
     try:
         with pytest.raises(grpc.aio.AioRpcError) as info:
-            async for reply in router.Generate(ollama_request(MODEL, 10)):
+            async for reply in router.Generate(ollama_request("ollama/decode-only", 10)):
                 received.append(reply.delta.text)
     finally:
         ollama_mesh.nodes_ollama.drop_after = -1
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE
-    # The first token (from the prefill node) and 3 streamed words; nothing twice, and no
-    # other step was tried after text had been sent.
-    assert len(received) == 4
-    assert "after 4 text deltas were delivered" in (info.value.details() or "")
+    # 3 streamed words, nothing twice; no other node could take over.
+    assert len(received) == 3
+    assert "after 3 text deltas were delivered" in (info.value.details() or "")
     assert not ollama_mesh.direct_ollama.requests
 
 

@@ -155,6 +155,8 @@ class DecodeClient:
                     generated_token_ids=continuation.generated_token_ids,
                     generated_text=continuation.generated_text,
                     first_token_from_prefill=continuation.first_token_from_prefill,
+                    raw_prompt=continuation.raw_prompt,
+                    generated_tokens=continuation.generated_tokens,
                 )
             )
         if isinstance(source, KvSource):

@@ -118,6 +118,10 @@ class Continuation:
     generated_text: str
     # The first token was sampled by a prefill node (a disaggregated generation).
     first_token_from_prefill: bool = False
+    # The prompt text was evaluated with no chat template (a llama.cpp node given text).
+    raw_prompt: bool = False
+    # Tokens generated so far (generated_token_ids may be empty: Ollama streams text only).
+    generated_tokens: int = 0
 
 
 @dataclass(frozen=True)

@@ -54,6 +54,8 @@ def _continuation(request: decode_pb2.DecodeServiceGenerateRequest) -> Continuat
         generated_token_ids=tuple(c.generated_token_ids),
         generated_text=c.generated_text,
         first_token_from_prefill=c.first_token_from_prefill,
+        raw_prompt=c.raw_prompt,
+        generated_tokens=max(c.generated_tokens, len(c.generated_token_ids)),
     )
 
 

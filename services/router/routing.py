@@ -126,12 +126,19 @@ class _Delivered:
     """What the caller has received so far: a migration resumes from exactly there."""
 
     deltas: int = 0
+    # Tokens: their ids where the node sent them (llama.cpp), one per chunk otherwise
+    # (Ollama streams a token per message, as text).
+    tokens: int = 0
     token_ids: list[int] = field(default_factory=list)
+    # False once a chunk came without ids: the ids then do not cover the text.
+    ids_complete: bool = True
     text: list[str] = field(default_factory=list)
     failed_nodes: set[str] = field(default_factory=set)
 
     def add(self, chunk: TextChunk) -> None:
         self.deltas += 1
+        self.tokens += len(chunk.token_ids) or 1
+        self.ids_complete &= bool(chunk.token_ids)
         self.token_ids.extend(chunk.token_ids)
         self.text.append(chunk.text)
 
@@ -417,50 +424,57 @@ class Router:
         error: MeshError,
     ) -> AsyncGenerator[TextChunk, None]:
         """A decode node failed after text was delivered: go on with the same generation on
-        another decode node of the route, from the prompt and the tokens delivered, up to
-        route.max_migrations times. Nothing is sent twice and nothing is skipped; max_tokens,
-        stop strings and the caller's deadline count across the whole answer. Raises the
-        mid-stream error (saying how much was delivered) when no node can take over."""
-        failed = attempt.current
+        another decode node of the route (or, last, the route's direct_ollama step), from
+        the prompt and the tokens delivered, up to route.max_migrations times. Nothing is
+        sent twice and nothing is skipped; max_tokens, stop strings and the caller's
+        deadline count across the whole answer. Raises the mid-stream error (saying how
+        much was delivered) when no node can take over."""
+        failed_name = attempt.current.name if attempt.current else attempt.label
+        # How the original request rendered its prompt: an Ollama continuation renders it
+        # the same way.
+        disaggregated = attempt.method == RouteMethod.DISAGGREGATED
+        renderer = attempt.prefill if disaggregated else attempt.decode
+        raw_prompt = not prompt.messages and renderer is not None and renderer.engine == "llama_cpp"
         while True:
-            failed_name = failed.name if failed is not None else attempt.label
             sent.failed_nodes.add(failed_name)
             done = len(summary.migrations)
-            candidates = [
-                n
-                for n in self.health.pick([self.topology.node(name) for name in route.decode])
-                if n.name not in sent.failed_nodes and n.engine == "llama_cpp"
-            ]
+            targets = self._takeover_targets(route, sent.failed_nodes)
             if (
                 not route.migrate
-                or attempt.method == RouteMethod.DIRECT_OLLAMA
                 or error.code not in MIGRATABLE_CODES
                 or isinstance(error, CallerDeadlineExceeded)
                 or done >= route.max_migrations
-                or not candidates
+                or not targets
             ):
                 raise _midstream_error(error, failed_name, sent.deltas, done)
-            node = candidates[0]
-            migration = Migration(failed_name, error.code.name, len(sent.token_ids), node.name)
+            target = targets[0]
+            name = target.name if isinstance(target, Node) else target
+            migration = Migration(failed_name, error.code.name, sent.tokens, name)
             summary.migrations.append(migration)
             metrics.migration(route.name, error.code.name)
             log.warning(
                 "decode node failed mid-answer, resuming on another",
                 failed_node=failed_name,
                 code=error.code.name,
-                tokens_delivered=len(sent.token_ids),
-                resumed_on=node.name,
+                tokens_delivered=sent.tokens,
+                resumed_on=name,
             )
             failed_at = time.perf_counter()
             continuation = Continuation(
-                generated_token_ids=tuple(sent.token_ids),
+                # Without every id, a llama.cpp node tokenizes the text instead.
+                generated_token_ids=tuple(sent.token_ids) if sent.ids_complete else (),
                 generated_text="".join(sent.text),
-                first_token_from_prefill=attempt.method == RouteMethod.DISAGGREGATED,
+                first_token_from_prefill=disaggregated,
+                raw_prompt=raw_prompt,
+                generated_tokens=sent.tokens,
             )
-            attempt.current = node
+            attempt.current = target if isinstance(target, Node) else None
             stats: DecodeStats | None = None
             try:
-                events = self._decode(route, node, prompt, sampling, clock, continuation)
+                if isinstance(target, Node):
+                    events = self._decode(route, target, prompt, sampling, clock, continuation)
+                else:
+                    events = self._direct_events(route, prompt, sampling, continuation)
                 async with aclosing(events) as stream:
                     async for event in stream:
                         if isinstance(event, DecodeStats):
@@ -470,15 +484,18 @@ class Router:
                             migration.resume_seconds = time.perf_counter() - failed_at
                         sent.add(event)
                         yield event
-                stats = _required(stats, node)
+                stats = _required(stats, target)
             except MeshError as again:
-                self._blame(attempt, again)  # attempt.current is node
-                failed, error = node, again
+                self._blame(attempt, again)  # attempt.current is the target (None: Ollama)
+                failed_name, error = name, again
                 continue
             if not migration.resume_seconds:
                 migration.resume_seconds = time.perf_counter() - failed_at
-            attempt.decode = node
-            summary.decode_node, summary.decode_address = node.name, node.address
+            if isinstance(target, Node):
+                attempt.decode = target
+                summary.decode_node, summary.decode_address = target.name, target.address
+            else:
+                summary.decode_node = summary.decode_address = target
             summary.completion_tokens = stats.completion_tokens
             summary.finish_reason = stats.finish_reason
             summary.decode_prompt_eval_seconds += stats.prompt_eval_seconds
@@ -486,6 +503,17 @@ class Router:
             if stats.decode_seconds > 0:
                 summary.decode_tokens_per_second = stats.completion_tokens / stats.decode_seconds
             return
+
+    def _takeover_targets(self, route: ModelRoute, failed: set[str]) -> list[Node | str]:
+        """Who can take a generation over: the route's healthy decode nodes (by health and
+        load), then its direct_ollama step (named by its URL), leaving out those that failed
+        in this request."""
+        nodes = self.health.pick([self.topology.node(name) for name in route.decode])
+        targets: list[Node | str] = [n for n in nodes if n.name not in failed]
+        if "direct_ollama" in route.chain and route.ollama_url not in failed:
+            assert route.ollama_url is not None
+            targets.append(route.ollama_url)
+        return targets
 
     async def _decode(
         self,
@@ -517,6 +545,24 @@ class Router:
     ) -> AsyncGenerator[TextChunk, None]:
         """The user's old path: the router calls Ollama's HTTP API itself, still streaming."""
         assert route.ollama_url is not None
+        summary.decode_node = summary.decode_address = route.ollama_url
+        async with aclosing(self._direct_events(route, prompt, sampling)) as items:
+            async for item in items:
+                if isinstance(item, DecodeStats):
+                    _add_decode_stats(summary, item)
+                else:
+                    yield item
+
+    async def _direct_events(
+        self,
+        route: ModelRoute,
+        prompt: Prompt,
+        sampling: Sampling,
+        continuation: Continuation | None = None,
+    ) -> AsyncGenerator[TextChunk | DecodeStats, None]:
+        """Text from the route's Ollama server, then one DecodeStats; bounded by the
+        caller's deadline, and by decode_deadline_s between two chunks."""
+        assert route.ollama_url is not None
         engine = self._direct.get(route.name)
         if engine is None:
             engine = OllamaEngine(
@@ -527,14 +573,12 @@ class Router:
                 timeout_s=route.decode_deadline_s,
             )
             self._direct[route.name] = engine
-        summary.decode_node = summary.decode_address = route.ollama_url
-        # Bounded by the caller's deadline, and by decode_deadline_s between two chunks.
-        async with aclosing(engine.generate(prompt, sampling)) as items:
+        async with aclosing(engine.generate(prompt, sampling, continuation)) as items:
             async for item in items:
                 if isinstance(item, GenerationEnd):
                     stats = DecodeStats()
                     stats.add_end(item)
-                    _add_decode_stats(summary, stats)
+                    yield stats
                 else:
                     yield item
 
@@ -559,11 +603,11 @@ def _count_served(model: str, s: RouteSummary) -> None:
     )
 
 
-def _required(stats: DecodeStats | None, node: Node) -> DecodeStats:
+def _required(stats: DecodeStats | None, node: Node | str) -> DecodeStats:
     if stats is None:
+        where = node.address if isinstance(node, Node) else node
         raise UpstreamError(
-            grpc.StatusCode.DATA_LOSS,
-            f"decode node {node.address} ended the stream without a summary",
+            grpc.StatusCode.DATA_LOSS, f"decode node {where} ended the stream without a summary"
         )
     return stats
 

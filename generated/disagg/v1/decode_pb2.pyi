@@ -29,14 +29,18 @@ class KvSource(_message.Message):
     def __init__(self, prefill_address: _Optional[str] = ..., kv_handle: _Optional[str] = ..., first_token_id: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., fingerprint: _Optional[_Union[_types_pb2.KvFingerprint, _Mapping]] = ..., kv_size_bytes: _Optional[int] = ..., first_token_text: _Optional[str] = ...) -> None: ...
 
 class Continuation(_message.Message):
-    __slots__ = ("generated_token_ids", "generated_text", "first_token_from_prefill")
+    __slots__ = ("generated_token_ids", "generated_text", "first_token_from_prefill", "raw_prompt", "generated_tokens")
     GENERATED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     GENERATED_TEXT_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FROM_PREFILL_FIELD_NUMBER: _ClassVar[int]
+    RAW_PROMPT_FIELD_NUMBER: _ClassVar[int]
+    GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     generated_token_ids: _containers.RepeatedScalarFieldContainer[int]
     generated_text: str
     first_token_from_prefill: bool
-    def __init__(self, generated_token_ids: _Optional[_Iterable[int]] = ..., generated_text: _Optional[str] = ..., first_token_from_prefill: _Optional[bool] = ...) -> None: ...
+    raw_prompt: bool
+    generated_tokens: int
+    def __init__(self, generated_token_ids: _Optional[_Iterable[int]] = ..., generated_text: _Optional[str] = ..., first_token_from_prefill: _Optional[bool] = ..., raw_prompt: _Optional[bool] = ..., generated_tokens: _Optional[int] = ...) -> None: ...
 
 class DecodeServiceGenerateRequest(_message.Message):
     __slots__ = ("model", "kv", "prompt", "messages", "sampling", "continuation")

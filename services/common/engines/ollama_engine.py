@@ -170,34 +170,45 @@ class OllamaEngine:
     async def generate(
         self, prompt: Prompt, sampling: Sampling, continuation: Continuation | None = None
     ) -> Generation:
+        """A whole generation; with a continuation, the rest of one another node started:
+        raw /api/generate of the prompt text plus the generated text when the prompt had no
+        chat template, else /api/chat with the generated text as an open assistant turn
+        (Ollama's template renders the turns as for the original request and leaves the
+        last assistant turn open, so the model continues it)."""
+        already = 0 if continuation is None else continuation.generated_tokens
+        left = sampling.max_tokens - already
+        if left <= 0:
+            yield GenerationEnd(already, FinishReason.LENGTH)
+            return
+        options = self._options(sampling, num_predict=left)
+        turns = [{"role": m.role, "content": m.content} for m in prompt.messages]
+        text = prompt.text
         if continuation is not None:
-            raise FailedPrecondition(
-                "an Ollama node cannot take over another node's generation yet: Ollama "
-                "renders its chat template itself, and its raw mode needs that rendering"
-            )
-        options = self._options(sampling, num_predict=sampling.max_tokens)
+            if continuation.raw_prompt and not turns:
+                text += continuation.generated_text
+            else:
+                turns = turns or [{"role": "user", "content": prompt.text}]
+                turns.append({"role": "assistant", "content": continuation.generated_text})
+        request: Any
         async with self._admitted():
-            if prompt.messages:
-                chat = self._client.chat(
+            if turns:
+                request = self._client.chat(
                     model=self.model,
-                    messages=[{"role": m.role, "content": m.content} for m in prompt.messages],
+                    messages=turns,
                     options=options,
                     keep_alive=self.keep_alive,
                     stream=True,
                 )
-                stream = self._stream(chat, already=0)
             else:
-                stream = self._stream(
-                    self._client.generate(
-                        model=self.model,
-                        prompt=prompt.text,
-                        options=options,
-                        keep_alive=self.keep_alive,
-                        stream=True,
-                    ),
-                    already=0,
+                request = self._client.generate(
+                    model=self.model,
+                    prompt=text,
+                    raw=continuation is not None,
+                    options=options,
+                    keep_alive=self.keep_alive,
+                    stream=True,
                 )
-            async for item in stream:
+            async for item in self._stream(request, already=already):
                 yield item
 
     async def _stream(self, request: Any, already: int) -> Generation:

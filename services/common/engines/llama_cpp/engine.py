@@ -203,6 +203,10 @@ class LlamaCppEngine:
         job = Job(JobKind.GENERATE, sampling, tokens=tokens)
         if continuation is not None:
             replay = list(continuation.generated_token_ids)
+            if not replay and continuation.generated_text:  # an Ollama node's: text only
+                replay = await asyncio.to_thread(
+                    self._model.tokenize_text, continuation.generated_text
+                )
             if any(not 0 <= t < self._model.n_vocab for t in replay):
                 raise InvalidArgument(
                     "continuation.generated_token_ids",

@@ -147,6 +147,10 @@ class LlamaModel:
             )
         return tokens
 
+    def tokenize_text(self, text: str) -> list[int]:
+        """Text following a prompt (a generation continued from text), without BOS."""
+        return self._tokenize(text.encode(), add_bos=False)
+
     def _tokenize(self, text: bytes, add_bos: bool) -> list[int]:
         return list(self._model.tokenize(text, add_bos, True))
 

