@@ -52,6 +52,7 @@ class Metrics:
     decode_node: str
     failed_attempts: tuple[FailedAttempt, ...] = field(default=())
     migrations: tuple[Migration, ...] = field(default=())
+    cached_prompt_tokens: int = 0  # taken from a node's prefix cache
 
     @classmethod
     def from_summary(cls, s: router_pb2.GenerateSummary) -> Metrics:
@@ -65,6 +66,7 @@ class Metrics:
             prompt_tokens=s.prompt_tokens,
             completion_tokens=s.completion_tokens,
             total_tokens=s.prompt_tokens + s.completion_tokens,
+            cached_prompt_tokens=s.cached_prompt_tokens,
             prefill_speed=s.prefill_tokens_per_second,
             decode_speed=s.decode_tokens_per_second,
             method=_enum_name(router_pb2.RouteMethod.Name(s.method), "ROUTE_METHOD_"),

@@ -119,8 +119,10 @@ async def test_node_info_reports_slots_and_kv_memory(mesh: Mesh) -> None:
     assert (decode.slots, decode.slots_busy, decode.queue_depth) == (8, 0, 0)
     assert (prefill_node.slots, prefill_node.max_queue) == (4, 16)
     # SmolLM2-135M: 30 layers x 3 KV heads x (64 + 64) dims x 2 bytes = 23,040 bytes a token.
-    assert decode.kv_cache_bytes == 8 * 4096 * 23_040
-    assert prefill_node.kv_cache_bytes == 4 * 4096 * 23_040
+    # Every slot's n_ctx, and as much again for the prefix cache (its default).
+    assert decode.kv_cache_bytes == (8 + 1) * 4096 * 23_040
+    assert prefill_node.kv_cache_bytes == (4 + 1) * 4096 * 23_040
+    assert decode.prefix_cache_max_tokens == prefill_node.prefix_cache_max_tokens == 4096
 
 
 async def test_eight_prompts_at_once_each_give_their_text_alone(

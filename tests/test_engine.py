@@ -128,8 +128,11 @@ def test_slots_follow_the_kv_memory_a_node_may_use() -> None:
     capped = EngineSettings(**{**settings.__dict__, "kv_cache_max_bytes": 3 * per_slot + 1})
     assert plan_slots(capped, BYTES_PER_TOKEN) == 3
     too_many = EngineSettings(**{**capped.__dict__, "slots": 4})
-    with pytest.raises(ModelLoadError, match=r"slots = 4 .* over kv_cache_max_bytes .* holds 3"):
+    with pytest.raises(ModelLoadError, match=r"slots = 4 .* over kv_cache_max_bytes .*room for 3"):
         plan_slots(too_many, BYTES_PER_TOKEN)
+    # The prefix cache's tokens come out of the same memory.
+    cached = EngineSettings(**{**capped.__dict__, "prefix_cache_tokens": 4096})
+    assert plan_slots(cached, BYTES_PER_TOKEN) == 2
     none_fit = EngineSettings(**{**settings.__dict__, "kv_cache_max_bytes": per_slot - 1})
     with pytest.raises(ModelLoadError, match="holds no slot"):
         plan_slots(none_fit, BYTES_PER_TOKEN)
@@ -168,4 +171,5 @@ def test_a_node_whose_slots_do_not_fit_its_kv_memory_refuses_to_start(tmp_path: 
     )
     said = node_refusing_to_start(topology, "decode")
     assert "slots = 8" in said and "kv_cache_max_bytes = 200000000" in said
-    assert "it holds 2 slots" in said
+    # Each slot holds n_ctx tokens, and so does the prefix cache by default.
+    assert "less the prefix cache's" in said and "room for 1 slots" in said

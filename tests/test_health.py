@@ -145,7 +145,9 @@ async def test_prometheus_metrics(mesh: Mesh) -> None:
     assert "disagg_engine_queue_depth 0.0" in prefill
     assert 'disagg_engine_tokens_total{kind="prompt"}' in prefill
     assert 'disagg_engine_tokens_per_second{kind="decode"}' in prefill
-    assert 'disagg_engine_kv_cache_bytes{state="total"} 3.7748736e+08' in prefill
+    # 4 slots of 4,096 tokens and a prefix cache of as many, 23,040 bytes a token.
+    assert 'disagg_engine_kv_cache_bytes{state="total"} 4.718592e+08' in prefill
+    assert 'disagg_engine_prefix_cache_tokens{state="max"} 4096.0' in prefill
     assert "disagg_engine_step_seconds_count " in prefill
 
 

@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import shutil
+import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -287,6 +288,7 @@ def store_mesh(store: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     )
     router = router_node()
     parts = [
+        "[mesh]\nhealth_check_every_s = 0.5\n",
         router,
         prefill,
         decode,
@@ -314,6 +316,7 @@ def store_mesh(store: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     try:
         asyncio.run(processes.wait_serving(timeout_s=240))
         asyncio.run(odd.wait_serving(timeout_s=240))
+        time.sleep(1.5)  # the router's own health checks see every node serving
         yield StoreMesh(processes, odd, main_path)
     finally:
         odd.stop()

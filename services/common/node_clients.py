@@ -108,6 +108,7 @@ class PrefillClient:
             first_token_id=reply.first_token_id,
             first_token_text=reply.first_token_text,
             prompt_tokens=reply.prompt_tokens,
+            cached_prompt_tokens=reply.cached_prompt_tokens,
             prefill_seconds=convert.seconds(reply.prefill_duration),
             kv_size_bytes=reply.kv_size_bytes,
             fingerprint=convert.fingerprint_from_proto(reply.fingerprint),

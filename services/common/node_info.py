@@ -115,6 +115,8 @@ class NodeServicer(node_pb2_grpc.NodeServiceServicer):
             decode_tokens_per_second=load.decode_tokens_per_second,
             kv_cache_bytes=load.kv_cache_bytes,
             kv_cache_used_bytes=load.kv_cache_used_bytes,
+            prefix_cache_tokens=load.prefix_cache_tokens,
+            prefix_cache_max_tokens=load.prefix_cache_max_tokens,
             backend=s.placement.backend,
             gpu_layers=s.placement.gpu_layers,
             model_layers=s.placement.layers,

@@ -121,6 +121,10 @@ class Node(_Strict):
     # many times as long as one that does not: a long prompt arriving slows the streams
     # down by this factor instead of stalling them.
     max_itl_slowdown: Annotated[float, Field(ge=1.0, le=1000.0)] = 2.0
+    # llama_cpp: prompt tokens kept resident after their requests end, for later prompts
+    # that start the same way (a prefix cache, in 64-token blocks; default n_ctx, 0: off).
+    # Its KV memory comes on top of slots * n_ctx.
+    prefix_cache_tokens: Annotated[int, Field(ge=0, le=16_777_216)] | None = None
     # ollama only: the server's URL, and how long it keeps the model loaded after a request.
     ollama_url: str = "http://127.0.0.1:11434"
     ollama_keep_alive: str = "30m"

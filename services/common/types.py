@@ -106,6 +106,7 @@ class PrefillResult:
     kv_ttl_seconds: float
     kv_transfer: KvTransferKind
     first_token_text: str = ""
+    cached_prompt_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -144,6 +145,8 @@ class GenerationEnd:
     completion_tokens: int
     finish_reason: FinishReason
     prompt_tokens: int = 0
+    # Prompt tokens taken from the engine's prefix cache.
+    cached_prompt_tokens: int = 0
     # The engine's own evaluation of the prompt (zero when a KV state was loaded).
     prompt_eval_seconds: float = 0.0
     kv_load_seconds: float = 0.0
@@ -164,10 +167,12 @@ class DecodeStats:
     prompt_eval_seconds: float = 0.0
     decode_seconds: float = 0.0
     time_to_first_token_seconds: float = 0.0
+    cached_prompt_tokens: int = 0
 
     def add_end(self, end: GenerationEnd) -> None:
         """Take in what the engine reported when its generation ended."""
         self.prompt_tokens = end.prompt_tokens
+        self.cached_prompt_tokens = end.cached_prompt_tokens
         self.completion_tokens = end.completion_tokens
         self.finish_reason = end.finish_reason
         self.kv_load_seconds = end.kv_load_seconds

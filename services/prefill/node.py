@@ -42,6 +42,7 @@ class PrefillNode:
             first_token_id=out.first_token_id,
             first_token_text=out.first_token_text,
             prompt_tokens=out.prompt_tokens,
+            cached_prompt_tokens=out.cached_prompt_tokens,
             prefill_seconds=out.seconds,
             kv_size_bytes=len(out.kv_state),
             fingerprint=self.engine.fingerprint,

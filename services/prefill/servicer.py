@@ -33,6 +33,7 @@ class PrefillServicer:
             first_token_id=result.first_token_id,
             first_token_text=result.first_token_text,
             prompt_tokens=result.prompt_tokens,
+            cached_prompt_tokens=result.cached_prompt_tokens,
             prefill_duration=convert.duration(result.prefill_seconds),
             kv_size_bytes=result.kv_size_bytes,
             fingerprint=convert.fingerprint_to_proto(result.fingerprint),

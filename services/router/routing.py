@@ -99,6 +99,8 @@ class RouteSummary:
     """Metrics of one request; durations in seconds."""
 
     prompt_tokens: int = 0
+    # Prompt tokens a node took from its prefix cache.
+    cached_prompt_tokens: int = 0
     completion_tokens: int = 0
     finish_reason: FinishReason = FinishReason.STOP
     method: RouteMethod = RouteMethod.DISAGGREGATED
@@ -345,6 +347,7 @@ class Router:
             summary.prefill_address = attempt.prefill.address
             summary.prefill_seconds = result.prefill_seconds
             summary.prompt_tokens = result.prompt_tokens
+            summary.cached_prompt_tokens = result.cached_prompt_tokens
             source = KvSource(
                 prefill_address=attempt.prefill.address,
                 kv_handle=result.kv_handle,
@@ -623,6 +626,7 @@ def _add_decode_stats(summary: RouteSummary, stats: DecodeStats) -> None:
     summary.decode_prompt_eval_seconds = stats.prompt_eval_seconds
     if summary.method != RouteMethod.DISAGGREGATED:  # the prompt was evaluated there
         summary.prefill_seconds = stats.prompt_eval_seconds
+        summary.cached_prompt_tokens = stats.cached_prompt_tokens
     summary.decode_seconds = stats.decode_seconds
     if summary.prefill_seconds > 0:
         summary.prefill_tokens_per_second = summary.prompt_tokens / summary.prefill_seconds

@@ -23,7 +23,7 @@ class PrefillRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[_types_pb2.ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[_types_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("kv_handle", "first_token_id", "prompt_tokens", "prefill_duration", "kv_size_bytes", "fingerprint", "kv_ttl", "kv_transfer", "first_token_text")
+    __slots__ = ("kv_handle", "first_token_id", "prompt_tokens", "prefill_duration", "kv_size_bytes", "fingerprint", "kv_ttl", "kv_transfer", "first_token_text", "cached_prompt_tokens")
     KV_HANDLE_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -33,6 +33,7 @@ class PrefillResponse(_message.Message):
     KV_TTL_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_TEXT_FIELD_NUMBER: _ClassVar[int]
+    CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     kv_handle: str
     first_token_id: int
     prompt_tokens: int
@@ -42,7 +43,8 @@ class PrefillResponse(_message.Message):
     kv_ttl: _duration_pb2.Duration
     kv_transfer: _types_pb2.KvTransfer
     first_token_text: str
-    def __init__(self, kv_handle: _Optional[str] = ..., first_token_id: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., prefill_duration: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., kv_size_bytes: _Optional[int] = ..., fingerprint: _Optional[_Union[_types_pb2.KvFingerprint, _Mapping]] = ..., kv_ttl: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., kv_transfer: _Optional[_Union[_types_pb2.KvTransfer, str]] = ..., first_token_text: _Optional[str] = ...) -> None: ...
+    cached_prompt_tokens: int
+    def __init__(self, kv_handle: _Optional[str] = ..., first_token_id: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., prefill_duration: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., kv_size_bytes: _Optional[int] = ..., fingerprint: _Optional[_Union[_types_pb2.KvFingerprint, _Mapping]] = ..., kv_ttl: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., kv_transfer: _Optional[_Union[_types_pb2.KvTransfer, str]] = ..., first_token_text: _Optional[str] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class FetchKvRequest(_message.Message):
     __slots__ = ("kv_handle",)

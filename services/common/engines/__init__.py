@@ -38,6 +38,9 @@ async def open_engine(topology: Topology, node: Node) -> Engine:
             type_k=node.type_k,
             type_v=node.type_v,
             swa_full=node.swa_full,
+            prefix_cache_tokens=node.n_ctx
+            if node.prefix_cache_tokens is None
+            else node.prefix_cache_tokens,
         )
         return await LlamaCppEngine.open(node.name, located.path, settings, located.sha256)
     if node.engine == "ollama":

@@ -35,6 +35,8 @@ class PrefillOutput:
     first_token_text: str
     prompt_tokens: int
     seconds: float
+    # Prompt tokens taken from the engine's prefix cache.
+    cached_prompt_tokens: int = 0
 
 
 Generation = AsyncGenerator[TextChunk | GenerationEnd, None]
@@ -57,6 +59,9 @@ class EngineLoad:
     # it is not ours to know: Ollama).
     kv_cache_bytes: int = 0
     kv_cache_used_bytes: int = 0
+    # Prompt tokens the prefix cache holds, and the most it may hold.
+    prefix_cache_tokens: int = 0
+    prefix_cache_max_tokens: int = 0
 
 
 @dataclass(frozen=True)

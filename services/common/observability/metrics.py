@@ -71,7 +71,15 @@ ENGINE_KV_CACHE_BYTES = Gauge(
     ["state"],
 )
 ENGINE_TOKENS = Counter(
-    "disagg_engine_tokens_total", "Embedded engine: tokens evaluated, by kind", ["kind"]
+    "disagg_engine_tokens_total",
+    "Embedded engine: tokens evaluated (prompt, decode), and prompt tokens taken from the "
+    "prefix cache instead (cached)",
+    ["kind"],
+)
+ENGINE_PREFIX_CACHE_TOKENS = Gauge(
+    "disagg_engine_prefix_cache_tokens",
+    "Embedded engine: prompt tokens the prefix cache holds, and the most it may hold",
+    ["state"],
 )
 ENGINE_STEP_SECONDS = Histogram(
     "disagg_engine_step_seconds",
@@ -102,6 +110,12 @@ def watch_engine(load: Callable[[], EngineLoad | None]) -> None:
     ENGINE_TOKENS_PER_SECOND.labels("decode").set_function(field("decode_tokens_per_second"))
     ENGINE_KV_CACHE_BYTES.labels("total").set_function(field("kv_cache_bytes"))
     ENGINE_KV_CACHE_BYTES.labels("used").set_function(field("kv_cache_used_bytes"))
+    ENGINE_PREFIX_CACHE_TOKENS.labels("held").set_function(field("prefix_cache_tokens"))
+    ENGINE_PREFIX_CACHE_TOKENS.labels("max").set_function(field("prefix_cache_max_tokens"))
+
+
+def engine_cached(prompt_tokens: int) -> None:
+    ENGINE_TOKENS.labels("cached").inc(prompt_tokens)
 
 
 def engine_step(seconds: float, prompt_tokens: int, decode_tokens: int) -> None:

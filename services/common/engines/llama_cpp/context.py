@@ -48,13 +48,16 @@ class ContextSettings:
     # Let llama.cpp run large batches' matrix products on a GPU even for layers kept on the
     # CPU; off on a CPU-only node (n_gpu_layers = 0), which then never touches the GPU.
     op_offload: bool = True
-    # KV cells in all: slots * n_ctx, so no slot can be crowded out. Tests make it smaller
-    # to exercise a full cache.
+    # Prompt prefixes kept resident (prefix_cache.py): tokens, and sequences that hold them.
+    prefix_cache_tokens: int = 0
+    prefix_cache_seqs: int = 0
+    # KV cells in all: slots * n_ctx plus the prefix cache's, so no slot can be crowded
+    # out. Tests make it smaller to exercise a full cache.
     kv_cells: int | None = None
 
     @property
     def cells(self) -> int:
-        return self.kv_cells or self.slots * self.n_ctx
+        return self.kv_cells or self.slots * self.n_ctx + self.prefix_cache_tokens
 
 
 class Row(NamedTuple):
@@ -68,7 +71,8 @@ class Row(NamedTuple):
 
 class SlotContext:
     def __init__(self, model: LlamaModel, settings: ContextSettings) -> None:
-        limit = int(llama_cpp.llama_max_parallel_sequences()) - 1  # one for the parked cells
+        # One sequence for the parked cells, and the prefix cache's.
+        limit = int(llama_cpp.llama_max_parallel_sequences()) - 1 - settings.prefix_cache_seqs
         if not 1 <= settings.slots <= limit:
             raise ModelLoadError(f"slots must be 1..{limit} for llama.cpp, got {settings.slots}")
         if settings.n_batch < settings.slots:
@@ -80,7 +84,8 @@ class SlotContext:
         params.n_ctx = settings.cells
         params.n_batch = settings.n_batch
         params.n_ubatch = min(settings.n_ubatch, settings.n_batch)
-        params.n_seq_max = settings.slots + 1  # and the parked cells' sequence
+        # The slots, the parked cells' sequence, then the prefix cache's sequences.
+        params.n_seq_max = settings.slots + 1 + settings.prefix_cache_seqs
         params.kv_unified = True
         params.n_threads = settings.n_threads
         # Prompt evaluation too: its default is every core, whatever n_threads says.
@@ -109,6 +114,7 @@ class SlotContext:
         self.settings = settings
         self.slots = settings.slots
         self._parked = settings.slots
+        self.cache_seqs = range(settings.slots + 1, settings.slots + 1 + settings.prefix_cache_seqs)
         self.n_ctx = settings.n_ctx
         self.n_batch = settings.n_batch
 
@@ -142,6 +148,20 @@ class SlotContext:
         self.check_slot(slot)
         llama_cpp.llama_memory_seq_cp(self._mem, slot, self._parked, -1, -1)
         llama_cpp.llama_memory_seq_rm(self._mem, slot, -1, -1)
+
+    def copy_prefix(self, source: int, target: int, tokens: int) -> None:
+        """Positions 0..tokens-1 of one sequence (a slot or a prefix cache entry) become the
+        other's too: the cells are shared, not copied."""
+        for seq in (source, target):
+            if not (0 <= seq < self.slots or seq in self.cache_seqs):
+                raise ValueError(f"sequence id {seq} is neither a slot nor a prefix cache entry")
+        llama_cpp.llama_memory_seq_cp(self._mem, source, target, 0, tokens)
+
+    def drop(self, seq: int) -> None:
+        """A prefix cache entry's sequence is emptied (cells no other sequence holds are free)."""
+        if seq not in self.cache_seqs:
+            raise ValueError(f"sequence id {seq} is not a prefix cache entry")
+        llama_cpp.llama_memory_seq_rm(self._mem, seq, -1, -1)
 
     def free_parked(self) -> None:
         llama_cpp.llama_memory_seq_rm(self._mem, self._parked, -1, -1)

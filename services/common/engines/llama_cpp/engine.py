@@ -22,6 +22,7 @@ from pathlib import Path
 from services.common.engines.base import EngineLoad, Generation, PrefillOutput
 from services.common.engines.llama_cpp.context import ContextSettings, SlotContext
 from services.common.engines.llama_cpp.model import ENGINE_VERSION, LlamaModel, ModelLoadError
+from services.common.engines.llama_cpp.prefix_cache import PrefixCache
 from services.common.engines.llama_cpp.scheduler import (
     Event,
     Job,
@@ -40,6 +41,9 @@ from services.common.types import (
     Sampling,
     TextChunk,
 )
+
+# Prefix cache entries (each a sequence of the context): the most recently used prompts.
+PREFIX_CACHE_SEQS = 16
 
 
 @dataclass(frozen=True)
@@ -62,30 +66,35 @@ class EngineSettings:
     type_k: str = "f16"
     type_v: str = "f16"
     swa_full: bool = False
+    # Prompt tokens the prefix cache may hold (0: no cache), on top of slots * n_ctx.
+    prefix_cache_tokens: int = 0
     # Tests only: fewer KV cells than slots * n_ctx, to fill the cache on purpose.
     kv_cells: int | None = None
 
 
 def plan_slots(settings: EngineSettings, bytes_per_token: int) -> int:
     """How many slots the node runs: every slot holds n_ctx tokens of KV, so slots * n_ctx *
-    bytes_per_token must fit in kv_cache_max_bytes when that is set."""
+    bytes_per_token, and the prefix cache's tokens, must fit in kv_cache_max_bytes when that
+    is set."""
     per_slot = settings.n_ctx * bytes_per_token
-    limit = settings.kv_cache_max_bytes
-    if limit is None:
+    if settings.kv_cache_max_bytes is None:
         return settings.slots or settings.default_slots
-    fits = limit // per_slot
+    limit = settings.kv_cache_max_bytes - settings.prefix_cache_tokens * bytes_per_token
+    fits = max(limit, 0) // per_slot
     if settings.slots is None:
         if fits < 1:
             raise ModelLoadError(
-                f"kv_cache_max_bytes = {limit} holds no slot: one slot of n_ctx = "
-                f"{settings.n_ctx} tokens needs {per_slot} bytes of KV cache"
+                f"kv_cache_max_bytes = {settings.kv_cache_max_bytes} holds no slot: one slot "
+                f"of n_ctx = {settings.n_ctx} tokens needs {per_slot} bytes of KV cache, "
+                f"besides the prefix cache's {settings.prefix_cache_tokens} tokens"
             )
         return min(settings.default_slots, fits)
     if settings.slots > fits:
         raise ModelLoadError(
             f"slots = {settings.slots} of n_ctx = {settings.n_ctx} tokens need "
-            f"{settings.slots * per_slot} bytes of KV cache, over kv_cache_max_bytes = {limit} "
-            f"(it holds {fits} slots)"
+            f"{settings.slots * per_slot} bytes of KV cache, over kv_cache_max_bytes = "
+            f"{settings.kv_cache_max_bytes} less the prefix cache's "
+            f"{settings.prefix_cache_tokens} tokens (room for {fits} slots)"
         )
     return settings.slots
 
@@ -134,6 +143,8 @@ class LlamaCppEngine:
                         type_v=settings.type_v,
                         swa_full=settings.swa_full,
                         op_offload=model.placement.gpu_layers > 0,
+                        prefix_cache_tokens=settings.prefix_cache_tokens,
+                        prefix_cache_seqs=PREFIX_CACHE_SEQS if settings.prefix_cache_tokens else 0,
                         kv_cells=settings.kv_cells,
                     ),
                 )
@@ -153,12 +164,16 @@ class LlamaCppEngine:
             return model, context, fingerprint, bytes_per_token
 
         model, context, fingerprint, bytes_per_token = await asyncio.to_thread(build)
+        cache = None
+        if settings.prefix_cache_tokens:
+            cache = PrefixCache(context, context.cache_seqs, settings.prefix_cache_tokens)
         scheduler = Scheduler(
             name,
             model,
             context,
             SchedulerSettings(settings.max_queue, settings.max_itl_slowdown),
             kv_bytes_per_token=bytes_per_token,
+            prefix_cache=cache,
         )
         scheduler.start()
         return cls(model, context, scheduler, fingerprint)

@@ -48,6 +48,7 @@ import structlog
 from services.common.engines.base import EngineLoad, PrefillOutput, TokenRates
 from services.common.engines.llama_cpp.context import Row, SlotContext
 from services.common.engines.llama_cpp.model import LlamaModel
+from services.common.engines.llama_cpp.prefix_cache import PrefixCache
 from services.common.engines.llama_cpp.prompt_share import prompt_pieces
 from services.common.engines.llama_cpp.sampling import SlotSampler
 from services.common.engines.llama_cpp.text import GeneratedToken, TextStream
@@ -128,6 +129,8 @@ class Slot:
     prompt_token_s: float | None = None
     # Tokens of job.replay taken so far.
     replayed: int = 0
+    # Prompt tokens taken from the prefix cache (the prompt's pieces start there).
+    cached: int = 0
 
     @property
     def prompting(self) -> bool:
@@ -150,12 +153,16 @@ class Scheduler:
         context: SlotContext,
         settings: SchedulerSettings,
         kv_bytes_per_token: int = 0,
+        prefix_cache: PrefixCache | None = None,
     ) -> None:
         self.name = name
         self._model = model
         self._ctx = context
         self._settings = settings
         self._kv_bytes_per_token = kv_bytes_per_token
+        self._cache = prefix_cache
+        # Tokens the prefix cache holds, for load(); written by the engine thread only.
+        self._cache_tokens = 0
         # Cells holding tokens (running slots and parked ones), for load(); written by the
         # engine thread only.
         self._cells_used = 0
@@ -214,6 +221,8 @@ class Scheduler:
             decode_tokens_per_second=decode_tps,
             kv_cache_bytes=self._ctx.settings.cells * self._kv_bytes_per_token,
             kv_cache_used_bytes=self._cells_used * self._kv_bytes_per_token,
+            prefix_cache_tokens=self._cache_tokens,
+            prefix_cache_max_tokens=self._cache.budget_tokens if self._cache else 0,
         )
 
     def stop(self) -> None:
@@ -245,6 +254,7 @@ class Scheduler:
                 self._cells_used = self._parked_cells + sum(
                     s.n_past for s in self._slots if s is not None
                 )
+                self._cache_tokens = self._cache.tokens if self._cache else 0
         except BaseException as exc:  # a bug in the loop itself: say so, fail every job
             self.problem = f"the engine loop failed: {type(exc).__name__}: {exc}"
             log.exception("engine loop failed", node=self.name)
@@ -283,6 +293,12 @@ class Scheduler:
         if job.kind is JobKind.GENERATE:
             slot.text = TextStream(job.sampling.max_tokens, job.sampling.stop)
         if job.kind is not JobKind.CONTINUE:
+            if self._cache is not None:
+                entry, n = self._cache.lookup(job.tokens)
+                if entry is not None:
+                    self._cache.use(entry, slot.index, n)
+                    slot.cached = slot.evaluated = slot.n_past = n
+                    metrics.engine_cached(n)
             return
         assert job.state is not None
         state, job.state = job.state, None  # the slot holds it now; let the buffer go
@@ -349,8 +365,7 @@ class Scheduler:
             code = self._ctx.decode([Row(_next(s), s.n_past, s.index, True) for s in generating])
             if code == 0:
                 return generating
-            if code == 1 and self._parked_cells:
-                self._free_parked()
+            if code == 1 and self._make_room():
                 continue
             if code == 1:
                 newest = max(generating, key=lambda s: s.order)
@@ -373,8 +388,7 @@ class Scheduler:
         ]
         started = time.perf_counter()
         code = self._ctx.decode(rows)
-        if code == 1 and self._parked_cells:
-            self._free_parked()
+        while code == 1 and self._make_room():
             code = self._ctx.decode(rows)
         if code != 0:
             # No room even so (the streams hold every cell), or llama.cpp failed: this
@@ -390,6 +404,8 @@ class Scheduler:
         slot.evaluated = slot.n_past = end
         if end == len(tokens):
             slot.first_at = time.perf_counter()
+            if self._cache is not None:
+                self._cache.keep(slot.index, tokens)
             if slot.job.replay:
                 if not slot.job.first_token_from_prefill:
                     slot.sampler.sample(self._ctx.ptr, len(rows) - 1)  # drawn, not used
@@ -410,7 +426,13 @@ class Scheduler:
         n_batch = self._ctx.n_batch
         if not generating:
             return [
-                (s, min(len(s.job.tokens), (s.evaluated // n_batch + 1) * n_batch))
+                (
+                    s,
+                    min(
+                        len(s.job.tokens),
+                        s.cached + ((s.evaluated - s.cached) // n_batch + 1) * n_batch,
+                    ),
+                )
                 for s in prompting
             ]
         pieces = prompt_pieces(
@@ -454,6 +476,7 @@ class Scheduler:
             dataclasses.replace(
                 end,
                 prompt_tokens=slot.job.prompt_tokens if loaded else len(slot.job.tokens),
+                cached_prompt_tokens=slot.cached,
                 kv_load_seconds=slot.kv_load_seconds,
                 prompt_eval_seconds=0.0 if loaded else slot.first_at - slot.admitted_at,
                 decode_seconds=now - slot.first_at,
@@ -472,6 +495,7 @@ class Scheduler:
                 first_token_text="",
                 prompt_tokens=len(slot.job.tokens),
                 seconds=slot.first_at - slot.admitted_at,
+                cached_prompt_tokens=slot.cached,
             ),
         )
         self._free(slot)
@@ -491,6 +515,14 @@ class Scheduler:
     def _free_parked(self) -> None:
         self._ctx.free_parked()
         self._parked_cells = 0
+
+    def _make_room(self) -> bool:
+        """Free KV cells for a step that found none: the parked cells, else the least
+        recently used prefix cache entry. False when there is nothing left to free."""
+        if self._parked_cells:
+            self._free_parked()
+            return True
+        return self._cache is not None and self._cache.evict()
 
     def _full_message(self, slot: Slot) -> str:
         return (

@@ -1,0 +1,165 @@
+"""The prefix cache: grader-shaped prompts (one long rubric, many submissions) evaluate the
+rubric once; texts equal one process that evaluated each prompt in the same pieces; the
+token budget evicts the least recently used prefix; the summary says what was cached."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import llama_cpp
+import pytest_asyncio
+
+from disagg.v1 import router_pb2, router_pb2_grpc
+from services.common.engines.llama_cpp import LlamaCppEngine
+from services.common.engines.llama_cpp.prefix_cache import PrefixCache, block_hashes
+from services.common.types import GenerationEnd, Prompt, Sampling, TextChunk
+from tests.streams import collect, request
+from tests.test_engine import open_engine
+
+RUBRIC = (
+    "You grade Python homework. Rubric: correctness 40 points (every test passes, edge "
+    "cases such as empty input and negative numbers handled), style 20 points (PEP 8, clear "
+    "names, no dead code), tests 20 points (each function has unit tests that cover the edge "
+    "cases), documentation 20 points (docstrings say what each function returns and raises). "
+) * 13
+SUBMISSIONS = [
+    f"Submission {i}: def add(a, b):\n    return a {op} b\n\nGrade it and explain in one line."
+    for i, op in enumerate(["+", "-", "*", "+ 0 +", "- -", "+ 1 - 1 +"] * 4)
+]  # twenty
+GREEDY = Sampling(max_tokens=16, temperature=0.0)
+BLOCK = 64
+
+
+async def run(engine: LlamaCppEngine, text: str) -> tuple[str, GenerationEnd]:
+    out, end = "", None
+    async for item in engine.generate(Prompt(text=text), GREEDY):
+        if isinstance(item, TextChunk):
+            out += item.text
+        else:
+            end = item
+    assert end is not None
+    return out, end
+
+
+class SamePieces:
+    """Greedy texts of one process that evaluates each prompt as the engine did: the cached
+    positions as part of the prompt that put them in the cache (`first`, in 512-token
+    pieces), then the rest of the prompt in 512-token pieces from there. `first` is
+    evaluated again only when positions it left are needed again."""
+
+    def __init__(self, llm: llama_cpp.Llama, first: list[int]) -> None:
+        self.llm, self.first = llm, first
+        self.intact = 0  # positions of `first` the context still holds
+
+    def text(self, tokens: list[int], cached: int) -> str:
+        llm = self.llm
+        if cached > self.intact:
+            llm.reset()  # type: ignore[no-untyped-call]
+            llm.eval(self.first)
+            self.intact = len(self.first)
+        llm.n_tokens = cached  # the next eval drops every cell from here on
+        ids: list[int] = []
+        for token in llm.generate(tokens[cached:], temp=0.0, reset=False):
+            if llama_cpp.llama_vocab_is_eog(llm._model.vocab, token) or len(ids) >= 16:
+                break
+            ids.append(token)
+        self.intact = cached
+        return llm.detokenize(ids).decode("utf-8", errors="replace")
+
+
+@pytest_asyncio.fixture
+async def engine() -> AsyncIterator[LlamaCppEngine]:
+    engine = await open_engine(n_ctx=2048, n_threads=2, prefix_cache_tokens=2048)
+    yield engine
+    await engine.close()
+
+
+async def test_twenty_submissions_evaluate_the_rubric_once_with_same_piece_texts(
+    engine: LlamaCppEngine, reference_llm: llama_cpp.Llama
+) -> None:
+    def tokenize(text: str) -> list[int]:
+        return reference_llm.tokenize(text.encode(), add_bos=True, special=True)
+
+    rubric = tokenize(RUBRIC)
+    assert 1000 <= len(rubric) < 1100
+    reference = SamePieces(reference_llm, tokenize(RUBRIC + SUBMISSIONS[0]))
+    for i, submission in enumerate(SUBMISSIONS):
+        tokens = tokenize(RUBRIC + submission)
+        text, end = await run(engine, RUBRIC + submission)
+        assert end.prompt_tokens == len(tokens)
+        if i == 0:
+            assert end.cached_prompt_tokens == 0
+        else:
+            # The rubric's whole blocks (and any of the submission's that match), never the
+            # prompt's last token.
+            assert end.cached_prompt_tokens >= len(rubric) - len(rubric) % BLOCK - BLOCK
+            assert end.cached_prompt_tokens % BLOCK == 0
+            assert end.cached_prompt_tokens < len(tokens)
+        # Every text equals one process that evaluated the prompt in the same pieces (the
+        # cached positions came from the first prompt: every later one shares them).
+        assert text == reference.text(tokens, end.cached_prompt_tokens), i
+    load = engine.load()
+    assert 0 < load.prefix_cache_tokens <= load.prefix_cache_max_tokens == 2048
+
+
+async def test_the_token_budget_evicts_the_least_recently_used_prefix() -> None:
+    engine = await open_engine(n_ctx=1024, n_threads=2, prefix_cache_tokens=2 * 192)
+    try:
+        # Three different prompts of 3 whole blocks and some: 192 tokens each in the cache.
+        a, b, c = (RUBRIC[k * 40 :] for k in range(3))
+        prompts = [p[:900] for p in (a, b, c)]
+        for prompt in prompts[:2]:
+            _, end = await run(engine, prompt)
+            assert end.cached_prompt_tokens == 0
+        assert engine.load().prefix_cache_tokens == 2 * 192
+        _, end = await run(engine, prompts[1])  # b is now the most recently used
+        assert end.cached_prompt_tokens == 192
+        _, end = await run(engine, prompts[2])  # c pushes out the least recently used: a
+        assert end.cached_prompt_tokens == 0
+        assert engine.load().prefix_cache_tokens == 2 * 192
+        _, end = await run(engine, prompts[0])
+        assert end.cached_prompt_tokens == 0  # a was evicted
+        _, end = await run(engine, prompts[2])
+        assert end.cached_prompt_tokens == 192  # c stayed
+    finally:
+        await engine.close()
+
+
+def test_block_hashes_chain_every_token_before_them_and_the_fingerprint() -> None:
+    tokens = list(range(200))
+    hashes = block_hashes("model-a", tokens, 64)
+    assert len(hashes) == 3  # whole blocks only
+    assert block_hashes("model-a", tokens[:128], 64) == hashes[:2]
+    changed = tokens.copy()
+    changed[3] = 999  # a token of the first block changes every hash after it
+    assert all(x != y for x, y in zip(block_hashes("model-a", changed, 64), hashes, strict=True))
+    assert block_hashes("model-b", tokens, 64)[0] != hashes[0]  # another model: no match
+
+
+def test_a_lookup_always_leaves_a_token_to_evaluate() -> None:
+    class Nothing:
+        def copy_prefix(self, source: int, target: int, tokens: int) -> None:
+            pass
+
+        def drop(self, seq: int) -> None:
+            pass
+
+    cache = PrefixCache(Nothing(), [10, 11], budget_tokens=1000, block_tokens=4)
+    cache.keep(0, list(range(8)))
+    assert cache.lookup(list(range(8)))[1] == 4  # all 8 cached, but the last is evaluated
+    assert cache.lookup(list(range(9)))[1] == 8
+    assert cache.lookup([0, 1, 2, 9, 9])[1] == 0  # partial blocks do not count
+
+
+async def test_the_router_summary_says_how_many_prompt_tokens_were_cached(
+    router: router_pb2_grpc.RouterServiceAsyncStub,
+) -> None:
+    model = "qwen3-coder:30b"
+    summaries: list[router_pb2.GenerateSummary] = []
+    for submission in SUBMISSIONS[:2]:
+        got = await collect(router.Generate(request(model, RUBRIC + submission, 4)))
+        assert got.summary is not None
+        summaries.append(got.summary)
+    assert summaries[1].method == router_pb2.ROUTE_METHOD_DISAGGREGATED
+    assert summaries[1].cached_prompt_tokens >= 832  # on the prefill node
+    assert summaries[1].cached_prompt_tokens < summaries[1].prompt_tokens
