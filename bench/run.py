@@ -22,7 +22,10 @@ repeated, median reported:
    inter-token latency against idle (bench/batching.py);
 9. migration: a decode node SIGKILLed mid-answer, the time until the answer resumes on
    another node, against the user's 5 s failover target (bench/migration.py, a mesh of its
-   own).
+   own);
+10. grader traffic: a ~1,500-token rubric with 20 different submissions, with the prefix
+   cache against without it: TTFT, KV bytes moved, total time (bench/grader.py, meshes of
+   their own).
 
 Prints a table; writes everything (machine, versions, date, every sample) to bench/results/.
 This machine is shared and noisy: read the ratios, not the absolute times.
@@ -52,6 +55,8 @@ sys.path[:0] = [str(ROOT), str(ROOT / "generated")]
 import grpc  # noqa: E402
 
 from bench.batching import measure as measure_batching  # noqa: E402
+from bench.grader import measure as measure_grader  # noqa: E402
+from bench.grader import rows as grader_rows  # noqa: E402
 from bench.migration import measure as measure_migration  # noqa: E402
 from bench.migration import rows as migration_rows  # noqa: E402
 from bench.parallel_pipelines import measure as measure_parallel  # noqa: E402
@@ -560,11 +565,16 @@ async def run_all(bench: Bench, args: argparse.Namespace) -> dict[str, Any]:
             "9. resume after a decode node dies (a mesh of its own)",
             lambda: measure_migration(args.kills, 200),
         ),
+        (
+            "grader",
+            "10. grader traffic with and without the prefix cache (meshes of their own)",
+            lambda: measure_grader(args.grader_requests, 1500, 200),
+        ),
     ]
     for key, title, step in steps:
         if args.only and key not in args.only:
             continue
-        if key in ("batching", "migration") and args.running:
+        if key in ("batching", "migration", "grader") and args.running:
             say(f">> {title}: skipped with --running (it starts a node on this machine)")
             continue
         say(f">> {title}")
@@ -650,6 +660,8 @@ def table(r: dict[str, Any]) -> str:
         )
     if "migration" in r:
         rows += migration_rows(r["migration"])
+    if "grader" in r:
+        rows += grader_rows(r["grader"])
     width = [max(len(row[i]) for row in rows) for i in range(3)]
     header = ("measurement", "result", "goal")
     lines = ["  ".join(h.ljust(width[i]) for i, h in enumerate(header))]
@@ -680,6 +692,9 @@ def main() -> int:
     )
     parser.add_argument("--kills", type=int, default=5, help="decode nodes killed, row 9")
     parser.add_argument(
+        "--grader-requests", type=int, default=20, help="submissions sharing a rubric, row 10"
+    )
+    parser.add_argument(
         "--quick", action="store_true", help="1 repeat, smaller prompts (a smoke run)"
     )
     parser.add_argument(
@@ -694,6 +709,7 @@ def main() -> int:
             "parallel_pipelines",
             "batching",
             "migration",
+            "grader",
         ],
         help="run only these measurements",
     )
@@ -707,6 +723,7 @@ def main() -> int:
             5_000_000,
         )
         args.batch_tokens, args.prompt_tokens, args.kills = 96, 1000, 2
+        args.grader_requests = 4
 
     topology = load_topology(args.topology)
     model = args.model or topology.models[0].name

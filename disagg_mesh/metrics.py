@@ -53,6 +53,8 @@ class Metrics:
     failed_attempts: tuple[FailedAttempt, ...] = field(default=())
     migrations: tuple[Migration, ...] = field(default=())
     cached_prompt_tokens: int = 0  # taken from a node's prefix cache
+    decode_cached_prompt_tokens: int = 0  # KV the decode node held: it did not move
+    kv_state_bytes: int = 0  # the whole KV state (kv_bytes moved may be less)
 
     @classmethod
     def from_summary(cls, s: router_pb2.GenerateSummary) -> Metrics:
@@ -67,6 +69,8 @@ class Metrics:
             completion_tokens=s.completion_tokens,
             total_tokens=s.prompt_tokens + s.completion_tokens,
             cached_prompt_tokens=s.cached_prompt_tokens,
+            decode_cached_prompt_tokens=s.decode_cached_prompt_tokens,
+            kv_state_bytes=s.kv_state_bytes,
             prefill_speed=s.prefill_tokens_per_second,
             decode_speed=s.decode_tokens_per_second,
             method=_enum_name(router_pb2.RouteMethod.Name(s.method), "ROUTE_METHOD_"),

@@ -128,6 +128,7 @@ async def test_the_token_budget_evicts_the_least_recently_used_prefix() -> None:
 def test_block_hashes_chain_every_token_before_them_and_the_fingerprint() -> None:
     tokens = list(range(200))
     hashes = block_hashes("model-a", tokens, 64)
+    assert all(len(h) == 16 for h in hashes)
     assert len(hashes) == 3  # whole blocks only
     assert block_hashes("model-a", tokens[:128], 64) == hashes[:2]
     changed = tokens.copy()
@@ -145,10 +146,14 @@ def test_a_lookup_always_leaves_a_token_to_evaluate() -> None:
             pass
 
     cache = PrefixCache(Nothing(), [10, 11], budget_tokens=1000, block_tokens=4)
-    cache.keep(0, list(range(8)))
-    assert cache.lookup(list(range(8)))[1] == 4  # all 8 cached, but the last is evaluated
-    assert cache.lookup(list(range(9)))[1] == 8
-    assert cache.lookup([0, 1, 2, 9, 9])[1] == 0  # partial blocks do not count
+    hashes = block_hashes("m", list(range(12)), 4)
+    cache.keep(0, hashes[:2])  # 8 tokens
+    assert cache.lookup(hashes[:2], 8)[1] == 4  # all 8 cached, but the last is evaluated
+    assert cache.lookup(hashes, 12)[1] == 8
+    assert cache.lookup(block_hashes("m", [0, 1, 2, 9, 9], 4), 5)[1] == 0  # other tokens
+    entry = cache.find(hashes, 8)
+    assert entry is not None and cache.find(hashes, 12) is None  # only 2 blocks held
+    assert cache.find(hashes, 6) is None  # not whole blocks
 
 
 async def test_the_router_summary_says_how_many_prompt_tokens_were_cached(

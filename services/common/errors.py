@@ -37,6 +37,13 @@ class FailedPrecondition(MeshError):
     code = grpc.StatusCode.FAILED_PRECONDITION
 
 
+class Aborted(MeshError):
+    """Something the request counted on is gone (a decode node no longer holds a prefix):
+    the caller redoes the step before (the prefill) and tries again."""
+
+    code = grpc.StatusCode.ABORTED
+
+
 class DataLoss(MeshError):
     code = grpc.StatusCode.DATA_LOSS
 

@@ -6,7 +6,7 @@ They speak protobuf on the wire and plain Python to their callers. A failed call
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Sequence
 from typing import Any, NoReturn
 
 import grpc
@@ -27,6 +27,7 @@ from services.common.kv_wire import parse_fetch_kv_response
 from services.common.observability.logging import outgoing_metadata
 from services.common.types import (
     Continuation,
+    DecodeCandidate,
     DecodeStats,
     KvSource,
     PrefillResult,
@@ -89,13 +90,22 @@ class PrefillClient:
         )
 
     async def prefill(
-        self, model: str, prompt: Prompt, sampling: Sampling, timeout_s: float
+        self,
+        model: str,
+        prompt: Prompt,
+        sampling: Sampling,
+        timeout_s: float,
+        candidates: Sequence[DecodeCandidate] = (),
     ) -> PrefillResult:
         request = prefill_pb2.PrefillRequest(
             model=model,
             prompt=prompt.text,
             messages=convert.prompt_messages_to_proto(prompt),
             sampling=convert.sampling_to_proto(sampling),
+            decode_candidates=[
+                prefill_pb2.DecodeCandidate(node=c.node, block_hashes=sorted(c.block_hashes))
+                for c in candidates
+            ],
         )
         try:
             reply = await self._stub.Prefill(
@@ -114,6 +124,10 @@ class PrefillClient:
             fingerprint=convert.fingerprint_from_proto(reply.fingerprint),
             kv_ttl_seconds=convert.seconds(reply.kv_ttl),
             kv_transfer=convert.KV_TRANSFER_FROM_PROTO[reply.kv_transfer],
+            block_hashes=tuple(reply.block_hashes),
+            kv_prefix_tokens=reply.kv_prefix_tokens,
+            kv_prefix_node=reply.kv_prefix_node,
+            kv_state_bytes=reply.kv_state_bytes,
         )
 
     async def fetch_kv(
@@ -170,6 +184,8 @@ class DecodeClient:
                     fingerprint=convert.fingerprint_to_proto(source.fingerprint),
                     kv_size_bytes=source.kv_size_bytes,
                     first_token_text=source.first_token_text,
+                    block_hashes=source.block_hashes,
+                    prefix_tokens=source.prefix_tokens,
                 )
             )
         else:

@@ -107,6 +107,21 @@ class PrefillResult:
     kv_transfer: KvTransferKind
     first_token_text: str = ""
     cached_prompt_tokens: int = 0
+    # The prompt's block hashes; the state leaves out positions before kv_prefix_tokens,
+    # which the decode node kv_prefix_node holds; the whole state's size.
+    block_hashes: tuple[bytes, ...] = ()
+    kv_prefix_tokens: int = 0
+    kv_prefix_node: str = ""
+    kv_state_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class DecodeCandidate:
+    """A decode node a prefill node may hand its KV state to, and the block hashes of the
+    prefixes the router believes it holds."""
+
+    node: str
+    block_hashes: frozenset[bytes]
 
 
 @dataclass(frozen=True)
@@ -136,6 +151,10 @@ class KvSource:
     fingerprint: Fingerprint
     kv_size_bytes: int
     first_token_text: str = ""
+    # The prompt's block hashes, and where the state starts: positions before prefix_tokens
+    # are in the decode node's prefix cache (0: the state holds them all).
+    block_hashes: tuple[bytes, ...] = ()
+    prefix_tokens: int = 0
 
 
 @dataclass(frozen=True)

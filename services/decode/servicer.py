@@ -73,5 +73,7 @@ def _source(request: decode_pb2.DecodeServiceGenerateRequest) -> KvSource | Prom
             fingerprint=convert.fingerprint_from_proto(kv.fingerprint),
             kv_size_bytes=kv.kv_size_bytes,
             first_token_text=kv.first_token_text,
+            block_hashes=tuple(kv.block_hashes),
+            prefix_tokens=kv.prefix_tokens,
         )
     return convert.prompt_from_proto(request.prompt, request.messages)

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 
 from services.common.engines.base import Engine
 from services.common.kv import KvStore
 from services.common.kv_wire import encode_state
-from services.common.types import PrefillResult, Prompt, Sampling
+from services.common.types import DecodeCandidate, PrefillResult, Prompt, Sampling
 from services.common.validation import check_served, validate_prompt, validate_sampling
 
 
@@ -27,11 +28,17 @@ class PrefillNode:
         self.store = store
         self.max_tokens_limit = max_tokens_limit
 
-    async def prefill(self, model: str, prompt: Prompt, sampling: Sampling) -> PrefillResult:
+    async def prefill(
+        self,
+        model: str,
+        prompt: Prompt,
+        sampling: Sampling,
+        candidates: Sequence[DecodeCandidate] = (),
+    ) -> PrefillResult:
         check_served(model, self.name, self.models)
         validate_prompt(prompt)
         validate_sampling(sampling, self.max_tokens_limit)
-        out = await self.engine.prefill(prompt, sampling)
+        out = await self.engine.prefill(prompt, sampling, candidates)
         fingerprint = self.engine.fingerprint
         # Serialized off the event loop, once: FetchKv then only hands the messages out.
         messages = await asyncio.to_thread(encode_state, out.kv_state, out.kv_sha256, fingerprint)
@@ -48,6 +55,10 @@ class PrefillNode:
             fingerprint=self.engine.fingerprint,
             kv_ttl_seconds=self.store.ttl_s,
             kv_transfer=self.engine.kv_transfer,
+            block_hashes=out.block_hashes,
+            kv_prefix_tokens=out.kv_prefix_tokens,
+            kv_prefix_node=out.kv_prefix_node,
+            kv_state_bytes=out.kv_state_bytes or len(out.kv_state),
         )
 
     def fetch(self, kv_handle: str) -> list[bytes]:

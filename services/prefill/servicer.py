@@ -10,6 +10,7 @@ import grpc
 from disagg.v1 import prefill_pb2
 from services.common import convert
 from services.common.readiness import Ready
+from services.common.types import DecodeCandidate
 from services.prefill.node import PrefillNode
 
 Context = grpc.aio.ServicerContext[Any, Any]
@@ -27,6 +28,7 @@ class PrefillServicer:
             request.model,
             convert.prompt_from_proto(request.prompt, request.messages),
             convert.sampling_from_proto(request.sampling, self._node.get().max_tokens_limit),
+            [DecodeCandidate(c.node, frozenset(c.block_hashes)) for c in request.decode_candidates],
         )
         return prefill_pb2.PrefillResponse(
             kv_handle=result.kv_handle,
@@ -39,6 +41,10 @@ class PrefillServicer:
             fingerprint=convert.fingerprint_to_proto(result.fingerprint),
             kv_ttl=convert.duration(result.kv_ttl_seconds),
             kv_transfer=convert.KV_TRANSFER_TO_PROTO[result.kv_transfer],
+            block_hashes=result.block_hashes,
+            kv_prefix_tokens=result.kv_prefix_tokens,
+            kv_prefix_node=result.kv_prefix_node,
+            kv_state_bytes=result.kv_state_bytes,
         )
 
     async def FetchKv(

@@ -26,6 +26,7 @@ from services.common.retries import call_with_retries, is_retryable
 from services.common.topology import ModelRoute, Node, Step, Topology
 from services.common.types import (
     Continuation,
+    DecodeCandidate,
     DecodeStats,
     FinishReason,
     GenerationEnd,
@@ -38,6 +39,7 @@ from services.common.types import (
 )
 from services.common.validation import validate_prompt, validate_sampling
 from services.router.node_health import NodeHealth
+from services.router.prefixes import PrefixTable
 
 log = structlog.get_logger("router")
 
@@ -99,8 +101,12 @@ class RouteSummary:
     """Metrics of one request; durations in seconds."""
 
     prompt_tokens: int = 0
-    # Prompt tokens a node took from its prefix cache.
+    # Prompt tokens a node took from its prefix cache (the prefill node's, or the decode
+    # node's for decode_only), and those whose KV the decode node held (disaggregated).
     cached_prompt_tokens: int = 0
+    decode_cached_prompt_tokens: int = 0
+    # The prompt's whole KV state (kv_transfer_bytes is less when only a delta moved).
+    kv_state_bytes: int = 0
     completion_tokens: int = 0
     finish_reason: FinishReason = FinishReason.STOP
     method: RouteMethod = RouteMethod.DISAGGREGATED
@@ -196,6 +202,7 @@ class Router:
         self.topology = topology
         self.pool = pool
         self.health = health
+        self.prefixes = PrefixTable()
         self._direct: dict[str, OllamaEngine] = {}
 
     @property
@@ -339,34 +346,67 @@ class Router:
             async for chunk in self._direct_ollama(route, prompt, sampling, clock, summary):
                 yield chunk
             return
-        source: KvSource | Prompt = prompt
-        if attempt.prefill_candidates:
-            result = await self._prefill(route, attempt, prompt, sampling, clock, failed)
-            assert attempt.prefill is not None
-            summary.prefill_node = attempt.prefill.name
-            summary.prefill_address = attempt.prefill.address
-            summary.prefill_seconds = result.prefill_seconds
-            summary.prompt_tokens = result.prompt_tokens
-            summary.cached_prompt_tokens = result.cached_prompt_tokens
-            source = KvSource(
-                prefill_address=attempt.prefill.address,
-                kv_handle=result.kv_handle,
-                first_token_id=result.first_token_id,
-                prompt_tokens=result.prompt_tokens,
-                fingerprint=result.fingerprint,
-                kv_size_bytes=result.kv_size_bytes,
-                first_token_text=result.first_token_text,
-            )
-        assert attempt.decode is not None
-        attempt.current = attempt.decode
-        summary.decode_node, summary.decode_address = attempt.decode.name, attempt.decode.address
-        stats: DecodeStats | None = None
-        async for event in self._decode(route, attempt.decode, source, sampling, clock):
-            if isinstance(event, DecodeStats):
-                stats = event
-            else:
-                yield event
-        _add_decode_stats(summary, _required(stats, attempt.decode))
+        while True:  # again only when a decode node had let the prefix go (ABORTED)
+            source: KvSource | Prompt = prompt
+            result: PrefillResult | None = None
+            if attempt.prefill_candidates:
+                candidates = self._decode_candidates(route)
+                result = await self._prefill(
+                    route, attempt, prompt, sampling, clock, failed, candidates
+                )
+                assert attempt.prefill is not None
+                summary.prefill_node = attempt.prefill.name
+                summary.prefill_address = attempt.prefill.address
+                summary.prefill_seconds = result.prefill_seconds
+                summary.prompt_tokens = result.prompt_tokens
+                summary.cached_prompt_tokens = result.cached_prompt_tokens
+                summary.kv_state_bytes = result.kv_state_bytes
+                if result.kv_prefix_node in route.decode:  # it holds the prompt's prefix
+                    attempt.decode = self.topology.node(result.kv_prefix_node)
+                source = KvSource(
+                    prefill_address=attempt.prefill.address,
+                    kv_handle=result.kv_handle,
+                    first_token_id=result.first_token_id,
+                    prompt_tokens=result.prompt_tokens,
+                    fingerprint=result.fingerprint,
+                    kv_size_bytes=result.kv_size_bytes,
+                    first_token_text=result.first_token_text,
+                    block_hashes=result.block_hashes,
+                    prefix_tokens=result.kv_prefix_tokens,
+                )
+            assert attempt.decode is not None
+            attempt.current = decode = attempt.decode
+            summary.decode_node, summary.decode_address = decode.name, decode.address
+            stats: DecodeStats | None = None
+            streamed = False
+            try:
+                async for event in self._decode(route, decode, source, sampling, clock):
+                    if isinstance(event, DecodeStats):
+                        stats = event
+                    else:
+                        streamed = True
+                        yield event
+            except MeshError as exc:
+                if exc.code != grpc.StatusCode.ABORTED or streamed or result is None:
+                    raise
+                # What the router believed of the node is stale: forget it, prefill again
+                # (the prefill node's own cache makes that cheap) for the whole state.
+                self.prefixes.forget(decode.name)
+                self._attempt_failed(route, attempt, exc, failed)
+                attempt.started = time.perf_counter()
+                continue
+            _add_decode_stats(summary, _required(stats, decode))
+            if result is not None:
+                self.prefixes.learn(decode.name, result.block_hashes)
+            return
+
+    def _decode_candidates(self, route: ModelRoute) -> list[DecodeCandidate]:
+        """The decode nodes a prefill node may choose from by the prefixes they hold: the
+        available ones with a free slot (all of them, in order of preference and load, or
+        the least loaded when none is free), each with what the router believes it holds."""
+        nodes = self.health.pick([self.topology.node(n) for n in route.decode])
+        chosen = [n for n in nodes if self.health.has_free_slot(n)] or nodes[:1]
+        return [DecodeCandidate(n.name, frozenset(self.prefixes.held(n.name))) for n in chosen]
 
     async def _prefill(
         self,
@@ -376,6 +416,7 @@ class Router:
         sampling: Sampling,
         clock: _Clock,
         failed: list[FailedAttempt],
+        candidates: list[DecodeCandidate],
     ) -> PrefillResult:
         """The prefill stage with retries (tenacity): each call gets the stage deadline (or
         what is left of the caller's), and moves to the next candidate node. UNAVAILABLE and
@@ -393,7 +434,7 @@ class Router:
             client = PrefillClient(self.pool, node.address)
             try:
                 with self.health.busy(node):
-                    return await client.prefill(route.name, prompt, sampling, timeout_s=timeout)
+                    return await client.prefill(route.name, prompt, sampling, timeout, candidates)
             except UpstreamError as exc:
                 error = _stage_error(exc, "prefill", node, timeout, caller_bound)
                 if type(error) is DeadlineExceeded:
@@ -604,6 +645,8 @@ def _count_served(model: str, s: RouteSummary) -> None:
         s.prompt_tokens,
         s.completion_tokens,
     )
+    if s.kv_transfer == KvTransferKind.STATE:
+        metrics.kv_bytes(model, s.kv_transfer_bytes, s.kv_state_bytes)
 
 
 def _required(stats: DecodeStats | None, node: Node | str) -> DecodeStats:
@@ -627,6 +670,8 @@ def _add_decode_stats(summary: RouteSummary, stats: DecodeStats) -> None:
     if summary.method != RouteMethod.DISAGGREGATED:  # the prompt was evaluated there
         summary.prefill_seconds = stats.prompt_eval_seconds
         summary.cached_prompt_tokens = stats.cached_prompt_tokens
+    else:
+        summary.decode_cached_prompt_tokens = stats.cached_prompt_tokens
     summary.decode_seconds = stats.decode_seconds
     if summary.prefill_seconds > 0:
         summary.prefill_tokens_per_second = summary.prompt_tokens / summary.prefill_seconds

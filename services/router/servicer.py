@@ -74,6 +74,8 @@ def summary_to_proto(s: RouteSummary) -> router_pb2.GenerateSummary:
     return router_pb2.GenerateSummary(
         prompt_tokens=s.prompt_tokens,
         cached_prompt_tokens=s.cached_prompt_tokens,
+        decode_cached_prompt_tokens=s.decode_cached_prompt_tokens,
+        kv_state_bytes=s.kv_state_bytes,
         completion_tokens=s.completion_tokens,
         finish_reason=convert.FINISH_REASON_TO_PROTO[s.finish_reason],
         method=ROUTE_METHOD_TO_PROTO[s.method],

@@ -11,7 +11,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class KvSource(_message.Message):
-    __slots__ = ("prefill_address", "kv_handle", "first_token_id", "prompt_tokens", "fingerprint", "kv_size_bytes", "first_token_text")
+    __slots__ = ("prefill_address", "kv_handle", "first_token_id", "prompt_tokens", "fingerprint", "kv_size_bytes", "first_token_text", "block_hashes", "prefix_tokens")
     PREFILL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     KV_HANDLE_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
@@ -19,6 +19,8 @@ class KvSource(_message.Message):
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     KV_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_TEXT_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prefill_address: str
     kv_handle: str
     first_token_id: int
@@ -26,7 +28,9 @@ class KvSource(_message.Message):
     fingerprint: _types_pb2.KvFingerprint
     kv_size_bytes: int
     first_token_text: str
-    def __init__(self, prefill_address: _Optional[str] = ..., kv_handle: _Optional[str] = ..., first_token_id: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., fingerprint: _Optional[_Union[_types_pb2.KvFingerprint, _Mapping]] = ..., kv_size_bytes: _Optional[int] = ..., first_token_text: _Optional[str] = ...) -> None: ...
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    prefix_tokens: int
+    def __init__(self, prefill_address: _Optional[str] = ..., kv_handle: _Optional[str] = ..., first_token_id: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., fingerprint: _Optional[_Union[_types_pb2.KvFingerprint, _Mapping]] = ..., kv_size_bytes: _Optional[int] = ..., first_token_text: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., prefix_tokens: _Optional[int] = ...) -> None: ...
 
 class Continuation(_message.Message):
     __slots__ = ("generated_token_ids", "generated_text", "first_token_from_prefill", "raw_prompt", "generated_tokens")

@@ -9,12 +9,13 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 from services.common.types import (
     Continuation,
+    DecodeCandidate,
     Fingerprint,
     GenerationEnd,
     KvSource,
@@ -37,6 +38,13 @@ class PrefillOutput:
     seconds: float
     # Prompt tokens taken from the engine's prefix cache.
     cached_prompt_tokens: int = 0
+    # Block hashes of the prompt's whole blocks (prefix_cache.block_hashes).
+    block_hashes: tuple[bytes, ...] = ()
+    # The state leaves out positions before this: the decode node named kv_prefix_node
+    # holds them (0: the whole state). kv_state_bytes: the whole state's size.
+    kv_prefix_tokens: int = 0
+    kv_prefix_node: str = ""
+    kv_state_bytes: int = 0
 
 
 Generation = AsyncGenerator[TextChunk | GenerationEnd, None]
@@ -114,8 +122,11 @@ class Engine(Protocol):
     # Whether the model sits in memory now (Ollama unloads idle models).
     loaded_in_memory: bool
 
-    async def prefill(self, prompt: Prompt, sampling: Sampling) -> PrefillOutput:
-        """Evaluate the prompt, sample the first token, export what decode needs."""
+    async def prefill(
+        self, prompt: Prompt, sampling: Sampling, candidates: Sequence[DecodeCandidate] = ()
+    ) -> PrefillOutput:
+        """Evaluate the prompt, sample the first token, export what decode needs (leaving
+        out what the candidate decode node holding most of the prompt already has)."""
         ...
 
     def continue_from_state(

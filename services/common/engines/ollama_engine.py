@@ -22,7 +22,7 @@ import hashlib
 import sys
 import time
 from array import array
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -47,6 +47,7 @@ from services.common.errors import (
 )
 from services.common.types import (
     Continuation,
+    DecodeCandidate,
     Fingerprint,
     FinishReason,
     GenerationEnd,
@@ -111,7 +112,10 @@ class OllamaEngine:
 
     # -- prefill ---------------------------------------------------------------------------
 
-    async def prefill(self, prompt: Prompt, sampling: Sampling) -> PrefillOutput:
+    async def prefill(
+        self, prompt: Prompt, sampling: Sampling, candidates: Sequence[DecodeCandidate] = ()
+    ) -> PrefillOutput:
+        """Ollama exposes no KV cache: its token ids always move whole (candidates unused)."""
         if prompt.messages:
             raise FailedPrecondition(
                 "an Ollama prefill node cannot hand over chat messages: Ollama's chat API "

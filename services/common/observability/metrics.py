@@ -45,6 +45,12 @@ STAGE_SECONDS = Histogram(
 TOKENS = Counter(
     "disagg_tokens_total", "Router: tokens by logical model and kind", ["model", "kind"]
 )
+KV_BYTES = Counter(
+    "disagg_kv_bytes_total",
+    "Router: KV state bytes of disaggregated requests, moved and whole (moved is less when "
+    "the decode node held the prompt's prefix)",
+    ["model", "kind"],
+)
 MIGRATIONS = Counter(
     "disagg_migrations_total",
     "Router: generations moved to another decode node mid-answer, by the failure's code",
@@ -136,6 +142,11 @@ def request_served(
         STAGE_SECONDS.labels(model, stage).observe(seconds)
     TOKENS.labels(model, "prompt").inc(prompt_tokens)
     TOKENS.labels(model, "completion").inc(completion_tokens)
+
+
+def kv_bytes(model: str, moved: int, whole: int) -> None:
+    KV_BYTES.labels(model, "moved").inc(moved)
+    KV_BYTES.labels(model, "whole").inc(whole)
 
 
 def request_failed(model: str, code: str) -> None:

@@ -166,6 +166,20 @@ class SlotContext:
     def free_parked(self) -> None:
         llama_cpp.llama_memory_seq_rm(self._mem, self._parked, -1, -1)
 
+    def pos_min(self, slot: int) -> int:
+        """The slot's lowest position, -1 when it holds none."""
+        self.check_slot(slot)
+        return int(llama_cpp.llama_memory_seq_pos_min(self._mem, slot))
+
+    def forget_prefix(self, slot: int, tokens: int) -> None:
+        """The slot lets go of positions 0..tokens-1 (cells another sequence holds stay)."""
+        self.check_slot(slot)
+        llama_cpp.llama_memory_seq_rm(self._mem, slot, 0, tokens)
+
+    def state_size(self, slot: int) -> int:
+        self.check_slot(slot)
+        return int(llama_cpp.llama_state_seq_get_size(self._ctx, slot))
+
     def pos_max(self, slot: int) -> int:
         """The slot's highest position, -1 when it holds none."""
         self.check_slot(slot)

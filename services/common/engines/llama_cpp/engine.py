@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import threading
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +22,11 @@ from pathlib import Path
 from services.common.engines.base import EngineLoad, Generation, PrefillOutput
 from services.common.engines.llama_cpp.context import ContextSettings, SlotContext
 from services.common.engines.llama_cpp.model import ENGINE_VERSION, LlamaModel, ModelLoadError
-from services.common.engines.llama_cpp.prefix_cache import PrefixCache
+from services.common.engines.llama_cpp.prefix_cache import (
+    BLOCK_TOKENS,
+    PrefixCache,
+    block_hashes,
+)
 from services.common.engines.llama_cpp.scheduler import (
     Event,
     Job,
@@ -33,6 +37,7 @@ from services.common.engines.llama_cpp.scheduler import (
 from services.common.errors import InvalidArgument, MeshError
 from services.common.types import (
     Continuation,
+    DecodeCandidate,
     Fingerprint,
     GenerationEnd,
     KvSource,
@@ -117,6 +122,9 @@ class LlamaCppEngine:
         self.placement = model.placement
         self.n_ctx = context.n_ctx
         self._handoff: _Handoff | None = None
+        # Prefix cache keys start from the fingerprint: equal only for the same model file
+        # and KV settings, on this node or another.
+        self._salt = repr(fingerprint)
 
     @classmethod
     async def open(
@@ -178,14 +186,23 @@ class LlamaCppEngine:
         scheduler.start()
         return cls(model, context, scheduler, fingerprint)
 
-    async def prefill(self, prompt: Prompt, sampling: Sampling) -> PrefillOutput:
-        tokens = await asyncio.to_thread(self._model.tokenize, prompt, self.n_ctx)
-        job = Job(JobKind.PREFILL, sampling, tokens=tokens)
+    async def prefill(
+        self, prompt: Prompt, sampling: Sampling, candidates: Sequence[DecodeCandidate] = ()
+    ) -> PrefillOutput:
+        tokens, hashes = await asyncio.to_thread(self._tokenize, prompt)
+        job = Job(JobKind.PREFILL, sampling, tokens=tokens, hashes=hashes)
+        holder, blocks = _best_holder(hashes, len(tokens), candidates)
+        job.prefix_tokens = blocks * BLOCK_TOKENS
         async with aclosing(self._events(job)) as events:
             output = await anext(events)
         assert isinstance(output, PrefillOutput)
+        output.kv_prefix_node = holder
         output.kv_sha256 = await asyncio.to_thread(_sha256, output.kv_state)
         return output
+
+    def _tokenize(self, prompt: Prompt) -> tuple[list[int], tuple[bytes, ...]]:
+        tokens = self._model.tokenize(prompt, self.n_ctx)
+        return tokens, tuple(block_hashes(self._salt, tokens))
 
     async def continue_from_state(
         self, kv_state: memoryview, source: KvSource, sampling: Sampling
@@ -199,12 +216,31 @@ class LlamaCppEngine:
                 "kv.first_token_id",
                 f"must be in 0..{self._model.n_vocab - 1}, got {source.first_token_id}",
             )
+        if len(source.block_hashes) > source.prompt_tokens // BLOCK_TOKENS:
+            raise InvalidArgument(
+                "kv.block_hashes",
+                f"{len(source.block_hashes)} hashes for {source.prompt_tokens} prompt tokens "
+                f"(one per whole block of {BLOCK_TOKENS})",
+            )
+        prefix = source.prefix_tokens
+        if prefix and (
+            prefix % BLOCK_TOKENS
+            or not 0 < prefix < source.prompt_tokens
+            or prefix // BLOCK_TOKENS > len(source.block_hashes)
+        ):
+            raise InvalidArgument(
+                "kv.prefix_tokens",
+                f"must be whole blocks of {BLOCK_TOKENS} covered by kv.block_hashes and under "
+                f"kv.prompt_tokens, got {prefix}",
+            )
         job = Job(
             JobKind.CONTINUE,
             sampling,
             state=kv_state,
             prompt_tokens=source.prompt_tokens,
             first_token=source.first_token_id,
+            hashes=source.block_hashes,
+            prefix_tokens=prefix,
         )
         async with aclosing(self._events(job)) as events:
             async for event in events:
@@ -214,8 +250,8 @@ class LlamaCppEngine:
     async def generate(
         self, prompt: Prompt, sampling: Sampling, continuation: Continuation | None = None
     ) -> Generation:
-        tokens = await asyncio.to_thread(self._model.tokenize, prompt, self.n_ctx)
-        job = Job(JobKind.GENERATE, sampling, tokens=tokens)
+        tokens, hashes = await asyncio.to_thread(self._tokenize, prompt)
+        job = Job(JobKind.GENERATE, sampling, tokens=tokens, hashes=hashes)
         if continuation is not None:
             replay = list(continuation.generated_token_ids)
             if not replay and continuation.generated_text:  # an Ollama node's: text only
@@ -284,6 +320,23 @@ class LlamaCppEngine:
         await asyncio.to_thread(self._scheduler.stop)
         self._context.close()
         self._model.close()
+
+
+def _best_holder(
+    hashes: Sequence[bytes], prompt_tokens: int, candidates: Sequence[DecodeCandidate]
+) -> tuple[str, int]:
+    """The candidate holding the most of the prompt's first blocks, and how many (the
+    first in the given order on a tie; ("", 0) when none holds any). At least the prompt's
+    last token is always left in the state."""
+    usable = hashes[: (prompt_tokens - 1) // BLOCK_TOKENS]
+    best, best_blocks = "", 0
+    for candidate in candidates:
+        blocks = 0
+        while blocks < len(usable) and usable[blocks] in candidate.block_hashes:
+            blocks += 1
+        if blocks > best_blocks:
+            best, best_blocks = candidate.node, blocks
+    return best, best_blocks
 
 
 def _sha256(data: memoryview) -> str:

@@ -12,9 +12,12 @@ prompt evaluated from its start, and llama.cpp's numbers depend on the pieces: g
 can drift from a run without the cache after some tokens. It is identical to one process
 that evaluated the prompt in the same pieces (tests/test_prefix_cache.py).
 
-Only the engine thread uses a PrefixCache. The cache is per context, so per model file and
-settings: a prefix from another model is never used (and `block_hashes` start from the
-fingerprint, for comparisons across nodes).
+Entries are keyed by block hashes (`block_hashes`: a chain of SHA-256 over the tokens,
+salted with the fingerprint), so a decode node can keep the prefix of a KV state it loaded
+without knowing its tokens, and a prefill node can tell which decode node holds which
+prefix: a prefix from another model or other KV settings never matches.
+
+Only the engine thread uses a PrefixCache.
 """
 
 from __future__ import annotations
@@ -39,11 +42,13 @@ class Sequences(Protocol):
 @dataclass(eq=False)
 class Entry:
     seq: int
-    tokens: tuple[int, ...]  # a whole number of blocks
+    # One hash per whole block held (block_hashes): the entry holds positions
+    # 0 .. len(hashes) * block_tokens - 1 of the prompt these hashes describe.
+    hashes: tuple[bytes, ...]
     used: int
 
 
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+def common_prefix(a: Sequence[bytes], b: Sequence[bytes]) -> int:
     n = 0
     for x, y in zip(a, b, strict=False):
         if x != y:
@@ -52,15 +57,16 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
-def block_hashes(salt: str, tokens: Sequence[int], block_tokens: int) -> list[str]:
+def block_hashes(salt: str, tokens: Sequence[int], block_tokens: int = BLOCK_TOKENS) -> list[bytes]:
     """One hash per whole block, each covering every token before its end (a chain), salted
-    with the fingerprint: equal hashes mean the same model, settings and tokens."""
+    with the fingerprint: equal hashes mean the same model, settings and tokens, so two
+    nodes can tell whether they hold the same prefix without sending tokens."""
     out = []
     chain = hashlib.sha256(salt.encode()).digest()
     for end in range(block_tokens, len(tokens) + 1, block_tokens):
         block = b"".join(t.to_bytes(4, "little") for t in tokens[end - block_tokens : end])
         chain = hashlib.sha256(chain + block).digest()
-        out.append(chain[:16].hex())
+        out.append(chain[:16])
     return out
 
 
@@ -82,40 +88,52 @@ class PrefixCache:
     @property
     def tokens(self) -> int:
         """Tokens held (a prefix held by two entries counts twice)."""
-        return sum(len(e.tokens) for e in self._entries)
+        return sum(len(e.hashes) for e in self._entries) * self.block_tokens
 
-    @property
-    def entries(self) -> int:
-        return len(self._entries)
-
-    def lookup(self, tokens: Sequence[int]) -> tuple[Entry | None, int]:
-        """The entry sharing the most whole blocks with these tokens, and how many tokens;
-        at least one token is always left to evaluate (its logits are needed)."""
+    def lookup(self, hashes: Sequence[bytes], prompt_tokens: int) -> tuple[Entry | None, int]:
+        """The entry sharing the most whole blocks with a prompt of these block hashes, and
+        how many tokens; at least one token is always left to evaluate (its logits are
+        needed)."""
+        usable = hashes[: (prompt_tokens - 1) // self.block_tokens]
         best: Entry | None = None
         best_n = 0
         for entry in self._entries:
-            n = common_prefix(entry.tokens, tokens[: len(tokens) - 1])
-            n -= n % self.block_tokens
+            n = common_prefix(entry.hashes, usable) * self.block_tokens
             if n > best_n:
                 best, best_n = entry, n
         return best, best_n
 
+    def find(self, hashes: Sequence[bytes], tokens: int) -> Entry | None:
+        """An entry holding the first `tokens` positions (whole blocks) of the prompt these
+        hashes describe (the hash of the last of those blocks covers all before it)."""
+        blocks = tokens // self.block_tokens
+        if blocks == 0 or blocks > len(hashes) or tokens % self.block_tokens:
+            return None
+        return next(
+            (
+                e
+                for e in self._entries
+                if len(e.hashes) >= blocks and e.hashes[blocks - 1] == hashes[blocks - 1]
+            ),
+            None,
+        )
+
     def use(self, entry: Entry, slot: int, tokens: int) -> None:
-        """Put the entry's first `tokens` into the (empty) slot."""
+        """Put the entry's first `tokens` into the slot."""
         self._ctx.copy_prefix(entry.seq, slot, tokens)
         entry.used = next(self._clock)
 
-    def keep(self, slot: int, tokens: Sequence[int]) -> None:
-        """Keep the whole blocks of the slot's evaluated prompt resident."""
-        n = len(tokens) - len(tokens) % self.block_tokens
+    def keep(self, slot: int, hashes: Sequence[bytes]) -> None:
+        """Keep the slot's first len(hashes) whole blocks resident (they hold those tokens)."""
+        n = len(hashes) * self.block_tokens
         if n == 0 or n > self.budget_tokens:
             return
-        prefix = tuple(tokens[:n])
+        held = tuple(hashes)
         for entry in self._entries:
-            if common_prefix(entry.tokens, prefix) == n:  # already held
+            if common_prefix(entry.hashes, held) == len(held):  # already held
                 entry.used = next(self._clock)
                 return
-        for entry in [e for e in self._entries if prefix[: len(e.tokens)] == e.tokens]:
+        for entry in [e for e in self._entries if held[: len(e.hashes)] == e.hashes]:
             self._drop(entry)  # this one holds all of it, and more
         while self._entries and (self.tokens + n > self.budget_tokens or not self._free):
             self.evict()
@@ -123,7 +141,7 @@ class PrefixCache:
             return
         seq = self._free.pop()
         self._ctx.copy_prefix(slot, seq, n)
-        self._entries.append(Entry(seq, prefix, next(self._clock)))
+        self._entries.append(Entry(seq, held, next(self._clock)))
 
     def evict(self) -> bool:
         """Drop the least recently used entry; False when there is none."""

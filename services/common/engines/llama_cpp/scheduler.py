@@ -48,11 +48,12 @@ import structlog
 from services.common.engines.base import EngineLoad, PrefillOutput, TokenRates
 from services.common.engines.llama_cpp.context import Row, SlotContext
 from services.common.engines.llama_cpp.model import LlamaModel
-from services.common.engines.llama_cpp.prefix_cache import PrefixCache
+from services.common.engines.llama_cpp.prefix_cache import Entry, PrefixCache
 from services.common.engines.llama_cpp.prompt_share import prompt_pieces
 from services.common.engines.llama_cpp.sampling import SlotSampler
 from services.common.engines.llama_cpp.text import GeneratedToken, TextStream
 from services.common.errors import (
+    Aborted,
     FailedPrecondition,
     MeshError,
     ResourceExhausted,
@@ -102,6 +103,11 @@ class Job:
     # The first token was sampled by a prefill node: CONTINUE, or a continuation of a
     # disaggregated generation. This sampler then did not draw it, and has seed offset 1.
     first_token_from_prefill: bool = False
+    # The prompt's block hashes (prefix_cache.block_hashes), the prefix cache's keys.
+    hashes: tuple[bytes, ...] = ()
+    # PREFILL: positions before this are left out of the exported state (a decode node
+    # holds them). CONTINUE: the state starts here; the prefix cache has the positions before.
+    prefix_tokens: int = 0
     cancelled: bool = False
 
     @property
@@ -294,14 +300,26 @@ class Scheduler:
             slot.text = TextStream(job.sampling.max_tokens, job.sampling.stop)
         if job.kind is not JobKind.CONTINUE:
             if self._cache is not None:
-                entry, n = self._cache.lookup(job.tokens)
+                entry, n = self._cache.lookup(job.hashes, len(job.tokens))
                 if entry is not None:
-                    self._cache.use(entry, slot.index, n)
-                    slot.cached = slot.evaluated = slot.n_past = n
-                    metrics.engine_cached(n)
+                    self._cache_use(entry, slot, n)
+                    slot.evaluated = slot.n_past = n
             return
         assert job.state is not None
         state, job.state = job.state, None  # the slot holds it now; let the buffer go
+        prefix = None
+        if job.prefix_tokens:
+            prefix = self._cache.find(job.hashes, job.prefix_tokens) if self._cache else None
+            if prefix is None:
+                self._fail(
+                    slot,
+                    Aborted(
+                        f"decode node {self.name} no longer holds the prompt's first "
+                        f"{job.prefix_tokens} tokens (its prefix cache let them go): the "
+                        "whole KV state is needed"
+                    ),
+                )
+                return
         read = self._ctx.import_state(slot.index, state)
         if read != len(state):
             self._fail(
@@ -311,16 +329,21 @@ class Scheduler:
                 ),
             )
             return
+        first = self._ctx.pos_min(slot.index)
+        if prefix is not None:
+            self._cache_use(prefix, slot, job.prefix_tokens)
         held = self._ctx.pos_max(slot.index) + 1
-        if held != job.prompt_tokens:
+        if held != job.prompt_tokens or first != job.prefix_tokens:
             self._fail(
                 slot,
                 FailedPrecondition(
-                    f"the KV state holds {held} positions, but kv.prompt_tokens is "
-                    f"{job.prompt_tokens}"
+                    f"the KV state holds positions {first}..{held - 1}, but kv.prompt_tokens is "
+                    f"{job.prompt_tokens} and kv.prefix_tokens {job.prefix_tokens}"
                 ),
             )
             return
+        if self._cache is not None:
+            self._cache.keep(slot.index, job.hashes)
         slot.n_past = job.prompt_tokens
         slot.first_at = time.perf_counter()
         slot.kv_load_seconds = slot.first_at - slot.admitted_at
@@ -405,7 +428,7 @@ class Scheduler:
         if end == len(tokens):
             slot.first_at = time.perf_counter()
             if self._cache is not None:
-                self._cache.keep(slot.index, tokens)
+                self._cache.keep(slot.index, slot.job.hashes)
             if slot.job.replay:
                 if not slot.job.first_token_from_prefill:
                     slot.sampler.sample(self._ctx.ptr, len(rows) - 1)  # drawn, not used
@@ -485,6 +508,9 @@ class Scheduler:
         self._free(slot)
 
     def _finish_prefill(self, slot: Slot, first_token: int) -> None:
+        whole = self._ctx.state_size(slot.index)
+        if slot.job.prefix_tokens:  # the decode node holds these: leave them out
+            self._ctx.forget_prefix(slot.index, slot.job.prefix_tokens)
         state = self._ctx.export_state(slot.index)
         _emit(
             slot.job,
@@ -496,6 +522,9 @@ class Scheduler:
                 prompt_tokens=len(slot.job.tokens),
                 seconds=slot.first_at - slot.admitted_at,
                 cached_prompt_tokens=slot.cached,
+                block_hashes=slot.job.hashes,
+                kv_prefix_tokens=slot.job.prefix_tokens,
+                kv_state_bytes=whole,
             ),
         )
         self._free(slot)
@@ -515,6 +544,12 @@ class Scheduler:
     def _free_parked(self) -> None:
         self._ctx.free_parked()
         self._parked_cells = 0
+
+    def _cache_use(self, entry: Entry, slot: Slot, tokens: int) -> None:
+        assert self._cache is not None
+        self._cache.use(entry, slot.index, tokens)
+        slot.cached = tokens
+        metrics.engine_cached(tokens)
 
     def _make_room(self) -> bool:
         """Free KV cells for a step that found none: the parked cells, else the least

@@ -1,0 +1,42 @@
+"""What the router believes each decode node holds in its prefix cache.
+
+After a disaggregated request, the decode node keeps the prompt's whole blocks resident, so
+the router records their hashes (from the prefill node's reply) under that node. The next
+prefill call lists the decode nodes it may choose with what each is believed to hold; the
+prefill node picks the one holding the longest prefix of its prompt and exports only the
+rest of the KV state. A belief can be stale (the node evicted the blocks, or restarted):
+the decode node then answers ABORTED and the router forgets what it believed of that node.
+
+Hashes are salted with the model's fingerprint (engines/llama_cpp/prefix_cache.py), so one
+table serves every model.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable
+
+# Block hashes remembered per decode node (16 bytes each; 64 tokens each): 64 Ki tokens of
+# prefixes, and at most 16 KiB per node in a prefill request.
+MAX_HASHES_PER_NODE = 1024
+
+
+class PrefixTable:
+    def __init__(self, max_per_node: int = MAX_HASHES_PER_NODE) -> None:
+        self._max = max_per_node
+        self._held: dict[str, OrderedDict[bytes, None]] = {}
+
+    def learn(self, node: str, hashes: Iterable[bytes]) -> None:
+        """The node now holds these blocks (most recent last; the oldest are forgotten)."""
+        held = self._held.setdefault(node, OrderedDict())
+        for h in hashes:
+            held[h] = None
+            held.move_to_end(h)
+        while len(held) > self._max:
+            held.popitem(last=False)
+
+    def forget(self, node: str) -> None:
+        self._held.pop(node, None)
+
+    def held(self, node: str) -> tuple[bytes, ...]:
+        return tuple(self._held.get(node, ()))

@@ -1,0 +1,150 @@
+"""Only the uncached delta moves: a decode node that holds a prompt's first blocks gets only
+the rest of its KV state; the prefill node sends requests sharing a prefix to the decode
+node that holds it, unless it is busy or unhealthy; a node that lost its cache gets the
+whole state instead."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import grpc
+import llama_cpp
+import pytest
+import pytest_asyncio
+
+from disagg.v1 import node_pb2, node_pb2_grpc, router_pb2, router_pb2_grpc
+from services.common.models import resolve_model_path
+from services.common.processes import MeshProcesses
+from tests.conftest import MODEL as MODEL_FILE
+from tests.conftest import N_CTX, ROOT, engine_node, route, router_node, running_mesh
+from tests.streams import collect, request
+from tests.test_prefix_cache import RUBRIC, SUBMISSIONS, SamePieces
+
+MODEL = "m"
+
+
+@pytest.fixture(scope="module")
+def delta_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MeshProcesses]:
+    folder: Path = tmp_path_factory.mktemp("kv-delta")
+    parts = [
+        "[mesh]\ncooldown_s = 0.5\nhealth_check_every_s = 0.5\n",
+        router_node(),
+        engine_node("prefill-d", "prefill", 1, slots=2),
+        engine_node("decode-d1", "decode", 1, slots=1),
+        engine_node("decode-d2", "decode", 1, slots=1),
+        route(MODEL, ["prefill-d"], ["decode-d1", "decode-d2"], chain=["disaggregated"]),
+    ]
+    with running_mesh(folder, parts) as processes:
+        yield processes
+
+
+@pytest_asyncio.fixture
+async def router(
+    delta_mesh: MeshProcesses,
+) -> AsyncIterator[router_pb2_grpc.RouterServiceAsyncStub]:
+    async with grpc.aio.insecure_channel(delta_mesh.topology.router.address) as channel:
+        yield router_pb2_grpc.RouterServiceStub(channel)
+
+
+async def grade(
+    router: router_pb2_grpc.RouterServiceAsyncStub, submission: str
+) -> tuple[str, router_pb2.GenerateSummary]:
+    got = await collect(router.Generate(request(MODEL, RUBRIC + submission, 16)))
+    assert got.summary is not None
+    return got.text, got.summary
+
+
+@pytest.fixture(scope="module")
+def one_thread_llm() -> llama_cpp.Llama:
+    """Single-process llama-cpp-python as the nodes run it: one thread (a single row's
+    attention over more than 256 cells splits the cells between threads, and so rounds
+    otherwise with two)."""
+    return llama_cpp.Llama(
+        model_path=str(resolve_model_path(MODEL_FILE, ROOT)),
+        n_ctx=N_CTX,
+        n_threads=1,
+        n_batch=512,
+        flash_attn=True,
+        verbose=False,
+    )
+
+
+async def test_twenty_requests_move_only_the_delta_and_keep_their_texts(
+    router: router_pb2_grpc.RouterServiceAsyncStub, one_thread_llm: llama_cpp.Llama
+) -> None:
+    reference_llm = one_thread_llm
+
+    def tokenize(text: str) -> list[int]:
+        return reference_llm.tokenize(text.encode(), add_bos=True, special=True)
+
+    reference = SamePieces(reference_llm, tokenize(RUBRIC + SUBMISSIONS[0]))
+    first: router_pb2.GenerateSummary | None = None
+    for i, submission in enumerate(SUBMISSIONS):
+        text, s = await grade(router, submission)
+        assert s.method == router_pb2.ROUTE_METHOD_DISAGGREGATED
+        if first is None:
+            first = s  # the whole state moves, and both nodes keep the rubric
+            assert s.cached_prompt_tokens == s.decode_cached_prompt_tokens == 0
+            assert s.kv_transfer_bytes == s.kv_state_bytes > 0
+        else:
+            # The prefill node evaluated only the suffix, and sent only the cells the decode
+            # node does not hold, to the decode node that holds the rubric.
+            assert s.decode_node == first.decode_node
+            assert s.cached_prompt_tokens >= 960 and s.decode_cached_prompt_tokens >= 960
+            assert s.kv_transfer_bytes <= 0.2 * s.kv_state_bytes, (i, s.kv_transfer_bytes)
+        # The same text as one process evaluating the prompt in the same pieces: the cached
+        # positions as the first prompt did, then the rest.
+        assert text == reference.text(tokenize(RUBRIC + submission), s.cached_prompt_tokens), i
+
+
+async def test_the_node_holding_the_prefix_is_passed_over_while_busy(
+    router: router_pb2_grpc.RouterServiceAsyncStub, delta_mesh: MeshProcesses
+) -> None:
+    _, s = await grade(router, SUBMISSIONS[1])
+    holder = s.decode_node
+    # One slot each: a long answer sharing the rubric goes to the holder and keeps it busy.
+    long = asyncio.create_task(
+        collect(router.Generate(request(MODEL, RUBRIC + SUBMISSIONS[1], 400)))
+    )
+    try:
+        address = delta_mesh.topology.node(holder).address
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub = node_pb2_grpc.NodeServiceStub(channel)
+            info = node_pb2.GetNodeInfoRequest()
+            while not (await stub.GetNodeInfo(info)).slots_busy:  # noqa: ASYNC110 (another process)
+                await asyncio.sleep(0.05)
+        _, s = await grade(router, SUBMISSIONS[2])
+    finally:
+        long.cancel()
+        await asyncio.gather(long, return_exceptions=True)
+    assert s.decode_node != holder
+    assert s.kv_transfer_bytes == s.kv_state_bytes  # the other node held nothing
+
+
+async def test_a_decode_node_that_lost_its_cache_gets_the_whole_state(
+    router: router_pb2_grpc.RouterServiceAsyncStub, delta_mesh: MeshProcesses
+) -> None:
+    # Both decode nodes hold the rubric now (the test before); restart the preferred one:
+    # the router still believes it holds it.
+    name = "decode-d1"
+    proc = delta_mesh.procs[name]
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    delta_mesh.start_node(delta_mesh.topology.node(name))
+    await delta_mesh.wait_serving(120, names=[name])
+    await asyncio.sleep(6.0)  # the router's channel reconnects with back-off
+    _, s = await grade(router, SUBMISSIONS[3])
+    # The router still believed the restarted node held the rubric, so the prefill node sent
+    # it only the delta; it said it no longer holds the prefix (ABORTED), the router forgot
+    # what it believed of it and prefilled again: the other holder got the delta.
+    (aborted,) = s.failed_attempts
+    assert (aborted.code, aborted.node) == ("ABORTED", name)
+    assert "no longer holds the prompt's first 1024 tokens" in aborted.message
+    assert s.decode_node == "decode-d2" and s.kv_transfer_bytes < 0.2 * s.kv_state_bytes
+    # And the restarted node holds the rubric again after its next full state.
+    _, again = await grade(router, SUBMISSIONS[4])
+    assert not again.failed_attempts
