@@ -343,20 +343,13 @@ def main() -> int:
     args = parser.parse_args()
     if args.quick:
         args.repeats, args.new_tokens, args.prompt_tokens = 1, 96, 1000
-    from bench.run import machine, report
+    from bench.run import report_alone
 
     started = time.perf_counter()
     result = asyncio.run(
         measure(args.levels, args.new_tokens, args.repeats, args.prompt_tokens, args.threads)
     )
-    record = {
-        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "machine": machine(),
-        "repeats": args.repeats,
-        "wall_s": time.perf_counter() - started,
-        "batching": result,
-    }
-    report(args.out, "batching", record, table({"batching": result}))
+    report_alone(args.out, "batching", args.repeats, started, result, table({"batching": result}))
     return 0
 
 

@@ -175,19 +175,12 @@ def main() -> int:
     parser.add_argument("--new-tokens", type=int, default=200)
     parser.add_argument("--out", type=Path, default=ROOT / "bench/results")
     args = parser.parse_args()
-    from bench.run import machine, report
+    from bench.run import report_alone
 
     started = time.perf_counter()
     result = asyncio.run(measure(args.kills, args.new_tokens))
-    record = {
-        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "machine": machine(),
-        "repeats": args.kills,
-        "wall_s": time.perf_counter() - started,
-        "migration": result,
-    }
     text = "\n".join("  ".join(row) for row in rows(result))
-    report(args.out, "migration", record, text)
+    report_alone(args.out, "migration", args.kills, started, result, text)
     return 0
 
 

@@ -799,6 +799,21 @@ def one_slot_concurrency(bench: Bench, path: Path) -> list[dict[str, Any]]:
         variant.unlink(missing_ok=True)
 
 
+def report_alone(
+    out: Path, key: str, repeats: int, started: float, result: dict[str, Any], table_text: str
+) -> None:
+    """A benchmark run on its own (bench/batching.py, migration.py, grader.py): its record,
+    with the machine and date, under its key."""
+    record = {
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "machine": machine(),
+        "repeats": repeats,
+        "wall_s": time.perf_counter() - started,
+        key: result,
+    }
+    report(out, key, record, table_text)
+
+
 def report(out: Path, prefix: str, record: dict[str, Any], table_text: str) -> None:
     """Write the record as JSON under out/ and print the table."""
     out.mkdir(parents=True, exist_ok=True)

@@ -8,7 +8,7 @@ import signal
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Iterator
-from contextlib import contextmanager
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -141,6 +141,15 @@ def running_mesh(
         for proc in processes.procs.values():
             proc.send_signal(signal.SIGCONT)  # a test may have paused one
         processes.stop()
+
+
+@asynccontextmanager
+async def router_stub(
+    processes: MeshProcesses,
+) -> AsyncIterator[router_pb2_grpc.RouterServiceAsyncStub]:
+    """A RouterService stub for the mesh's router, over a channel closed afterwards."""
+    async with grpc.aio.insecure_channel(processes.topology.router.address) as channel:
+        yield router_pb2_grpc.RouterServiceStub(channel)
 
 
 @dataclass

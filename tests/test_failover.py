@@ -18,7 +18,7 @@ import pytest_asyncio
 
 from disagg.v1 import router_pb2, router_pb2_grpc
 from services.common.processes import MeshProcesses, free_port
-from tests.conftest import ROOT, engine_node, route, router_node, running_mesh
+from tests.conftest import ROOT, engine_node, route, router_node, router_stub, running_mesh
 from tests.streams import Collected, collect, request
 
 MODEL = "qwen3-coder:30b"
@@ -149,8 +149,8 @@ def two_prefill_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MeshP
 async def router2(
     two_prefill_mesh: MeshProcesses,
 ) -> AsyncIterator[router_pb2_grpc.RouterServiceAsyncStub]:
-    async with grpc.aio.insecure_channel(two_prefill_mesh.topology.router.address) as channel:
-        yield router_pb2_grpc.RouterServiceStub(channel)
+    async with router_stub(two_prefill_mesh) as stub:
+        yield stub
 
 
 def failures(got: Collected) -> list[tuple[str, str]]:

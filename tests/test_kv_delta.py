@@ -20,11 +20,20 @@ from disagg.v1 import node_pb2, node_pb2_grpc, router_pb2, router_pb2_grpc
 from services.common.models import resolve_model_path
 from services.common.processes import MeshProcesses
 from tests.conftest import MODEL as MODEL_FILE
-from tests.conftest import N_CTX, ROOT, engine_node, route, router_node, running_mesh
+from tests.conftest import (
+    N_CTX,
+    ROOT,
+    engine_node,
+    route,
+    router_node,
+    router_stub,
+    running_mesh,
+)
 from tests.streams import collect, request
 from tests.test_prefix_cache import RUBRIC, SUBMISSIONS, SamePieces
 
 MODEL = "m"
+DECODE_ONLY = "m-decode-only"
 
 
 @pytest.fixture(scope="module")
@@ -37,6 +46,7 @@ def delta_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MeshProcess
         engine_node("decode-d1", "decode", 1, slots=1),
         engine_node("decode-d2", "decode", 1, slots=1),
         route(MODEL, ["prefill-d"], ["decode-d1", "decode-d2"], chain=["disaggregated"]),
+        route(DECODE_ONLY, [], ["decode-d1", "decode-d2"], chain=["decode_only"]),
     ]
     with running_mesh(folder, parts) as processes:
         yield processes
@@ -46,8 +56,17 @@ def delta_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MeshProcess
 async def router(
     delta_mesh: MeshProcesses,
 ) -> AsyncIterator[router_pb2_grpc.RouterServiceAsyncStub]:
-    async with grpc.aio.insecure_channel(delta_mesh.topology.router.address) as channel:
-        yield router_pb2_grpc.RouterServiceStub(channel)
+    async with router_stub(delta_mesh) as stub:
+        yield stub
+
+
+async def wait_busy(mesh: MeshProcesses, node: str) -> None:
+    """Until the node reports a slot in use."""
+    async with grpc.aio.insecure_channel(mesh.topology.node(node).address) as channel:
+        stub = node_pb2_grpc.NodeServiceStub(channel)
+        info = node_pb2.GetNodeInfoRequest()
+        while not (await stub.GetNodeInfo(info)).slots_busy:  # noqa: ASYNC110 (another process)
+            await asyncio.sleep(0.05)
 
 
 async def grade(
@@ -111,12 +130,7 @@ async def test_the_node_holding_the_prefix_is_passed_over_while_busy(
         collect(router.Generate(request(MODEL, RUBRIC + SUBMISSIONS[1], 400)))
     )
     try:
-        address = delta_mesh.topology.node(holder).address
-        async with grpc.aio.insecure_channel(address) as channel:
-            stub = node_pb2_grpc.NodeServiceStub(channel)
-            info = node_pb2.GetNodeInfoRequest()
-            while not (await stub.GetNodeInfo(info)).slots_busy:  # noqa: ASYNC110 (another process)
-                await asyncio.sleep(0.05)
+        await wait_busy(delta_mesh, holder)
         _, s = await grade(router, SUBMISSIONS[2])
     finally:
         long.cancel()
@@ -148,3 +162,26 @@ async def test_a_decode_node_that_lost_its_cache_gets_the_whole_state(
     # And the restarted node holds the rubric again after its next full state.
     _, again = await grade(router, SUBMISSIONS[4])
     assert not again.failed_attempts
+
+
+async def test_decode_only_requests_go_to_the_node_that_served_their_prefix(
+    router: router_pb2_grpc.RouterServiceAsyncStub, delta_mesh: MeshProcesses
+) -> None:
+    rubric = RUBRIC.replace("Python", "Rust").replace("PEP 8", "rustfmt")  # cached nowhere
+    # The preferred node busy with a long answer: the rubric's first request goes to the
+    # other one.
+    long = asyncio.create_task(collect(router.Generate(request(DECODE_ONLY, "Count:", 400))))
+    try:
+        await wait_busy(delta_mesh, "decode-d1")
+        first = await collect(router.Generate(request(DECODE_ONLY, rubric + SUBMISSIONS[0], 4)))
+    finally:
+        long.cancel()
+        await asyncio.gather(long, return_exceptions=True)
+    assert first.summary is not None and first.summary.decode_node == "decode-d2"
+    assert first.summary.cached_prompt_tokens == 0
+    # Both free now: the next one sharing the rubric goes where the rubric is, not to the
+    # preferred node, and evaluates only what follows it.
+    got = await collect(router.Generate(request(DECODE_ONLY, rubric + SUBMISSIONS[1], 4)))
+    assert got.summary is not None and got.summary.decode_node == "decode-d2"
+    assert got.summary.method == router_pb2.ROUTE_METHOD_DECODE_ONLY
+    assert got.summary.cached_prompt_tokens >= 960

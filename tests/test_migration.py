@@ -19,7 +19,7 @@ from disagg.v1 import node_pb2, node_pb2_grpc, router_pb2, router_pb2_grpc, type
 from services.common.engines.llama_cpp import LlamaCppEngine
 from services.common.processes import MeshProcesses
 from services.common.types import Continuation, GenerationEnd, Prompt, Sampling, TextChunk
-from tests.conftest import engine_node, route, router_node
+from tests.conftest import engine_node, route, router_node, running_mesh
 from tests.fake_ollama import FakeOllama, WordModel
 from tests.test_engine import open_engine
 
@@ -334,17 +334,10 @@ def takeover_mesh(
         engine_node("decode-x", "decode", 1, slots=2),
         route("m", [], ["decode-x"], chain=["decode_only", "direct_ollama"], ollama_url=ollama.url),
     ]
-    path = folder / "topology.toml"
-    path.write_text("\n".join(parts))
-    from services.common.topology import load_topology
-
-    processes = MeshProcesses(load_topology(path), folder / "logs")
-    processes.start()
     try:
-        asyncio.run(processes.wait_serving(240))
-        yield MigrationMesh(processes), ollama
+        with running_mesh(folder, parts) as processes:
+            yield MigrationMesh(processes), ollama
     finally:
-        processes.stop()
         ollama.stop()
 
 

@@ -166,5 +166,6 @@ async def test_the_router_summary_says_how_many_prompt_tokens_were_cached(
         assert got.summary is not None
         summaries.append(got.summary)
     assert summaries[1].method == router_pb2.ROUTE_METHOD_DISAGGREGATED
+    assert summaries[1].route_reason == "chain: disaggregated is the chain's first step"
     assert summaries[1].cached_prompt_tokens >= 832  # on the prefill node
     assert summaries[1].cached_prompt_tokens < summaries[1].prompt_tokens

@@ -116,6 +116,7 @@ def decode_stats_to_proto(stats: DecodeStats) -> decode_pb2.DecodeSummary:
         decode_duration=duration(stats.decode_seconds),
         time_to_first_token=duration(stats.time_to_first_token_seconds),
         cached_prompt_tokens=stats.cached_prompt_tokens,
+        kept_prefix_tokens=stats.kept_prefix_tokens,
     )
 
 
@@ -123,6 +124,7 @@ def decode_stats_from_proto(msg: decode_pb2.DecodeSummary) -> DecodeStats:
     return DecodeStats(
         prompt_tokens=msg.prompt_tokens,
         cached_prompt_tokens=msg.cached_prompt_tokens,
+        kept_prefix_tokens=msg.kept_prefix_tokens,
         completion_tokens=msg.completion_tokens,
         finish_reason=FINISH_REASON_FROM_PROTO.get(msg.finish_reason, FinishReason.STOP),
         kv_transfer=KV_TRANSFER_FROM_PROTO.get(msg.kv_transfer, KvTransferKind.NONE),

@@ -179,6 +179,10 @@ class ModelRoute(_Strict):
     # disaggregated (a prefill node, then a decode node), decode_only (whole generation on a
     # decode node), direct_ollama (the router calls ollama_url itself, bypassing the mesh).
     chain: list[Step] = Field(default=["disaggregated", "decode_only"], min_length=1)
+    # chain: the steps in the order listed. auto: per request, disaggregated or
+    # decode_only first, whichever the router estimates from measured figures to give the
+    # first token sooner (services/router/costs.py); the rest of the chain follows in order.
+    mode: Literal["chain", "auto"] = "chain"
     # Nodes in order of preference; unhealthy or cooling-down ones are skipped.
     prefill: list[NodeName] = []
     decode: list[NodeName] = []
@@ -203,6 +207,11 @@ class ModelRoute(_Strict):
             raise ValueError("chain step 'decode_only' needs decode nodes")
         if "direct_ollama" in self.chain and not self.ollama_url:
             raise ValueError("chain step 'direct_ollama' needs ollama_url")
+        if self.mode == "auto" and not {"disaggregated", "decode_only"} <= set(self.chain):
+            raise ValueError(
+                "mode 'auto' chooses between chain steps 'disaggregated' and "
+                "'decode_only': list both in chain"
+            )
         return self
 
 

@@ -115,6 +115,10 @@ class PrefillResult:
     kv_state_bytes: int = 0
 
 
+# Tokens of a prefix cache block: caches match, keep and hand over whole blocks.
+PREFIX_BLOCK_TOKENS = 64
+
+
 @dataclass(frozen=True)
 class DecodeCandidate:
     """A decode node a prefill node may hand its KV state to, and the block hashes of the
@@ -164,8 +168,10 @@ class GenerationEnd:
     completion_tokens: int
     finish_reason: FinishReason
     prompt_tokens: int = 0
-    # Prompt tokens taken from the engine's prefix cache.
+    # Prompt tokens taken from the engine's prefix cache, and those (whole blocks) it keeps
+    # there for later requests.
     cached_prompt_tokens: int = 0
+    kept_prefix_tokens: int = 0
     # The engine's own evaluation of the prompt (zero when a KV state was loaded).
     prompt_eval_seconds: float = 0.0
     kv_load_seconds: float = 0.0
@@ -187,11 +193,13 @@ class DecodeStats:
     decode_seconds: float = 0.0
     time_to_first_token_seconds: float = 0.0
     cached_prompt_tokens: int = 0
+    kept_prefix_tokens: int = 0
 
     def add_end(self, end: GenerationEnd) -> None:
         """Take in what the engine reported when its generation ended."""
         self.prompt_tokens = end.prompt_tokens
         self.cached_prompt_tokens = end.cached_prompt_tokens
+        self.kept_prefix_tokens = end.kept_prefix_tokens
         self.completion_tokens = end.completion_tokens
         self.finish_reason = end.finish_reason
         self.kv_load_seconds = end.kv_load_seconds

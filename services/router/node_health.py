@@ -57,14 +57,14 @@ class NodeHealth:
         fails a request untried."""
         available = [n for n in nodes if self.available(n)]
         if available:
-            return sorted(available, key=self._load)  # stable: preference breaks ties
+            return sorted(available, key=self.load)  # stable: preference breaks ties
         return [n for n in nodes if self.serving(n)] or list(nodes)
 
     def has_free_slot(self, node: Node) -> bool:
         """As far as the router knows (its own calls in flight, the node's slots)."""
-        return self._load(node) == 0.0
+        return self.load(node) == 0.0
 
-    def _load(self, node: Node) -> float:
+    def load(self, node: Node) -> float:
         """0 while the node has a free slot (or its slots are not known yet), else calls in
         flight per slot."""
         slots = self._slots.get(node.name, 0)

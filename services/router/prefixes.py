@@ -13,9 +13,14 @@ table serves every model.
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
+from services.common.types import Prompt
+
+# Characters of a prompt's text block (text_blocks): about 64 tokens.
+TEXT_BLOCK_CHARS = 256
 # Block hashes remembered per decode node (16 bytes each; 64 tokens each): 64 Ki tokens of
 # prefixes, and at most 16 KiB per node in a prefill request.
 MAX_HASHES_PER_NODE = 1024
@@ -40,3 +45,33 @@ class PrefixTable:
 
     def held(self, node: str) -> tuple[bytes, ...]:
         return tuple(self._held.get(node, ()))
+
+    def overlap(self, node: str, hashes: Sequence[bytes]) -> int:
+        """How many of these chained hashes, from the first, the node is believed to hold."""
+        held = self._held.get(node)
+        if held is None:
+            return 0
+        n = 0
+        while n < len(hashes) and hashes[n] in held:
+            n += 1
+        return n
+
+
+def prompt_bytes(prompt: Prompt) -> bytes:
+    """The prompt as the router sees it: its text, or its turns one after another."""
+    if prompt.messages:
+        return "".join(f"{m.role}\x00{m.content}\x00" for m in prompt.messages).encode()
+    return prompt.text.encode()
+
+
+def text_blocks(model: str, prompt: Prompt) -> list[bytes]:
+    """Chained hashes of the prompt's text in blocks of TEXT_BLOCK_CHARS: the router does not
+    tokenize, so it tells prompts that start alike by their text (a node's own cache then
+    matches tokens)."""
+    data = prompt_bytes(prompt)
+    out = []
+    chain = hashlib.sha256(model.encode()).digest()
+    for end in range(TEXT_BLOCK_CHARS, len(data) + 1, TEXT_BLOCK_CHARS):
+        chain = hashlib.sha256(chain + data[end - TEXT_BLOCK_CHARS : end]).digest()
+        out.append(chain[:16])
+    return out

@@ -25,6 +25,7 @@ from services.common.observability import metrics
 from services.common.retries import call_with_retries, is_retryable
 from services.common.topology import ModelRoute, Node, Step, Topology
 from services.common.types import (
+    PREFIX_BLOCK_TOKENS,
     Continuation,
     DecodeCandidate,
     DecodeStats,
@@ -38,8 +39,9 @@ from services.common.types import (
     TextChunk,
 )
 from services.common.validation import validate_prompt, validate_sampling
+from services.router.costs import Candidate, Costs, Observation
 from services.router.node_health import NodeHealth
-from services.router.prefixes import PrefixTable
+from services.router.prefixes import TEXT_BLOCK_CHARS, PrefixTable, prompt_bytes, text_blocks
 
 log = structlog.get_logger("router")
 
@@ -107,6 +109,8 @@ class RouteSummary:
     decode_cached_prompt_tokens: int = 0
     # The prompt's whole KV state (kv_transfer_bytes is less when only a delta moved).
     kv_state_bytes: int = 0
+    # Why the first step tried was chosen (the chain's order, or mode auto's estimate).
+    route_reason: str = ""
     completion_tokens: int = 0
     finish_reason: FinishReason = FinishReason.STOP
     method: RouteMethod = RouteMethod.DISAGGREGATED
@@ -202,7 +206,11 @@ class Router:
         self.topology = topology
         self.pool = pool
         self.health = health
+        # Token block hashes each decode node holds (from prefill replies), and text block
+        # hashes of the prompts each node served (any method).
         self.prefixes = PrefixTable()
+        self.text_prefixes = PrefixTable()
+        self.costs = Costs()
         self._direct: dict[str, OllamaEngine] = {}
 
     @property
@@ -242,12 +250,14 @@ class Router:
         route = self._route(model)
         validate_prompt(prompt)
         validate_sampling(sampling, self.topology.mesh.max_tokens_limit)
+        blocks = text_blocks(route.name, prompt)
+        chain, reason = self._order(route, prompt, blocks)
         failed: list[FailedAttempt] = []
         last_error: MeshError | None = None
-        for step in route.chain:
-            for attempt in self._attempts(step, route):
+        for step in chain:
+            for attempt in self._attempts(step, route, blocks):
                 attempt.started = time.perf_counter()
-                summary = RouteSummary(method=attempt.method)
+                summary = RouteSummary(method=attempt.method, route_reason=reason)
                 sent = _Delivered()
                 try:
                     events = self._run(attempt, route, prompt, sampling, clock, summary, failed)
@@ -275,8 +285,10 @@ class Router:
                 for node in (attempt.prefill, attempt.decode):
                     if node is not None and node.name not in sent.failed_nodes:
                         self.health.succeeded(node)
+                        self.text_prefixes.learn(node.name, blocks)
                 summary.failed_attempts = failed
                 summary.total_seconds = clock.elapsed()
+                self._learn_costs(route, prompt, summary)
                 yield summary
                 return
         raise _exhausted(route, failed, last_error)
@@ -288,11 +300,11 @@ class Router:
             raise NotFound(f"model {model!r} is not served here; models: {known}")
         return route
 
-    def _attempts(self, step: Step, route: ModelRoute) -> Iterator[_Attempt]:
+    def _attempts(self, step: Step, route: ModelRoute, blocks: list[bytes]) -> Iterator[_Attempt]:
         """The attempts of one step, healthy nodes first (topology validation guarantees
         each step has the nodes it needs)."""
-        prefill = self.health.pick([self.topology.node(n) for n in route.prefill])
-        decode = self.health.pick([self.topology.node(n) for n in route.decode])
+        prefill = self._by_prefix([self.topology.node(n) for n in route.prefill], blocks)
+        decode = self._by_prefix([self.topology.node(n) for n in route.decode], blocks)
         if step == "direct_ollama":
             yield _Attempt(RouteMethod.DIRECT_OLLAMA)
         elif step == "disaggregated":
@@ -305,6 +317,65 @@ class Router:
         else:
             for node in decode:
                 yield _Attempt(RouteMethod.DECODE_ONLY, decode=node)
+
+    def _order(
+        self, route: ModelRoute, prompt: Prompt, blocks: list[bytes]
+    ) -> tuple[list[Step], str]:
+        """The steps to try, in order, and why the first: the chain as listed, or (mode
+        auto) disaggregated or decode_only first by estimated time to first token."""
+        if route.mode != "auto":
+            metrics.route_decision(route.name, route.chain[0], "chain")
+            return list(route.chain), f"chain: {route.chain[0]} is the chain's first step"
+        prefill = self._by_prefix([self.topology.node(n) for n in route.prefill], blocks)[0]
+        decode = self._by_prefix([self.topology.node(n) for n in route.decode], blocks)[0]
+        decision = self.costs.decide(
+            route.name,
+            len(prompt_bytes(prompt)),
+            self._candidate(prefill, blocks),
+            self._candidate(decode, blocks),
+        )
+        metrics.route_decision(route.name, decision.method, decision.basis)
+        first: Step = "disaggregated" if decision.method == "disaggregated" else "decode_only"
+        return [first, *(s for s in route.chain if s != first)], decision.reason
+
+    def _candidate(self, node: Node, blocks: list[bytes]) -> Candidate:
+        held = self.text_prefixes.overlap(node.name, blocks) * TEXT_BLOCK_CHARS
+        return Candidate(node.name, held, self.health.load(node))
+
+    def _learn_costs(self, route: ModelRoute, prompt: Prompt, s: RouteSummary) -> None:
+        """A request served at the first try, without migrating, by the embedded engine's
+        KV handoff or on a decode node alone: its figures say what each mode costs."""
+        if s.failed_attempts or s.migrations:
+            return
+        handoff = s.method == RouteMethod.DISAGGREGATED and s.kv_transfer == KvTransferKind.STATE
+        if not handoff and s.method != RouteMethod.DECODE_ONLY:
+            return
+        self.costs.learn(
+            route.name,
+            Observation(
+                method=s.method.value,
+                prefill_node=s.prefill_node,
+                decode_node=s.decode_node,
+                prompt_chars=len(prompt_bytes(prompt)),
+                prompt_tokens=s.prompt_tokens,
+                cached_prompt_tokens=s.cached_prompt_tokens,
+                prompt_seconds=s.prefill_seconds,
+                handoff_seconds=s.kv_transfer_seconds + s.kv_load_seconds,
+                kv_transfer_bytes=s.kv_transfer_bytes,
+                kv_state_bytes=s.kv_state_bytes,
+                time_to_first_token_seconds=s.time_to_first_token_seconds,
+            ),
+        )
+
+    def _by_prefix(self, nodes: list[Node], blocks: list[bytes]) -> list[Node]:
+        """Health first, then among the nodes with a free slot, those that served prompts
+        starting like this one the longest first (their prefix caches likely hold it), then
+        the busy ones by load; the topology's order breaks ties."""
+        picked = self.health.pick(nodes)
+        free = [n for n in picked if self.health.has_free_slot(n)]
+        busy = [n for n in picked if not self.health.has_free_slot(n)]
+        free.sort(key=lambda n: -self.text_prefixes.overlap(n.name, blocks))
+        return free + busy
 
     def _blame(self, attempt: _Attempt, exc: MeshError) -> None:
         if attempt.current is not None and exc.code in NODE_TROUBLE_CODES:
@@ -395,9 +466,11 @@ class Router:
                 self._attempt_failed(route, attempt, exc, failed)
                 attempt.started = time.perf_counter()
                 continue
-            _add_decode_stats(summary, _required(stats, decode))
-            if result is not None:
-                self.prefixes.learn(decode.name, result.block_hashes)
+            stats = _required(stats, decode)
+            _add_decode_stats(summary, stats)
+            if result is not None:  # what the decode node says it keeps
+                kept = stats.kept_prefix_tokens // PREFIX_BLOCK_TOKENS
+                self.prefixes.learn(decode.name, result.block_hashes[:kept])
             return
 
     def _decode_candidates(self, route: ModelRoute) -> list[DecodeCandidate]:

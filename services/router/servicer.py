@@ -76,6 +76,7 @@ def summary_to_proto(s: RouteSummary) -> router_pb2.GenerateSummary:
         cached_prompt_tokens=s.cached_prompt_tokens,
         decode_cached_prompt_tokens=s.decode_cached_prompt_tokens,
         kv_state_bytes=s.kv_state_bytes,
+        route_reason=s.route_reason,
         completion_tokens=s.completion_tokens,
         finish_reason=convert.FINISH_REASON_TO_PROTO[s.finish_reason],
         method=ROUTE_METHOD_TO_PROTO[s.method],

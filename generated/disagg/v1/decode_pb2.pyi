@@ -63,7 +63,7 @@ class DecodeServiceGenerateRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ..., kv: _Optional[_Union[KvSource, _Mapping]] = ..., prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[_types_pb2.ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[_types_pb2.SamplingParams, _Mapping]] = ..., continuation: _Optional[_Union[Continuation, _Mapping]] = ...) -> None: ...
 
 class DecodeSummary(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "finish_reason", "kv_transfer", "kv_fetch_duration", "kv_fetch_bytes", "kv_load_duration", "prompt_eval_duration", "decode_duration", "time_to_first_token", "cached_prompt_tokens")
+    __slots__ = ("prompt_tokens", "completion_tokens", "finish_reason", "kv_transfer", "kv_fetch_duration", "kv_fetch_bytes", "kv_load_duration", "prompt_eval_duration", "decode_duration", "time_to_first_token", "cached_prompt_tokens", "kept_prefix_tokens")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -75,6 +75,7 @@ class DecodeSummary(_message.Message):
     DECODE_DURATION_FIELD_NUMBER: _ClassVar[int]
     TIME_TO_FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KEPT_PREFIX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     finish_reason: _types_pb2.FinishReason
@@ -86,7 +87,8 @@ class DecodeSummary(_message.Message):
     decode_duration: _duration_pb2.Duration
     time_to_first_token: _duration_pb2.Duration
     cached_prompt_tokens: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., finish_reason: _Optional[_Union[_types_pb2.FinishReason, str]] = ..., kv_transfer: _Optional[_Union[_types_pb2.KvTransfer, str]] = ..., kv_fetch_duration: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., kv_fetch_bytes: _Optional[int] = ..., kv_load_duration: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., prompt_eval_duration: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., decode_duration: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., time_to_first_token: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
+    kept_prefix_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., finish_reason: _Optional[_Union[_types_pb2.FinishReason, str]] = ..., kv_transfer: _Optional[_Union[_types_pb2.KvTransfer, str]] = ..., kv_fetch_duration: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., kv_fetch_bytes: _Optional[int] = ..., kv_load_duration: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., prompt_eval_duration: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., decode_duration: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., time_to_first_token: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., cached_prompt_tokens: _Optional[int] = ..., kept_prefix_tokens: _Optional[int] = ...) -> None: ...
 
 class DecodeServiceGenerateResponse(_message.Message):
     __slots__ = ("delta", "summary")

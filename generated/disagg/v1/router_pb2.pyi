@@ -63,7 +63,7 @@ class Migration(_message.Message):
     def __init__(self, failed_node: _Optional[str] = ..., code: _Optional[str] = ..., tokens_delivered: _Optional[int] = ..., resumed_on: _Optional[str] = ..., resume_duration: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
 
 class GenerateSummary(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "finish_reason", "method", "kv_transfer", "prefill_duration", "prefill_tokens_per_second", "kv_transfer_duration", "kv_transfer_bytes", "kv_load_duration", "time_to_first_token", "decode_duration", "decode_tokens_per_second", "total_duration", "prefill_node", "prefill_address", "decode_node", "decode_address", "failed_attempts", "decode_prompt_eval_duration", "migrations", "cached_prompt_tokens", "decode_cached_prompt_tokens", "kv_state_bytes")
+    __slots__ = ("prompt_tokens", "completion_tokens", "finish_reason", "method", "kv_transfer", "prefill_duration", "prefill_tokens_per_second", "kv_transfer_duration", "kv_transfer_bytes", "kv_load_duration", "time_to_first_token", "decode_duration", "decode_tokens_per_second", "total_duration", "prefill_node", "prefill_address", "decode_node", "decode_address", "failed_attempts", "decode_prompt_eval_duration", "migrations", "cached_prompt_tokens", "decode_cached_prompt_tokens", "kv_state_bytes", "route_reason")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -88,6 +88,7 @@ class GenerateSummary(_message.Message):
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DECODE_CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KV_STATE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ROUTE_REASON_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     finish_reason: _types_pb2.FinishReason
@@ -112,7 +113,8 @@ class GenerateSummary(_message.Message):
     cached_prompt_tokens: int
     decode_cached_prompt_tokens: int
     kv_state_bytes: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., finish_reason: _Optional[_Union[_types_pb2.FinishReason, str]] = ..., method: _Optional[_Union[RouteMethod, str]] = ..., kv_transfer: _Optional[_Union[_types_pb2.KvTransfer, str]] = ..., prefill_duration: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., prefill_tokens_per_second: _Optional[float] = ..., kv_transfer_duration: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., kv_transfer_bytes: _Optional[int] = ..., kv_load_duration: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., time_to_first_token: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., decode_duration: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., decode_tokens_per_second: _Optional[float] = ..., total_duration: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., prefill_node: _Optional[str] = ..., prefill_address: _Optional[str] = ..., decode_node: _Optional[str] = ..., decode_address: _Optional[str] = ..., failed_attempts: _Optional[_Iterable[_Union[FailedAttempt, _Mapping]]] = ..., decode_prompt_eval_duration: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., migrations: _Optional[_Iterable[_Union[Migration, _Mapping]]] = ..., cached_prompt_tokens: _Optional[int] = ..., decode_cached_prompt_tokens: _Optional[int] = ..., kv_state_bytes: _Optional[int] = ...) -> None: ...
+    route_reason: str
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., finish_reason: _Optional[_Union[_types_pb2.FinishReason, str]] = ..., method: _Optional[_Union[RouteMethod, str]] = ..., kv_transfer: _Optional[_Union[_types_pb2.KvTransfer, str]] = ..., prefill_duration: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., prefill_tokens_per_second: _Optional[float] = ..., kv_transfer_duration: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., kv_transfer_bytes: _Optional[int] = ..., kv_load_duration: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., time_to_first_token: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., decode_duration: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., decode_tokens_per_second: _Optional[float] = ..., total_duration: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., prefill_node: _Optional[str] = ..., prefill_address: _Optional[str] = ..., decode_node: _Optional[str] = ..., decode_address: _Optional[str] = ..., failed_attempts: _Optional[_Iterable[_Union[FailedAttempt, _Mapping]]] = ..., decode_prompt_eval_duration: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., migrations: _Optional[_Iterable[_Union[Migration, _Mapping]]] = ..., cached_prompt_tokens: _Optional[int] = ..., decode_cached_prompt_tokens: _Optional[int] = ..., kv_state_bytes: _Optional[int] = ..., route_reason: _Optional[str] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("delta", "summary")

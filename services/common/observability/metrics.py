@@ -51,6 +51,12 @@ KV_BYTES = Counter(
     "the decode node held the prompt's prefix)",
     ["model", "kind"],
 )
+ROUTE_DECISIONS = Counter(
+    "disagg_route_decisions_total",
+    "Router: the first step chosen per request, by method and basis (chain: the chain's "
+    "order; cost: mode auto's estimate; measuring: mode auto lacking figures)",
+    ["model", "method", "basis"],
+)
 MIGRATIONS = Counter(
     "disagg_migrations_total",
     "Router: generations moved to another decode node mid-answer, by the failure's code",
@@ -142,6 +148,10 @@ def request_served(
         STAGE_SECONDS.labels(model, stage).observe(seconds)
     TOKENS.labels(model, "prompt").inc(prompt_tokens)
     TOKENS.labels(model, "completion").inc(completion_tokens)
+
+
+def route_decision(model: str, method: str, basis: str) -> None:
+    ROUTE_DECISIONS.labels(model, method, basis).inc()
 
 
 def kv_bytes(model: str, moved: int, whole: int) -> None:

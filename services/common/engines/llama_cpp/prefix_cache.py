@@ -28,7 +28,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-BLOCK_TOKENS = 64
+from services.common.types import PREFIX_BLOCK_TOKENS
+
+BLOCK_TOKENS = PREFIX_BLOCK_TOKENS
 
 
 class Sequences(Protocol):
@@ -123,25 +125,27 @@ class PrefixCache:
         self._ctx.copy_prefix(entry.seq, slot, tokens)
         entry.used = next(self._clock)
 
-    def keep(self, slot: int, hashes: Sequence[bytes]) -> None:
-        """Keep the slot's first len(hashes) whole blocks resident (they hold those tokens)."""
-        n = len(hashes) * self.block_tokens
-        if n == 0 or n > self.budget_tokens:
-            return
-        held = tuple(hashes)
+    def keep(self, slot: int, hashes: Sequence[bytes]) -> int:
+        """Keep the slot's first len(hashes) whole blocks resident (they hold those tokens),
+        as many as the budget allows; returns the tokens now held."""
+        held = tuple(hashes[: self.budget_tokens // self.block_tokens])
+        n = len(held) * self.block_tokens
+        if n == 0:
+            return 0
         for entry in self._entries:
             if common_prefix(entry.hashes, held) == len(held):  # already held
                 entry.used = next(self._clock)
-                return
+                return n
         for entry in [e for e in self._entries if held[: len(e.hashes)] == e.hashes]:
             self._drop(entry)  # this one holds all of it, and more
         while self._entries and (self.tokens + n > self.budget_tokens or not self._free):
             self.evict()
         if not self._free:
-            return
+            return 0
         seq = self._free.pop()
         self._ctx.copy_prefix(slot, seq, n)
         self._entries.append(Entry(seq, held, next(self._clock)))
+        return n
 
     def evict(self) -> bool:
         """Drop the least recently used entry; False when there is none."""

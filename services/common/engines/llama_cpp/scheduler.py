@@ -135,8 +135,10 @@ class Slot:
     prompt_token_s: float | None = None
     # Tokens of job.replay taken so far.
     replayed: int = 0
-    # Prompt tokens taken from the prefix cache (the prompt's pieces start there).
+    # Prompt tokens taken from the prefix cache (the prompt's pieces start there), and those
+    # the cache keeps of this prompt.
     cached: int = 0
+    kept: int = 0
 
     @property
     def prompting(self) -> bool:
@@ -343,7 +345,7 @@ class Scheduler:
             )
             return
         if self._cache is not None:
-            self._cache.keep(slot.index, job.hashes)
+            slot.kept = self._cache.keep(slot.index, job.hashes)
         slot.n_past = job.prompt_tokens
         slot.first_at = time.perf_counter()
         slot.kv_load_seconds = slot.first_at - slot.admitted_at
@@ -428,7 +430,7 @@ class Scheduler:
         if end == len(tokens):
             slot.first_at = time.perf_counter()
             if self._cache is not None:
-                self._cache.keep(slot.index, slot.job.hashes)
+                slot.kept = self._cache.keep(slot.index, slot.job.hashes)
             if slot.job.replay:
                 if not slot.job.first_token_from_prefill:
                     slot.sampler.sample(self._ctx.ptr, len(rows) - 1)  # drawn, not used
@@ -500,6 +502,7 @@ class Scheduler:
                 end,
                 prompt_tokens=slot.job.prompt_tokens if loaded else len(slot.job.tokens),
                 cached_prompt_tokens=slot.cached,
+                kept_prefix_tokens=slot.kept,
                 kv_load_seconds=slot.kv_load_seconds,
                 prompt_eval_seconds=0.0 if loaded else slot.first_at - slot.admitted_at,
                 decode_seconds=now - slot.first_at,

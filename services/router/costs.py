@@ -1,0 +1,159 @@
+"""Automatic mode: `disaggregated` or `decode_only`, per request, from measured figures.
+
+Disaggregation pays when the prefill machine evaluates the uncached part of a prompt enough
+faster than the decode machine would to cover moving its KV state. The router learns, from
+every request it serves:
+
+- each node's prompt evaluation speed (uncached prompt tokens per second: a prefill node's
+  from `disaggregated` requests, a decode node's from `decode_only` ones);
+- the KV handoff's seconds per byte (fetch and load) and each model's KV bytes per token;
+- the fixed cost of each mode: time to first token less the prompt evaluation and the
+  handoff (the extra calls of a disaggregated request, the first decode step);
+- characters per token of each model's prompts (the router does not tokenize).
+
+and estimates, for a request of C characters of which the chosen nodes are believed to hold
+some leading blocks already (their prefix caches; `prefixes.text_blocks`):
+
+    disaggregated = fixed_d + uncached_prefill / prefill_rate * (1 + prefill load)
+                    + moved_tokens * kv_bytes_per_token * seconds_per_byte
+    decode_only   = fixed_o + uncached_decode / decode_rate * (1 + decode load)
+
+Load is calls in flight per slot beyond the node's slots (0 with a free slot). The cheaper
+mode goes first; the route's chain stays the fallback order. Until both modes have
+figures, the one without is tried first (once is enough to measure it). Every decision is
+explained in the summary's `route_reason`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+# Weight of the newest observation in a running average.
+ALPHA = 0.3
+DEFAULT_CHARS_PER_TOKEN = 4.0
+K = TypeVar("K")
+
+
+class Average:
+    def __init__(self) -> None:
+        self.value: float | None = None
+
+    def add(self, x: float) -> None:
+        self.value = x if self.value is None else (1 - ALPHA) * self.value + ALPHA * x
+
+
+@dataclass
+class Observation:
+    """What one served request tells: the method, its nodes and the summary's figures."""
+
+    method: str  # "disaggregated" or "decode_only"
+    prefill_node: str
+    decode_node: str
+    prompt_chars: int
+    prompt_tokens: int
+    cached_prompt_tokens: int
+    prompt_seconds: float
+    handoff_seconds: float
+    kv_transfer_bytes: int
+    kv_state_bytes: int
+    time_to_first_token_seconds: float
+
+
+@dataclass
+class Candidate:
+    """A node the request would use, what it is believed to hold, and its load."""
+
+    node: str
+    held_chars: int
+    load: float
+
+
+@dataclass
+class Decision:
+    method: str
+    reason: str
+    # "cost" (both estimated) or "measuring" (one mode lacks figures).
+    basis: str
+    # Estimated seconds to the first token of each mode (None: not known).
+    estimates: dict[str, float | None] = field(default_factory=dict)
+
+
+class Costs:
+    def __init__(self) -> None:
+        self._rate: dict[str, Average] = {}  # node -> uncached prompt tokens per second
+        self._fixed: dict[tuple[str, str], Average] = {}  # (model, method) -> seconds
+        self._per_byte: dict[str, Average] = {}  # model -> handoff seconds per KV byte
+        self._bytes_per_token: dict[str, Average] = {}
+        self._chars_per_token: dict[str, Average] = {}
+
+    def learn(self, model: str, o: Observation) -> None:
+        if o.prompt_tokens <= 0:
+            return
+        _get(self._chars_per_token, model).add(o.prompt_chars / o.prompt_tokens)
+        uncached = o.prompt_tokens - o.cached_prompt_tokens
+        node = o.prefill_node if o.method == "disaggregated" else o.decode_node
+        if uncached > 0 and o.prompt_seconds > 0:
+            _get(self._rate, node).add(uncached / o.prompt_seconds)
+        if o.method == "disaggregated" and o.kv_transfer_bytes > 0:
+            _get(self._per_byte, model).add(o.handoff_seconds / o.kv_transfer_bytes)
+            _get(self._bytes_per_token, model).add(o.kv_state_bytes / o.prompt_tokens)
+        fixed = o.time_to_first_token_seconds - o.prompt_seconds - o.handoff_seconds
+        _get(self._fixed, (model, o.method)).add(max(fixed, 0.0))
+
+    def decide(
+        self, model: str, prompt_chars: int, prefill: Candidate, decode: Candidate
+    ) -> Decision:
+        """Which of disaggregated and decode_only goes first for this request, and why."""
+        chars = _value(self._chars_per_token, model) or DEFAULT_CHARS_PER_TOKEN
+        tokens = prompt_chars / chars
+        d = self._disaggregated(model, tokens, chars, prefill, decode)
+        o = self._decode_only(model, tokens, chars, decode)
+        estimates = {"disaggregated": d, "decode_only": o}
+        if d is None or o is None:
+            method = "disaggregated" if d is None else "decode_only"
+            missing = (
+                f"{prefill.node}'s prompt speed and the KV handoff"
+                if d is None
+                else f"{decode.node}'s prompt speed"
+            )
+            reason = f"auto: measuring {method} (no figures yet for {missing})"
+            return Decision(method, reason, "measuring", estimates)
+        method = "disaggregated" if d <= o else "decode_only"
+        reason = (
+            f"auto: ~{tokens:.0f} prompt tokens: disaggregated ~{d * 1000:.0f} ms "
+            f"({prefill.node} -> {decode.node}) vs decode_only ~{o * 1000:.0f} ms "
+            f"({decode.node}): {method}"
+        )
+        return Decision(method, reason, "cost", estimates)
+
+    def _disaggregated(
+        self, model: str, tokens: float, chars: float, prefill: Candidate, decode: Candidate
+    ) -> float | None:
+        rate = _value(self._rate, prefill.node)
+        fixed = _value(self._fixed, (model, "disaggregated"))
+        per_byte = _value(self._per_byte, model)
+        per_token = _value(self._bytes_per_token, model)
+        if rate is None or fixed is None or per_byte is None or per_token is None:
+            return None
+        evaluate = max(tokens - prefill.held_chars / chars, 1.0) / rate * (1 + prefill.load)
+        moved = max(tokens - decode.held_chars / chars, 1.0) * per_token * per_byte
+        return fixed + evaluate + moved
+
+    def _decode_only(
+        self, model: str, tokens: float, chars: float, decode: Candidate
+    ) -> float | None:
+        rate = _value(self._rate, decode.node)
+        fixed = _value(self._fixed, (model, "decode_only"))
+        if rate is None or fixed is None:
+            return None
+        return fixed + max(tokens - decode.held_chars / chars, 1.0) / rate * (1 + decode.load)
+
+
+def _get(table: dict[K, Average], key: K) -> Average:
+    return table.setdefault(key, Average())
+
+
+def _value(table: dict[K, Average], key: K) -> float | None:
+    average = table.get(key)
+    return None if average is None else average.value

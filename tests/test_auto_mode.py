@@ -1,0 +1,131 @@
+"""Automatic mode: disaggregated or decode_only per request, from measured figures. A real
+mesh whose decode node evaluates prompts slowly (8 tokens a pass) sends long prompts to the
+prefill node and short ones straight to the decode node; the estimate follows whatever
+was measured; the summary says why."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+
+from disagg.v1 import router_pb2, router_pb2_grpc
+from services.common.processes import MeshProcesses
+from services.router.costs import Candidate, Costs, Observation
+from tests.conftest import engine_node, route, router_node, router_stub, running_mesh
+from tests.streams import collect, request
+
+MODEL = "auto"
+DISAGGREGATED = router_pb2.ROUTE_METHOD_DISAGGREGATED
+DECODE_ONLY = router_pb2.ROUTE_METHOD_DECODE_ONLY
+
+
+def long_prompt(i: int) -> str:
+    """About 800 tokens, different every time (no prefix cache helps either mode)."""
+    return f"Essay {i}. " + " ".join(
+        f"Point {i}.{k}: the tests cover edge cases." for k in range(80)
+    )
+
+
+@pytest.fixture(scope="module")
+def auto_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MeshProcesses]:
+    folder: Path = tmp_path_factory.mktemp("auto-mode")
+    parts = [
+        "[mesh]\ncooldown_s = 0.5\nhealth_check_every_s = 0.5\n",
+        router_node(),
+        engine_node("prefill-fast", "prefill", 1, slots=2, prefix_cache_tokens=0),
+        # Throttled: prompts in passes of 8 tokens.
+        engine_node(
+            "decode-slow", "decode", 1, slots=2, n_batch=8, n_ubatch=8, prefix_cache_tokens=0
+        ),
+        route(
+            MODEL,
+            ["prefill-fast"],
+            ["decode-slow"],
+            chain=["disaggregated", "decode_only"],
+            mode="auto",
+        ),
+    ]
+    with running_mesh(folder, parts) as processes:
+        yield processes
+
+
+@pytest_asyncio.fixture
+async def router(auto_mesh: MeshProcesses) -> AsyncIterator[router_pb2_grpc.RouterServiceAsyncStub]:
+    async with router_stub(auto_mesh) as stub:
+        yield stub
+
+
+async def served(
+    router: router_pb2_grpc.RouterServiceAsyncStub, prompt: str
+) -> router_pb2.GenerateSummary:
+    got = await collect(router.Generate(request(MODEL, prompt, 2)))
+    summary: router_pb2.GenerateSummary | None = got.summary
+    assert summary is not None and not summary.failed_attempts
+    return summary
+
+
+async def test_long_prompts_go_to_the_faster_prefill_node_and_short_ones_do_not(
+    router: router_pb2_grpc.RouterServiceAsyncStub,
+) -> None:
+    # No figures yet: each mode is measured once.
+    first = await served(router, long_prompt(0))
+    assert first.method == DISAGGREGATED
+    assert first.route_reason.startswith("auto: measuring disaggregated")
+    second = await served(router, long_prompt(1))
+    assert second.method == DECODE_ONLY
+    assert second.route_reason.startswith("auto: measuring decode_only")
+    # From the figures: the prefill node evaluates long prompts several times faster, which
+    # covers moving their KV; a short prompt does not pay for the handoff.
+    for i in range(2, 5):
+        long = await served(router, long_prompt(i))
+        assert long.method == DISAGGREGATED, long.route_reason
+        assert "disaggregated ~" in long.route_reason
+        assert long.route_reason.endswith(": disaggregated")
+        short = await served(router, f"Hi {i}")
+        assert short.method == DECODE_ONLY, short.route_reason
+        assert short.route_reason.endswith(": decode_only")
+
+
+def observe(costs: Costs, method: str, tokens: int, seconds: float) -> None:
+    costs.learn(
+        "m",
+        Observation(
+            method=method,
+            prefill_node="p",
+            decode_node="d",
+            prompt_chars=4 * tokens,
+            prompt_tokens=tokens,
+            cached_prompt_tokens=0,
+            prompt_seconds=seconds,
+            handoff_seconds=0.02 if method == "disaggregated" else 0.0,
+            kv_transfer_bytes=23_040 * tokens if method == "disaggregated" else 0,
+            kv_state_bytes=23_040 * tokens if method == "disaggregated" else 0,
+            time_to_first_token_seconds=seconds + (0.05 if method == "disaggregated" else 0.005),
+        ),
+    )
+
+
+def test_the_choice_follows_the_measured_costs() -> None:
+    idle_p, idle_d = Candidate("p", 0, 0.0), Candidate("d", 0, 0.0)
+    # Equal nodes: disaggregating only adds the handoff, so decode_only wins at every size.
+    equal = Costs()
+    observe(equal, "disaggregated", 1000, 1.0)
+    observe(equal, "decode_only", 1000, 1.0)
+    for chars in (40, 4_000, 40_000):
+        assert equal.decide("m", chars, idle_p, idle_d).method == "decode_only"
+    # A prefill node 4x as fast: long prompts go disaggregated, short ones do not.
+    fast = Costs()
+    observe(fast, "disaggregated", 1000, 0.25)
+    observe(fast, "decode_only", 1000, 1.0)
+    assert fast.decide("m", 40, idle_p, idle_d).method == "decode_only"
+    decision = fast.decide("m", 4_000, idle_p, idle_d)
+    assert decision.method == "disaggregated" and decision.basis == "cost"
+    # The same, but the prefill node's slots are all taken 4 times over: decode_only.
+    busy = Candidate("p", 0, 4.0)
+    assert fast.decide("m", 4_000, busy, idle_d).method == "decode_only"
+    # The decode node already holds most of the prompt (its prefix cache): decode_only.
+    holding = Candidate("d", 3_800, 0.0)
+    assert fast.decide("m", 4_000, idle_p, holding).method == "decode_only"
