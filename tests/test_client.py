@@ -181,6 +181,7 @@ def test_cli_status_shows_every_node_and_fails_when_one_is_down(mesh: Mesh, tmp_
     decode_line = next(line for line in out.stdout.splitlines() if line.startswith("decode-qwen "))
     assert "slots 0/8, queue 0/16, " in decode_line and " decode tok/s" in decode_line
     assert "CPU, 0/31 layers on GPU" in decode_line
+    assert "prefix cache " in decode_line and "/4096 tokens" in decode_line
     with_dead = tmp_path / "topology.toml"
     with_dead.write_text(
         topology.read_text() + f'\n[[nodes]]\nname = "ghost"\nrole = "decode"\nhost = "127.0.0.1"\n'

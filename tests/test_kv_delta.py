@@ -139,6 +139,23 @@ async def test_the_node_holding_the_prefix_is_passed_over_while_busy(
     assert s.kv_transfer_bytes == s.kv_state_bytes  # the other node held nothing
 
 
+async def test_the_node_holding_the_prefix_is_passed_over_while_unhealthy(
+    router: router_pb2_grpc.RouterServiceAsyncStub, delta_mesh: MeshProcesses
+) -> None:
+    _, s = await grade(router, SUBMISSIONS[5])
+    holder = s.decode_node
+    other = "decode-d2" if holder == "decode-d1" else "decode-d1"
+    proc = delta_mesh.procs[holder]
+    os.kill(proc.pid, signal.SIGSTOP)  # hung: its health checks time out
+    try:
+        await asyncio.sleep(3.0)
+        _, s = await grade(router, SUBMISSIONS[6])
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+    assert s.decode_node == other and not s.failed_attempts
+    await asyncio.sleep(3.0)  # the router sees it serving again
+
+
 async def test_a_decode_node_that_lost_its_cache_gets_the_whole_state(
     router: router_pb2_grpc.RouterServiceAsyncStub, delta_mesh: MeshProcesses
 ) -> None:

@@ -10,11 +10,11 @@ import llama_cpp
 import pytest_asyncio
 
 from disagg.v1 import router_pb2, router_pb2_grpc
-from services.common.engines.llama_cpp import LlamaCppEngine
+from services.common.engines.llama_cpp import EngineSettings, LlamaCppEngine
 from services.common.engines.llama_cpp.prefix_cache import PrefixCache, block_hashes
-from services.common.types import GenerationEnd, Prompt, Sampling, TextChunk
+from services.common.types import DecodeCandidate, GenerationEnd, Prompt, Sampling, TextChunk
 from tests.streams import collect, request
-from tests.test_engine import open_engine
+from tests.test_engine import PATH, open_engine
 
 RUBRIC = (
     "You grade Python homework. Rubric: correctness 40 points (every test passes, edge "
@@ -123,6 +123,35 @@ async def test_the_token_budget_evicts_the_least_recently_used_prefix() -> None:
         assert end.cached_prompt_tokens == 192  # c stayed
     finally:
         await engine.close()
+
+
+async def test_a_prefix_held_under_another_fingerprint_is_never_used() -> None:
+    """Two nodes of one file but other KV settings (here: another model digest): the hashes
+    one holds never match the other's prompt, so the whole state moves."""
+    prompt = Prompt(text=RUBRIC + SUBMISSIONS[0])
+    here = await open_engine(n_ctx=2048, n_threads=2, prefix_cache_tokens=2048)
+    other = await LlamaCppEngine.open(
+        "other",
+        PATH,
+        EngineSettings(n_ctx=2048, n_threads=2, max_queue=1, slots=2, prefix_cache_tokens=2048),
+        model_sha256="1" * 64,
+    )
+    try:
+        theirs = await other.prefill(prompt, GREEDY)
+        held = DecodeCandidate("other-decode", frozenset(theirs.block_hashes))
+        ours = await here.prefill(prompt, GREEDY, [held])
+        assert len(theirs.block_hashes) == len(ours.block_hashes) > 10
+        assert not set(theirs.block_hashes) & set(ours.block_hashes)
+        assert ours.kv_prefix_tokens == 0 and ours.kv_prefix_node == ""
+        assert len(ours.kv_state) == ours.kv_state_bytes  # the whole state
+        # Under its own fingerprint the same blocks do match: only the rest is kept.
+        mine = DecodeCandidate("my-decode", frozenset(ours.block_hashes))
+        again = await here.prefill(prompt, GREEDY, [held, mine])
+        assert again.kv_prefix_node == "my-decode" and again.kv_prefix_tokens >= 1024
+        assert len(again.kv_state) < 0.2 * again.kv_state_bytes
+    finally:
+        await here.close()
+        await other.close()
 
 
 def test_block_hashes_chain_every_token_before_them_and_the_fingerprint() -> None:
