@@ -11,7 +11,8 @@ import pytest_asyncio
 
 from disagg.v1 import router_pb2, router_pb2_grpc
 from services.common.engines.llama_cpp import EngineSettings, LlamaCppEngine
-from services.common.engines.llama_cpp.prefix_cache import PrefixCache, block_hashes
+from services.common.engines.llama_cpp.prefix_cache import PrefixCache
+from services.common.engines.prefix_keys import block_hashes
 from services.common.types import DecodeCandidate, GenerationEnd, Prompt, Sampling, TextChunk
 from tests.streams import collect, request
 from tests.test_engine import PATH, open_engine

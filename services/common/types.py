@@ -115,10 +115,6 @@ class PrefillResult:
     kv_state_bytes: int = 0
 
 
-# Tokens of a prefix cache block: caches match, keep and hand over whole blocks.
-PREFIX_BLOCK_TOKENS = 64
-
-
 @dataclass(frozen=True)
 class DecodeCandidate:
     """A decode node a prefill node may hand its KV state to, and the block hashes of the

@@ -7,16 +7,16 @@ prefill node picks the one holding the longest prefix of its prompt and exports 
 rest of the KV state. A belief can be stale (the node evicted the blocks, or restarted):
 the decode node then answers ABORTED and the router forgets what it believed of that node.
 
-Hashes are salted with the model's fingerprint (engines/llama_cpp/prefix_cache.py), so one
-table serves every model.
+Hashes are salted with the model's fingerprint (engines/prefix_keys.py), so one table
+serves every model.
 """
 
 from __future__ import annotations
 
-import hashlib
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
+from services.common.engines.prefix_keys import chained_hashes, leading_blocks
 from services.common.types import Prompt
 
 # Characters of a prompt's text block (text_blocks): about 64 tokens.
@@ -48,13 +48,7 @@ class PrefixTable:
 
     def overlap(self, node: str, hashes: Sequence[bytes]) -> int:
         """How many of these chained hashes, from the first, the node is believed to hold."""
-        held = self._held.get(node)
-        if held is None:
-            return 0
-        n = 0
-        while n < len(hashes) and hashes[n] in held:
-            n += 1
-        return n
+        return leading_blocks(hashes, self._held.get(node, {}))
 
 
 def prompt_bytes(prompt: Prompt) -> bytes:
@@ -64,14 +58,8 @@ def prompt_bytes(prompt: Prompt) -> bytes:
     return prompt.text.encode()
 
 
-def text_blocks(model: str, prompt: Prompt) -> list[bytes]:
-    """Chained hashes of the prompt's text in blocks of TEXT_BLOCK_CHARS: the router does not
-    tokenize, so it tells prompts that start alike by their text (a node's own cache then
-    matches tokens)."""
-    data = prompt_bytes(prompt)
-    out = []
-    chain = hashlib.sha256(model.encode()).digest()
-    for end in range(TEXT_BLOCK_CHARS, len(data) + 1, TEXT_BLOCK_CHARS):
-        chain = hashlib.sha256(chain + data[end - TEXT_BLOCK_CHARS : end]).digest()
-        out.append(chain[:16])
-    return out
+def text_blocks(model: str, data: bytes) -> list[bytes]:
+    """Chained hashes of a prompt's bytes (prompt_bytes) in blocks of TEXT_BLOCK_CHARS: the
+    router does not tokenize, so it tells prompts that start alike by their text (a node's
+    own cache then matches tokens)."""
+    return chained_hashes(model, data, TEXT_BLOCK_CHARS)

@@ -19,13 +19,13 @@ import grpc
 import structlog
 
 from services.common.engines.ollama_engine import OllamaEngine
+from services.common.engines.prefix_keys import PREFIX_BLOCK_TOKENS
 from services.common.errors import DeadlineExceeded, MeshError, NotFound, UpstreamError
 from services.common.node_clients import ChannelPool, DecodeClient, PrefillClient
 from services.common.observability import metrics
 from services.common.retries import call_with_retries, is_retryable
 from services.common.topology import ModelRoute, Node, Step, Topology
 from services.common.types import (
-    PREFIX_BLOCK_TOKENS,
     Continuation,
     DecodeCandidate,
     DecodeStats,
@@ -250,8 +250,9 @@ class Router:
         route = self._route(model)
         validate_prompt(prompt)
         validate_sampling(sampling, self.topology.mesh.max_tokens_limit)
-        blocks = text_blocks(route.name, prompt)
-        chain, reason = self._order(route, prompt, blocks)
+        data = prompt_bytes(prompt)
+        blocks = text_blocks(route.name, data)
+        chain, reason = self._order(route, len(data), blocks)
         failed: list[FailedAttempt] = []
         last_error: MeshError | None = None
         for step in chain:
@@ -288,7 +289,7 @@ class Router:
                         self.text_prefixes.learn(node.name, blocks)
                 summary.failed_attempts = failed
                 summary.total_seconds = clock.elapsed()
-                self._learn_costs(route, prompt, summary)
+                self._learn_costs(route, len(data), summary)
                 yield summary
                 return
         raise _exhausted(route, failed, last_error)
@@ -319,7 +320,7 @@ class Router:
                 yield _Attempt(RouteMethod.DECODE_ONLY, decode=node)
 
     def _order(
-        self, route: ModelRoute, prompt: Prompt, blocks: list[bytes]
+        self, route: ModelRoute, prompt_chars: int, blocks: list[bytes]
     ) -> tuple[list[Step], str]:
         """The steps to try, in order, and why the first: the chain as listed, or (mode
         auto) disaggregated or decode_only first by estimated time to first token."""
@@ -330,7 +331,7 @@ class Router:
         decode = self._by_prefix([self.topology.node(n) for n in route.decode], blocks)[0]
         decision = self.costs.decide(
             route.name,
-            len(prompt_bytes(prompt)),
+            prompt_chars,
             self._candidate(prefill, blocks),
             self._candidate(decode, blocks),
         )
@@ -342,7 +343,7 @@ class Router:
         held = self.text_prefixes.overlap(node.name, blocks) * TEXT_BLOCK_CHARS
         return Candidate(node.name, held, self.health.load(node))
 
-    def _learn_costs(self, route: ModelRoute, prompt: Prompt, s: RouteSummary) -> None:
+    def _learn_costs(self, route: ModelRoute, prompt_chars: int, s: RouteSummary) -> None:
         """A request served at the first try, without migrating, by the embedded engine's
         KV handoff or on a decode node alone: its figures say what each mode costs."""
         if s.failed_attempts or s.migrations:
@@ -356,7 +357,7 @@ class Router:
                 method=s.method.value,
                 prefill_node=s.prefill_node,
                 decode_node=s.decode_node,
-                prompt_chars=len(prompt_bytes(prompt)),
+                prompt_chars=prompt_chars,
                 prompt_tokens=s.prompt_tokens,
                 cached_prompt_tokens=s.cached_prompt_tokens,
                 prompt_seconds=s.prefill_seconds,

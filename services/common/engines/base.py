@@ -38,7 +38,7 @@ class PrefillOutput:
     seconds: float
     # Prompt tokens taken from the engine's prefix cache.
     cached_prompt_tokens: int = 0
-    # Block hashes of the prompt's whole blocks (prefix_cache.block_hashes).
+    # Block hashes of the prompt's whole blocks (prefix_keys.block_hashes).
     block_hashes: tuple[bytes, ...] = ()
     # The state leaves out positions before this: the decode node named kv_prefix_node
     # holds them (0: the whole state). kv_state_bytes: the whole state's size.

@@ -22,17 +22,19 @@ from pathlib import Path
 from services.common.engines.base import EngineLoad, Generation, PrefillOutput
 from services.common.engines.llama_cpp.context import ContextSettings, SlotContext
 from services.common.engines.llama_cpp.model import ENGINE_VERSION, LlamaModel, ModelLoadError
-from services.common.engines.llama_cpp.prefix_cache import (
-    BLOCK_TOKENS,
-    PrefixCache,
-    block_hashes,
-)
+from services.common.engines.llama_cpp.prefix_cache import PrefixCache
 from services.common.engines.llama_cpp.scheduler import (
     Event,
     Job,
     JobKind,
     Scheduler,
     SchedulerSettings,
+)
+from services.common.engines.prefix_keys import (
+    PREFIX_BLOCK_TOKENS,
+    block_hashes,
+    leading_blocks,
+    reusable_blocks,
 )
 from services.common.errors import InvalidArgument, MeshError
 from services.common.types import (
@@ -192,7 +194,7 @@ class LlamaCppEngine:
         tokens, hashes = await asyncio.to_thread(self._tokenize, prompt)
         job = Job(JobKind.PREFILL, sampling, tokens=tokens, hashes=hashes)
         holder, blocks = _best_holder(hashes, len(tokens), candidates)
-        job.prefix_tokens = blocks * BLOCK_TOKENS
+        job.prefix_tokens = blocks * PREFIX_BLOCK_TOKENS
         async with aclosing(self._events(job)) as events:
             output = await anext(events)
         assert isinstance(output, PrefillOutput)
@@ -216,22 +218,22 @@ class LlamaCppEngine:
                 "kv.first_token_id",
                 f"must be in 0..{self._model.n_vocab - 1}, got {source.first_token_id}",
             )
-        if len(source.block_hashes) > source.prompt_tokens // BLOCK_TOKENS:
+        if len(source.block_hashes) > source.prompt_tokens // PREFIX_BLOCK_TOKENS:
             raise InvalidArgument(
                 "kv.block_hashes",
                 f"{len(source.block_hashes)} hashes for {source.prompt_tokens} prompt tokens "
-                f"(one per whole block of {BLOCK_TOKENS})",
+                f"(one per whole block of {PREFIX_BLOCK_TOKENS})",
             )
         prefix = source.prefix_tokens
         if prefix and (
-            prefix % BLOCK_TOKENS
+            prefix % PREFIX_BLOCK_TOKENS
             or not 0 < prefix < source.prompt_tokens
-            or prefix // BLOCK_TOKENS > len(source.block_hashes)
+            or prefix // PREFIX_BLOCK_TOKENS > len(source.block_hashes)
         ):
             raise InvalidArgument(
                 "kv.prefix_tokens",
-                f"must be whole blocks of {BLOCK_TOKENS} covered by kv.block_hashes and under "
-                f"kv.prompt_tokens, got {prefix}",
+                f"must be whole blocks of {PREFIX_BLOCK_TOKENS} covered by kv.block_hashes "
+                f"and under kv.prompt_tokens, got {prefix}",
             )
         job = Job(
             JobKind.CONTINUE,
@@ -328,12 +330,10 @@ def _best_holder(
     """The candidate holding the most of the prompt's first blocks, and how many (the
     first in the given order on a tie; ("", 0) when none holds any). At least the prompt's
     last token is always left in the state."""
-    usable = hashes[: (prompt_tokens - 1) // BLOCK_TOKENS]
+    usable = reusable_blocks(hashes, prompt_tokens)
     best, best_blocks = "", 0
     for candidate in candidates:
-        blocks = 0
-        while blocks < len(usable) and usable[blocks] in candidate.block_hashes:
-            blocks += 1
+        blocks = leading_blocks(usable, candidate.block_hashes)
         if blocks > best_blocks:
             best, best_blocks = candidate.node, blocks
     return best, best_blocks

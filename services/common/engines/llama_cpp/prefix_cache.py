@@ -22,15 +22,12 @@ Only the engine thread uses a PrefixCache.
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from services.common.types import PREFIX_BLOCK_TOKENS
-
-BLOCK_TOKENS = PREFIX_BLOCK_TOKENS
+from services.common.engines.prefix_keys import PREFIX_BLOCK_TOKENS, reusable_blocks
 
 
 class Sequences(Protocol):
@@ -44,7 +41,7 @@ class Sequences(Protocol):
 @dataclass(eq=False)
 class Entry:
     seq: int
-    # One hash per whole block held (block_hashes): the entry holds positions
+    # One hash per whole block held (prefix_keys.block_hashes): the entry holds positions
     # 0 .. len(hashes) * block_tokens - 1 of the prompt these hashes describe.
     hashes: tuple[bytes, ...]
     used: int
@@ -59,26 +56,13 @@ def common_prefix(a: Sequence[bytes], b: Sequence[bytes]) -> int:
     return n
 
 
-def block_hashes(salt: str, tokens: Sequence[int], block_tokens: int = BLOCK_TOKENS) -> list[bytes]:
-    """One hash per whole block, each covering every token before its end (a chain), salted
-    with the fingerprint: equal hashes mean the same model, settings and tokens, so two
-    nodes can tell whether they hold the same prefix without sending tokens."""
-    out = []
-    chain = hashlib.sha256(salt.encode()).digest()
-    for end in range(block_tokens, len(tokens) + 1, block_tokens):
-        block = b"".join(t.to_bytes(4, "little") for t in tokens[end - block_tokens : end])
-        chain = hashlib.sha256(chain + block).digest()
-        out.append(chain[:16])
-    return out
-
-
 class PrefixCache:
     def __init__(
         self,
         context: Sequences,
         seqs: Sequence[int],
         budget_tokens: int,
-        block_tokens: int = BLOCK_TOKENS,
+        block_tokens: int = PREFIX_BLOCK_TOKENS,
     ) -> None:
         self._ctx = context
         self._free = list(seqs)
@@ -96,7 +80,7 @@ class PrefixCache:
         """The entry sharing the most whole blocks with a prompt of these block hashes, and
         how many tokens; at least one token is always left to evaluate (its logits are
         needed)."""
-        usable = hashes[: (prompt_tokens - 1) // self.block_tokens]
+        usable = reusable_blocks(hashes, prompt_tokens, self.block_tokens)
         best: Entry | None = None
         best_n = 0
         for entry in self._entries:

@@ -103,7 +103,7 @@ class Job:
     # The first token was sampled by a prefill node: CONTINUE, or a continuation of a
     # disaggregated generation. This sampler then did not draw it, and has seed offset 1.
     first_token_from_prefill: bool = False
-    # The prompt's block hashes (prefix_cache.block_hashes), the prefix cache's keys.
+    # The prompt's block hashes (prefix_keys.block_hashes), the prefix cache's keys.
     hashes: tuple[bytes, ...] = ()
     # PREFILL: positions before this are left out of the exported state (a decode node
     # holds them). CONTINUE: the state starts here; the prefix cache has the positions before.
