@@ -163,19 +163,8 @@ def migration_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Migrati
             decode_deadline_s=8.0,
         ),
     ]
-    path = folder / "topology.toml"
-    path.write_text("\n".join(parts))
-    from services.common.topology import load_topology
-
-    processes = MeshProcesses(load_topology(path), folder / "logs")
-    processes.start()
-    try:
-        asyncio.run(processes.wait_serving(240))
+    with running_mesh(folder, parts) as processes:
         yield MigrationMesh(processes)
-    finally:
-        for proc in processes.procs.values():
-            proc.send_signal(signal.SIGCONT)
-        processes.stop()
 
 
 @dataclass

@@ -13,9 +13,9 @@ from disagg.v1 import router_pb2, router_pb2_grpc
 from services.common.engines.llama_cpp import EngineSettings, LlamaCppEngine
 from services.common.engines.llama_cpp.prefix_cache import PrefixCache
 from services.common.engines.prefix_keys import block_hashes
-from services.common.types import DecodeCandidate, GenerationEnd, Prompt, Sampling, TextChunk
+from services.common.types import DecodeCandidate, GenerationEnd, Prompt, Sampling
 from tests.streams import collect, request
-from tests.test_engine import PATH, open_engine
+from tests.test_engine import PATH, drain, open_engine
 
 RUBRIC = (
     "You grade Python homework. Rubric: correctness 40 points (every test passes, edge "
@@ -32,14 +32,7 @@ BLOCK = 64
 
 
 async def run(engine: LlamaCppEngine, text: str) -> tuple[str, GenerationEnd]:
-    out, end = "", None
-    async for item in engine.generate(Prompt(text=text), GREEDY):
-        if isinstance(item, TextChunk):
-            out += item.text
-        else:
-            end = item
-    assert end is not None
-    return out, end
+    return await drain(engine.generate(Prompt(text=text), GREEDY))
 
 
 class SamePieces:
