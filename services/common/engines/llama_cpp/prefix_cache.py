@@ -12,12 +12,13 @@ prompt evaluated from its start, and llama.cpp's numbers depend on the pieces: g
 can drift from a run without the cache after some tokens. It is identical to one process
 that evaluated the prompt in the same pieces (tests/test_prefix_cache.py).
 
-Entries are keyed by block hashes (`block_hashes`: a chain of SHA-256 over the tokens,
-salted with the fingerprint), so a decode node can keep the prefix of a KV state it loaded
-without knowing its tokens, and a prefill node can tell which decode node holds which
+Entries are keyed by block hashes (`prefix_keys.block_hashes`: a chain of SHA-256 over the
+tokens, salted with the fingerprint), so a decode node can keep the prefix of a KV state it
+loaded without knowing its tokens, and a prefill node can tell which decode node holds which
 prefix: a prefix from another model or other KV settings never matches.
 
-Only the engine thread uses a PrefixCache.
+Only the engine thread changes a PrefixCache; `tokens` is a plain int that other threads may
+read (the engine's load()).
 """
 
 from __future__ import annotations
@@ -70,11 +71,8 @@ class PrefixCache:
         self.block_tokens = block_tokens
         self._entries: list[Entry] = []
         self._clock = itertools.count()
-
-    @property
-    def tokens(self) -> int:
-        """Tokens held (a prefix held by two entries counts twice)."""
-        return sum(len(e.hashes) for e in self._entries) * self.block_tokens
+        # Tokens held (a prefix held by two entries counts twice).
+        self.tokens = 0
 
     def lookup(self, hashes: Sequence[bytes], prompt_tokens: int) -> tuple[Entry | None, int]:
         """The entry sharing the most whole blocks with a prompt of these block hashes, and
@@ -129,6 +127,7 @@ class PrefixCache:
         seq = self._free.pop()
         self._ctx.copy_prefix(slot, seq, n)
         self._entries.append(Entry(seq, held, next(self._clock)))
+        self.tokens += n
         return n
 
     def evict(self) -> bool:
@@ -140,5 +139,6 @@ class PrefixCache:
 
     def _drop(self, entry: Entry) -> None:
         self._entries.remove(entry)
+        self.tokens -= len(entry.hashes) * self.block_tokens
         self._ctx.drop(entry.seq)
         self._free.append(entry.seq)

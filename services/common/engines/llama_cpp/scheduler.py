@@ -169,8 +169,6 @@ class Scheduler:
         self._settings = settings
         self._kv_bytes_per_token = kv_bytes_per_token
         self._cache = prefix_cache
-        # Tokens the prefix cache holds, for load(); written by the engine thread only.
-        self._cache_tokens = 0
         # Cells holding tokens (running slots and parked ones), for load(); written by the
         # engine thread only.
         self._cells_used = 0
@@ -229,7 +227,7 @@ class Scheduler:
             decode_tokens_per_second=decode_tps,
             kv_cache_bytes=self._ctx.settings.cells * self._kv_bytes_per_token,
             kv_cache_used_bytes=self._cells_used * self._kv_bytes_per_token,
-            prefix_cache_tokens=self._cache_tokens,
+            prefix_cache_tokens=self._cache.tokens if self._cache else 0,
             prefix_cache_max_tokens=self._cache.budget_tokens if self._cache else 0,
         )
 
@@ -262,7 +260,6 @@ class Scheduler:
                 self._cells_used = self._parked_cells + sum(
                     s.n_past for s in self._slots if s is not None
                 )
-                self._cache_tokens = self._cache.tokens if self._cache else 0
         except BaseException as exc:  # a bug in the loop itself: say so, fail every job
             self.problem = f"the engine loop failed: {type(exc).__name__}: {exc}"
             log.exception("engine loop failed", node=self.name)
