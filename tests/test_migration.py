@@ -5,6 +5,7 @@ migrating a stream whose decode node was killed or hung."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import signal
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -16,15 +17,26 @@ import pytest
 import pytest_asyncio
 
 from disagg.v1 import node_pb2, node_pb2_grpc, router_pb2, router_pb2_grpc, types_pb2
+from services.common.engines.base import PrefillOutput
 from services.common.engines.llama_cpp import LlamaCppEngine
+from services.common.errors import FailedPrecondition, InvalidArgument
 from services.common.processes import MeshProcesses
-from services.common.types import Continuation, GenerationEnd, Prompt, Sampling, TextChunk
+from services.common.types import (
+    Continuation,
+    GenerationEnd,
+    KvSource,
+    Prompt,
+    Sampling,
+    TextChunk,
+)
 from tests.conftest import engine_node, route, router_node, running_mesh
 from tests.fake_ollama import FakeOllama, WordModel
-from tests.test_engine import open_engine
+from tests.test_engine import drain, open_engine
 
 PROMPT = "Count from one to fifty in words, separated by commas: one, two,"
 LONG = 200
+# The same nodes; a migration's prompt and delivered tokens are evaluated by the prefill node.
+VIA_PREFILL = "m-via-prefill"
 
 
 async def run(
@@ -111,10 +123,94 @@ async def test_a_continuation_from_text_alone_is_tokenized_and_goes_on(
 
 
 async def test_a_continuation_with_bad_ids_is_refused(engine: LlamaCppEngine) -> None:
-    from services.common.errors import InvalidArgument
-
     with pytest.raises(InvalidArgument, match=r"continuation\.generated_token_ids"):
         await run(engine, Sampling(max_tokens=4), Continuation((10**7,), "x"))
+
+
+# -- a prefill node serves the continuation -----------------------------------------------
+
+
+async def disaggregated(
+    engine: LlamaCppEngine, sampling: Sampling, continuation: Continuation | None = None
+) -> tuple[list[TextChunk], GenerationEnd, PrefillOutput]:
+    """The prompt prefilled (with a continuation: and its tokens but the last, replayed),
+    its state loaded into another slot of the same engine and continued there."""
+    out = await engine.prefill(Prompt(text=PROMPT), sampling, (), continuation)
+    chunks: list[TextChunk] = []
+    end = None
+    generation = engine.continue_from_state(
+        out.kv_state, source_of(engine, out), sampling, continuation
+    )
+    async for item in generation:
+        if isinstance(item, TextChunk):
+            chunks.append(item)
+        else:
+            end = item
+    assert end is not None
+    return chunks, end, out
+
+
+def source_of(engine: LlamaCppEngine, out: PrefillOutput) -> KvSource:
+    return KvSource(
+        prefill_address="in-process",
+        kv_handle="-",
+        first_token_id=out.first_token_id,
+        prompt_tokens=out.prompt_tokens,
+        fingerprint=engine.fingerprint,
+        kv_size_bytes=len(out.kv_state),
+        block_hashes=out.block_hashes,
+    )
+
+
+@pytest.mark.parametrize("original", ["decode_only", "disaggregated"])
+@pytest.mark.parametrize(
+    "sampling",
+    [Sampling(max_tokens=48, temperature=0.0), Sampling(max_tokens=48, temperature=0.9, seed=7)],
+    ids=["greedy", "seeded"],
+)
+async def test_a_prefill_node_replays_the_delivered_tokens_and_the_decode_node_goes_on(
+    engine: LlamaCppEngine, sampling: Sampling, original: str
+) -> None:
+    """PrefillRequest.continuation: the state of the prompt and the tokens delivered but
+    the last; the decode node takes them in without sending them and generates the rest
+    of the same answer (a seeded sampler skipping the draws that made them)."""
+    from_prefill = original == "disaggregated"
+    if from_prefill:
+        whole, end, _ = await disaggregated(engine, sampling)
+    else:
+        whole, end = await run(engine, sampling)
+    assert end.completion_tokens == 48
+    for cut in (1, 7, 20):
+        ids, delivered, rest = split_after(whole, cut)
+        continuation = Continuation(tuple(ids), delivered, first_token_from_prefill=from_prefill)
+        chunks, resumed, out = await disaggregated(engine, sampling, continuation)
+        assert out.first_token_id == ids[-1] and out.replayed_tokens == len(ids) - 1
+        assert out.prompt_tokens == resumed.prompt_tokens
+        assert "".join(c.text for c in chunks) == rest
+        assert resumed.completion_tokens == 48
+
+
+async def test_a_continuation_with_a_state_is_checked(engine: LlamaCppEngine) -> None:
+    """The state must hold the prompt and the tokens but the last, and kv.first_token_id
+    must be the last; a prefill continuation needs token ids. Refused before any text."""
+    sampling = Sampling(max_tokens=8, temperature=0.0)
+    whole, _ = await run(engine, sampling)
+    ids, delivered, _ = split_after(whole, 5)
+    assert len(ids) > 2
+    continuation = Continuation(tuple(ids), delivered)
+    out = await engine.prefill(Prompt(text=PROMPT), sampling)  # the prompt's state only
+    source = dataclasses.replace(source_of(engine, out), first_token_id=ids[-1])
+    with pytest.raises(FailedPrecondition, match=r"positions 0\.\.") as refused:
+        await drain(engine.continue_from_state(out.kv_state, source, sampling, continuation))
+    assert f"{len(ids) - 1} generated tokens" in str(refused.value)
+    out = await engine.prefill(Prompt(text=PROMPT), sampling)
+    wrong = dataclasses.replace(source_of(engine, out), first_token_id=ids[0])
+    with pytest.raises(InvalidArgument, match=r"kv\.first_token_id"):
+        await drain(engine.continue_from_state(out.kv_state, wrong, sampling, continuation))
+    with pytest.raises(InvalidArgument, match=r"continuation\.generated_token_ids"):
+        await engine.prefill(Prompt(text=PROMPT), sampling, (), Continuation((), delivered))
+    # The engine serves on.
+    assert (await run(engine, sampling))[0] == whole
 
 
 # -- the router migrates ---------------------------------------------------------------------
@@ -162,6 +258,13 @@ def migration_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Migrati
             chain=["disaggregated", "decode_only"],
             decode_deadline_s=8.0,
         ),
+        route(
+            VIA_PREFILL,
+            ["prefill-m"],
+            ["decode-a", "decode-b", "decode-c"],
+            chain=["disaggregated", "decode_only"],
+            migrate_via="prefill",
+        ),
     ]
     with running_mesh(folder, parts) as processes:
         yield MigrationMesh(processes)
@@ -180,18 +283,23 @@ async def stream(
     at: frozenset[int] = frozenset(),
     action: Callable[[], Awaitable[None]] | None = None,
     stop: tuple[str, ...] = (),
+    model: str = "m",
+    seed: int | None = None,
 ) -> Streamed:
-    """A greedy generation through the router; action() runs once the caller has received
-    each number of deltas in `at`."""
+    """A generation through the router, greedy (or, with a seed, at temperature 0.9);
+    action() runs once the caller has received each number of deltas in `at`."""
     deltas: list[str] = []
     summary = None
     async with grpc.aio.insecure_channel(router) as channel:
         stub = router_pb2_grpc.RouterServiceStub(channel)
         request = router_pb2.GenerateRequest(
-            model="m",
+            model=model,
             prompt=PROMPT,
             sampling=types_pb2.SamplingParams(
-                max_tokens=max_tokens, temperature=0.0, stop=list(stop)
+                max_tokens=max_tokens,
+                temperature=0.0 if seed is None else 0.9,
+                seed=seed,
+                stop=list(stop),
             ),
         )
         try:
@@ -226,12 +334,13 @@ async def serving_decode_node(mesh: MigrationMesh) -> str:
 
 
 def kill_serving(
-    mesh: MigrationMesh, how: signal.Signals, killed: list[str]
+    mesh: MigrationMesh, how: signal.Signals, killed: list[str], also: tuple[str, ...] = ()
 ) -> Callable[[], Awaitable[None]]:
     async def action() -> None:
         name = await serving_decode_node(mesh)
-        os.kill(mesh.pid(name), how)
-        killed.append(name)
+        for victim in (name, *also):
+            os.kill(mesh.pid(victim), how)
+            killed.append(victim)
 
     return action
 
@@ -243,14 +352,19 @@ async def interrupted(
     at: frozenset[int],
     max_tokens: int = LONG,
     stop: tuple[str, ...] = (),
+    model: str = "m",
+    seed: int | None = None,
+    also: tuple[str, ...] = (),
 ) -> AsyncIterator[tuple[Streamed, Streamed, list[str]]]:
-    """The same greedy request uninterrupted, then with the generating decode node killed or
-    stopped after each number of deltas in `at`; the nodes are restarted afterwards."""
-    alone = await stream(mesh.router, max_tokens, stop=stop)
+    """The same request uninterrupted, then with the generating decode node (and the nodes
+    in `also`) killed or stopped after each number of deltas in `at`; the nodes are
+    restarted afterwards."""
+    alone = await stream(mesh.router, max_tokens, stop=stop, model=model, seed=seed)
     assert alone.error is None and alone.summary is not None and not alone.summary.migrations
     killed: list[str] = []
     try:
-        got = await stream(mesh.router, max_tokens, at, kill_serving(mesh, how, killed), stop=stop)
+        action = kill_serving(mesh, how, killed, also)
+        got = await stream(mesh.router, max_tokens, at, action, stop=stop, model=model, seed=seed)
         yield alone, got, killed
     finally:
         await mesh.restart(*killed)
@@ -353,3 +467,35 @@ async def test_a_killed_embedded_node_hands_over_to_direct_ollama_with_raw_gener
     made = "".join(WordModel().run(body["prompt"], body["options"]).pieces)
     assert "".join(got.deltas) == received + made
     assert got.summary.completion_tokens == 40
+
+
+@pytest.mark.parametrize("seed", [None, 11], ids=["greedy", "seeded"])
+async def test_the_prefill_node_evaluates_a_migrated_generation_for_the_new_decode_node(
+    migration_mesh: MigrationMesh, seed: int | None
+) -> None:
+    """migrate_via = "prefill": the prefill node evaluates the prompt and the tokens
+    delivered, the decode node taking over loads their KV state and goes on; the caller's
+    text is that of an uninterrupted run, greedy or seeded."""
+    at = frozenset({5})
+    async with interrupted(migration_mesh, signal.SIGKILL, at, model=VIA_PREFILL, seed=seed) as (
+        alone,
+        got,
+        killed,
+    ):
+        (m,) = same_answer(alone, got).migrations
+    assert m.failed_node == killed[0] and m.resumed_on not in ("", killed[0])
+    assert m.via_prefill_node == "prefill-m" and m.reason == "migrate_via = prefill"
+
+
+async def test_a_failed_prefill_node_leaves_the_decode_node_to_evaluate_it_itself(
+    migration_mesh: MigrationMesh,
+) -> None:
+    """The prefill node dies with the decode node: the node taking over evaluates the prompt
+    and the delivered tokens itself, and the summary says why."""
+    at = frozenset({5})
+    async with interrupted(
+        migration_mesh, signal.SIGKILL, at, model=VIA_PREFILL, also=("prefill-m",)
+    ) as (alone, got, killed):
+        (m,) = same_answer(alone, got).migrations
+    assert killed[1] == "prefill-m" and m.via_prefill_node == ""
+    assert "prefill-m's way failed (UNAVAILABLE" in m.reason and m.resumed_on in m.reason

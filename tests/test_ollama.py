@@ -262,7 +262,7 @@ async def test_an_ollama_decode_node_continues_another_nodes_generation(
                     model=MODEL,
                     prompt=PROMPT,
                     sampling=types_pb2.SamplingParams(max_tokens=9, temperature=0.0),
-                    continuation=decode_pb2.Continuation(
+                    continuation=types_pb2.Continuation(
                         generated_text="\n    return",
                         raw_prompt=raw_prompt,
                         generated_tokens=3,

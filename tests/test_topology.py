@@ -86,6 +86,15 @@ GOOD = (ROOT / "topology/local.toml").read_text()
             GOOD.replace("n_ctx = 4096", "n_ctx = 4096\nflash_attn = false", 1),
             ["models[0]", "must agree on flash_attn", "prefill-qwen has False"],
         ),
+        (
+            GOOD.replace(
+                'chain = ["disaggregated", "decode_only"]\n'
+                'prefill = ["prefill-qwen", "prefill-gpt-oss"]',
+                'chain = ["decode_only"]\nmigrate_via = "prefill"\nprefill = []',
+                1,
+            ),
+            ["models[0]", "migrate_via 'prefill' needs prefill nodes"],
+        ),
         (GOOD.replace("slots = 4 ", "slots = 0 ", 1), ["nodes[1].slots"]),
         (
             GOOD.replace("slots = 4 ", "n_batch = 2\nslots = 4 ", 1),

@@ -14,6 +14,7 @@ from services.common.types import (
     DEFAULT_TEMPERATURE,
     DEFAULT_TOP_P,
     ChatTurn,
+    Continuation,
     DecodeStats,
     Fingerprint,
     FinishReason,
@@ -51,6 +52,26 @@ def prompt_from_proto(text: str, messages: Iterable[types_pb2.ChatMessage]) -> P
 
 def prompt_messages_to_proto(prompt: Prompt) -> list[types_pb2.ChatMessage]:
     return [types_pb2.ChatMessage(role=m.role, content=m.content) for m in prompt.messages]
+
+
+def continuation_from_proto(msg: types_pb2.Continuation) -> Continuation:
+    return Continuation(
+        generated_token_ids=tuple(msg.generated_token_ids),
+        generated_text=msg.generated_text,
+        first_token_from_prefill=msg.first_token_from_prefill,
+        raw_prompt=msg.raw_prompt,
+        generated_tokens=max(msg.generated_tokens, len(msg.generated_token_ids)),
+    )
+
+
+def continuation_to_proto(c: Continuation) -> types_pb2.Continuation:
+    return types_pb2.Continuation(
+        generated_token_ids=c.generated_token_ids,
+        generated_text=c.generated_text,
+        first_token_from_prefill=c.first_token_from_prefill,
+        raw_prompt=c.raw_prompt,
+        generated_tokens=c.generated_tokens,
+    )
 
 
 def fingerprint_from_proto(msg: types_pb2.KvFingerprint) -> Fingerprint:

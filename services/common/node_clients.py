@@ -96,6 +96,7 @@ class PrefillClient:
         sampling: Sampling,
         timeout_s: float,
         candidates: Sequence[DecodeCandidate] = (),
+        continuation: Continuation | None = None,
     ) -> PrefillResult:
         request = prefill_pb2.PrefillRequest(
             model=model,
@@ -107,6 +108,8 @@ class PrefillClient:
                 for c in candidates
             ],
         )
+        if continuation is not None:
+            request.continuation.CopyFrom(convert.continuation_to_proto(continuation))
         try:
             reply = await self._stub.Prefill(
                 request, timeout=timeout_s, metadata=outgoing_metadata()
@@ -128,6 +131,8 @@ class PrefillClient:
             kv_prefix_tokens=reply.kv_prefix_tokens,
             kv_prefix_node=reply.kv_prefix_node,
             kv_state_bytes=reply.kv_state_bytes,
+            replayed_tokens=reply.replayed_tokens,
+            replay_seconds=convert.seconds(reply.replay_duration),
         )
 
     async def fetch_kv(
@@ -165,15 +170,7 @@ class DecodeClient:
             model=model, sampling=convert.sampling_to_proto(sampling)
         )
         if continuation is not None:
-            request.continuation.CopyFrom(
-                decode_pb2.Continuation(
-                    generated_token_ids=continuation.generated_token_ids,
-                    generated_text=continuation.generated_text,
-                    first_token_from_prefill=continuation.first_token_from_prefill,
-                    raw_prompt=continuation.raw_prompt,
-                    generated_tokens=continuation.generated_tokens,
-                )
-            )
+            request.continuation.CopyFrom(convert.continuation_to_proto(continuation))
         if isinstance(source, KvSource):
             request.kv.CopyFrom(
                 decode_pb2.KvSource(

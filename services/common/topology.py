@@ -192,6 +192,11 @@ class ModelRoute(_Strict):
     # max_migrations times per request.
     migrate: bool = True
     max_migrations: Annotated[int, Field(ge=0, le=10)] = 2
+    # Who evaluates the prompt and the delivered tokens for the node taking over: "decode"
+    # (that node itself), "prefill" (a llama_cpp prefill node of this model, which hands
+    # their KV state over), or "auto" (whichever the router estimates sooner from measured
+    # figures; services/router/costs.py).
+    migrate_via: Literal["auto", "decode", "prefill"] = "auto"
     decode_deadline_s: PositiveSeconds = 180.0
     # direct_ollama: the Ollama server and model tag (default: this logical model's name).
     ollama_url: str | None = None
@@ -207,6 +212,8 @@ class ModelRoute(_Strict):
             raise ValueError("chain step 'decode_only' needs decode nodes")
         if "direct_ollama" in self.chain and not self.ollama_url:
             raise ValueError("chain step 'direct_ollama' needs ollama_url")
+        if self.migrate_via == "prefill" and not self.prefill:
+            raise ValueError("migrate_via 'prefill' needs prefill nodes")
         if self.mode == "auto" and not {"disaggregated", "decode_only"} <= set(self.chain):
             raise ValueError(
                 "mode 'auto' chooses between chain steps 'disaggregated' and "

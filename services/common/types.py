@@ -113,6 +113,10 @@ class PrefillResult:
     kv_prefix_tokens: int = 0
     kv_prefix_node: str = ""
     kv_state_bytes: int = 0
+    # A continuation's generated tokens evaluated after the prompt, and how long that took
+    # (part of prefill_seconds).
+    replayed_tokens: int = 0
+    replay_seconds: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -50,15 +50,16 @@ class DecodeNode:
         time_remaining: float | None,
         continuation: Continuation | None = None,
     ) -> AsyncGenerator[TextChunk | DecodeStats, None]:
-        """Text chunks as they are produced, then one DecodeStats. With a continuation (and a
-        prompt), the generation resumes after the tokens another node generated."""
+        """Text chunks as they are produced, then one DecodeStats. With a continuation, the
+        generation resumes after the tokens another node generated: evaluated here (with a
+        prompt), or by a prefill node whose state holds them (with a KvSource)."""
         arrived = time.perf_counter()
         check_served(model, self.name, self.models)
         validate_sampling(sampling, self.max_tokens_limit)
         stats = DecodeStats(kv_transfer=self.engine.kv_transfer)
         if isinstance(source, KvSource):
             state = await self._fetch_state(source, time_remaining, stats)
-            generation = self.engine.continue_from_state(state, source, sampling)
+            generation = self.engine.continue_from_state(state, source, sampling, continuation)
         else:
             validate_prompt(source)
             stats.kv_transfer = KvTransferKind.NONE

@@ -47,16 +47,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
 def _continuation(request: decode_pb2.DecodeServiceGenerateRequest) -> Continuation | None:
     if not request.HasField("continuation"):
         return None
-    if request.HasField("kv"):
-        raise InvalidArgument("continuation", "goes with prompt or messages, not kv")
-    c = request.continuation
-    return Continuation(
-        generated_token_ids=tuple(c.generated_token_ids),
-        generated_text=c.generated_text,
-        first_token_from_prefill=c.first_token_from_prefill,
-        raw_prompt=c.raw_prompt,
-        generated_tokens=max(c.generated_tokens, len(c.generated_token_ids)),
-    )
+    return convert.continuation_from_proto(request.continuation)
 
 
 def _source(request: decode_pb2.DecodeServiceGenerateRequest) -> KvSource | Prompt:

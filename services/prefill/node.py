@@ -8,7 +8,13 @@ from collections.abc import Sequence
 from services.common.engines.base import Engine
 from services.common.kv import KvStore
 from services.common.kv_wire import encode_state
-from services.common.types import DecodeCandidate, PrefillResult, Prompt, Sampling
+from services.common.types import (
+    Continuation,
+    DecodeCandidate,
+    PrefillResult,
+    Prompt,
+    Sampling,
+)
 from services.common.validation import check_served, validate_prompt, validate_sampling
 
 
@@ -34,11 +40,14 @@ class PrefillNode:
         prompt: Prompt,
         sampling: Sampling,
         candidates: Sequence[DecodeCandidate] = (),
+        continuation: Continuation | None = None,
     ) -> PrefillResult:
+        """Evaluate the prompt (and a continuation's tokens) and keep the KV state for the
+        decode node to fetch."""
         check_served(model, self.name, self.models)
         validate_prompt(prompt)
         validate_sampling(sampling, self.max_tokens_limit)
-        out = await self.engine.prefill(prompt, sampling, candidates)
+        out = await self.engine.prefill(prompt, sampling, candidates, continuation)
         fingerprint = self.engine.fingerprint
         # Serialized off the event loop, once: FetchKv then only hands the messages out.
         messages = await asyncio.to_thread(encode_state, out.kv_state, out.kv_sha256, fingerprint)
@@ -59,6 +68,8 @@ class PrefillNode:
             kv_prefix_tokens=out.kv_prefix_tokens,
             kv_prefix_node=out.kv_prefix_node,
             kv_state_bytes=out.kv_state_bytes or len(out.kv_state),
+            replayed_tokens=out.replayed_tokens,
+            replay_seconds=out.replay_seconds,
         )
 
     def fetch(self, kv_handle: str) -> list[bytes]:

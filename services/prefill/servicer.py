@@ -29,6 +29,9 @@ class PrefillServicer:
             convert.prompt_from_proto(request.prompt, request.messages),
             convert.sampling_from_proto(request.sampling, self._node.get().max_tokens_limit),
             [DecodeCandidate(c.node, frozenset(c.block_hashes)) for c in request.decode_candidates],
+            convert.continuation_from_proto(request.continuation)
+            if request.HasField("continuation")
+            else None,
         )
         return prefill_pb2.PrefillResponse(
             kv_handle=result.kv_handle,
@@ -45,6 +48,8 @@ class PrefillServicer:
             kv_prefix_tokens=result.kv_prefix_tokens,
             kv_prefix_node=result.kv_prefix_node,
             kv_state_bytes=result.kv_state_bytes,
+            replayed_tokens=result.replayed_tokens,
+            replay_duration=convert.duration(result.replay_seconds),
         )
 
     async def FetchKv(

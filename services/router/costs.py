@@ -22,6 +22,22 @@ Load is calls in flight per slot beyond the node's slots (0 with a free slot). T
 mode goes first; the route's chain stays the fallback order. Until both modes have
 figures, the one without is tried first (once is enough to measure it). Every decision is
 explained in the summary's `route_reason`.
+
+A migration (a decode node failed mid-answer) weighs the same figures, plus each node's
+seconds per decode step, for the node taking over: it evaluates the prompt and replays the
+N tokens delivered one step each itself, or a prefill node does both and hands the KV
+state of the prompt and N - 1 tokens over (the last is the first token it evaluates):
+
+    decode  = fixed_o + uncached_decode / decode_rate * (1 + decode load) + N * decode_step
+    prefill = fixed_d + uncached_prefill / prefill_rate * (1 + prefill load)
+              + (N - 1) * prefill_step + moved_tokens * kv_bytes_per_token * seconds_per_byte
+
+The prompt is usually all in the prefill node's prefix cache (it served the request), so
+the choice turns on the decode node's prompt speed against the handoff of a longer state.
+A decode node whose prompt speed was never measured (in chain mode only migrations and
+decode_only requests measure it) is taken to be as fast as the prefill node: a migration
+is no time to measure a way that can take seconds more. Without the prefill node's figures
+(no disaggregated request yet), the decode node evaluates them.
 """
 
 from __future__ import annotations
@@ -79,8 +95,20 @@ class Decision:
     estimates: dict[str, float | None] = field(default_factory=dict)
 
 
+@dataclass
+class Resumption:
+    """Who evaluates a migrated generation's prompt and delivered tokens: "decode" (the node
+    taking over) or "prefill" (a prefill node, handing the KV state over), and why."""
+
+    via: str
+    reason: str
+    basis: str
+    estimates: dict[str, float | None] = field(default_factory=dict)
+
+
 class Costs:
     def __init__(self) -> None:
+        self._steps: dict[str, Average] = {}  # node -> seconds per decode step
         self._rate: dict[str, Average] = {}  # node -> uncached prompt tokens per second
         self._fixed: dict[tuple[str, str], Average] = {}  # (model, method) -> seconds
         self._per_byte: dict[str, Average] = {}  # model -> handoff seconds per KV byte
@@ -91,15 +119,64 @@ class Costs:
         if o.prompt_tokens <= 0:
             return
         _get(self._chars_per_token, model).add(o.prompt_chars / o.prompt_tokens)
-        uncached = o.prompt_tokens - o.cached_prompt_tokens
         node = o.prefill_node if o.method == "disaggregated" else o.decode_node
-        if uncached > 0 and o.prompt_seconds > 0:
-            _get(self._rate, node).add(uncached / o.prompt_seconds)
+        self.learn_prompt(node, o.prompt_tokens - o.cached_prompt_tokens, o.prompt_seconds)
         if o.method == "disaggregated" and o.kv_transfer_bytes > 0:
             _get(self._per_byte, model).add(o.handoff_seconds / o.kv_transfer_bytes)
             _get(self._bytes_per_token, model).add(o.kv_state_bytes / o.prompt_tokens)
         fixed = o.time_to_first_token_seconds - o.prompt_seconds - o.handoff_seconds
         _get(self._fixed, (model, o.method)).add(max(fixed, 0.0))
+
+    def learn_prompt(self, node: str, uncached_tokens: int, seconds: float) -> None:
+        """A node evaluated this many prompt tokens (not from its cache) in this time."""
+        if uncached_tokens > 0 and seconds > 0:
+            _get(self._rate, node).add(uncached_tokens / seconds)
+
+    def learn_steps(self, node: str, tokens: int, seconds: float) -> None:
+        """A node ran this many one-token decode steps (generating or replaying) in this time."""
+        if tokens > 1 and seconds > 0:
+            _get(self._steps, node).add(seconds / tokens)
+
+    def resume(
+        self,
+        model: str,
+        prompt_chars: int,
+        prompt_tokens: int,
+        delivered: int,
+        prefill: Candidate,
+        decode: Candidate,
+    ) -> Resumption:
+        """How a migrated generation resumes on `decode`: it evaluates the prompt and the
+        `delivered` tokens itself, or `prefill` does and hands their KV state over."""
+        chars = _value(self._chars_per_token, model) or DEFAULT_CHARS_PER_TOKEN
+        tokens = float(prompt_tokens) or prompt_chars / chars
+        # A node never seen decoding steps as fast as the other (the replay's steps then
+        # weigh the same on both sides); neither seen: steps are left out.
+        decode_step = _value(self._steps, decode.node) or _value(self._steps, prefill.node) or 0.0
+        prefill_step = _value(self._steps, prefill.node) or decode_step
+        d = self._disaggregated(
+            model, tokens, chars, prefill, decode, fixed_default=0.0, extra_tokens=delivered - 1
+        )
+        if d is None:
+            reason = f"no figures yet for {prefill.node}'s prompt speed and the KV handoff"
+            return Resumption("decode", reason, "measuring", {"decode": None, "prefill": None})
+        d += (delivered - 1) * prefill_step
+        assumed = _value(self._rate, decode.node) is None
+        o = self._decode_only(
+            model, tokens, chars, decode, fixed_default=0.0, rate_default=self._rate[prefill.node]
+        )
+        assert o is not None  # the prefill node's rate stands in for an unmeasured one
+        o += delivered * decode_step
+        via = "prefill" if d < o else "decode"
+        reason = (
+            f"~{tokens:.0f} prompt + {delivered} delivered tokens: {decode.node} alone "
+            f"~{o * 1000:.0f} ms vs via {prefill.node} ~{d * 1000:.0f} ms"
+        )
+        if assumed:
+            reason += f" ({decode.node}'s prompt speed not measured: taken as {prefill.node}'s)"
+        return Resumption(
+            via, reason, "assumed" if assumed else "cost", {"decode": o, "prefill": d}
+        )
 
     def decide(
         self, model: str, prompt_chars: int, prefill: Candidate, decode: Candidate
@@ -128,23 +205,42 @@ class Costs:
         return Decision(method, reason, "cost", estimates)
 
     def _disaggregated(
-        self, model: str, tokens: float, chars: float, prefill: Candidate, decode: Candidate
+        self,
+        model: str,
+        tokens: float,
+        chars: float,
+        prefill: Candidate,
+        decode: Candidate,
+        fixed_default: float | None = None,
+        extra_tokens: int = 0,
     ) -> float | None:
+        """`extra_tokens`: evaluated and moved besides the prompt (a migration's replay;
+        its steps are the caller's to add)."""
         rate = _value(self._rate, prefill.node)
         fixed = _value(self._fixed, (model, "disaggregated"))
+        fixed = fixed_default if fixed is None else fixed
         per_byte = _value(self._per_byte, model)
         per_token = _value(self._bytes_per_token, model)
         if rate is None or fixed is None or per_byte is None or per_token is None:
             return None
         evaluate = max(tokens - prefill.held_chars / chars, 1.0) / rate * (1 + prefill.load)
-        moved = max(tokens - decode.held_chars / chars, 1.0) * per_token * per_byte
-        return fixed + evaluate + moved
+        moved = max(tokens + extra_tokens - decode.held_chars / chars, 1.0)
+        return fixed + evaluate + moved * per_token * per_byte
 
     def _decode_only(
-        self, model: str, tokens: float, chars: float, decode: Candidate
+        self,
+        model: str,
+        tokens: float,
+        chars: float,
+        decode: Candidate,
+        fixed_default: float | None = None,
+        rate_default: Average | None = None,
     ) -> float | None:
         rate = _value(self._rate, decode.node)
+        if rate is None and rate_default is not None:
+            rate = rate_default.value
         fixed = _value(self._fixed, (model, "decode_only"))
+        fixed = fixed_default if fixed is None else fixed
         if rate is None or fixed is None:
             return None
         return fixed + max(tokens - decode.held_chars / chars, 1.0) / rate * (1 + decode.load)

@@ -96,6 +96,10 @@ class Migration:
     tokens_delivered: int
     resumed_on: str = ""
     resume_seconds: float = 0.0
+    # The prefill node that evaluated the prompt and the delivered tokens for resumed_on
+    # ("": resumed_on did), and why.
+    via_prefill_node: str = ""
+    reason: str = ""
 
 
 @dataclass
@@ -272,7 +276,7 @@ class Router:
                     if sent.deltas:
                         self._blame(attempt, exc)
                         resumed = self._migrate(
-                            route, attempt, prompt, sampling, clock, summary, sent, exc
+                            route, attempt, prompt, sampling, clock, summary, sent, exc, blocks
                         )
                         async with aclosing(resumed) as stream:
                             async for chunk in stream:
@@ -289,6 +293,10 @@ class Router:
                         self.text_prefixes.learn(node.name, blocks)
                 summary.failed_attempts = failed
                 summary.total_seconds = clock.elapsed()
+                if not summary.migrations and attempt.decode is not None:
+                    self.costs.learn_steps(
+                        attempt.decode.name, summary.completion_tokens, summary.decode_seconds
+                    )
                 self._learn_costs(route, len(data), summary)
                 yield summary
                 return
@@ -339,8 +347,11 @@ class Router:
         first: Step = "disaggregated" if decision.method == "disaggregated" else "decode_only"
         return [first, *(s for s in route.chain if s != first)], decision.reason
 
-    def _candidate(self, node: Node, blocks: list[bytes]) -> Candidate:
-        held = self.text_prefixes.overlap(node.name, blocks) * TEXT_BLOCK_CHARS
+    def _candidate(self, node: Node, blocks: list[bytes], held: int | None = None) -> Candidate:
+        """What the estimate needs of a node: the prompt's characters it is believed to
+        hold (`held`, else from the prompts it served) and its load."""
+        if held is None:
+            held = self.text_prefixes.overlap(node.name, blocks) * TEXT_BLOCK_CHARS
         return Candidate(node.name, held, self.health.load(node))
 
     def _learn_costs(self, route: ModelRoute, prompt_chars: int, s: RouteSummary) -> None:
@@ -435,17 +446,7 @@ class Router:
                 summary.kv_state_bytes = result.kv_state_bytes
                 if result.kv_prefix_node in route.decode:  # it holds the prompt's prefix
                     attempt.decode = self.topology.node(result.kv_prefix_node)
-                source = KvSource(
-                    prefill_address=attempt.prefill.address,
-                    kv_handle=result.kv_handle,
-                    first_token_id=result.first_token_id,
-                    prompt_tokens=result.prompt_tokens,
-                    fingerprint=result.fingerprint,
-                    kv_size_bytes=result.kv_size_bytes,
-                    first_token_text=result.first_token_text,
-                    block_hashes=result.block_hashes,
-                    prefix_tokens=result.kv_prefix_tokens,
-                )
+                source = _kv_source(attempt.prefill, result)
             assert attempt.decode is not None
             attempt.current = decode = attempt.decode
             summary.decode_node, summary.decode_address = decode.name, decode.address
@@ -540,19 +541,24 @@ class Router:
         summary: RouteSummary,
         sent: _Delivered,
         error: MeshError,
+        blocks: list[bytes],
     ) -> AsyncGenerator[TextChunk, None]:
         """A decode node failed after text was delivered: go on with the same generation on
         another decode node of the route (or, last, the route's direct_ollama step), from
-        the prompt and the tokens delivered, up to route.max_migrations times. Nothing is
-        sent twice and nothing is skipped; max_tokens, stop strings and the caller's
-        deadline count across the whole answer. Raises the mid-stream error (saying how
-        much was delivered) when no node can take over."""
+        the prompt and the tokens delivered, up to route.max_migrations times. The node
+        taking over evaluates those itself, or a prefill node does and hands their KV
+        state over (route.migrate_via; `_resume_via`). Nothing is sent twice and nothing is
+        skipped; max_tokens, stop strings and the caller's deadline count across the whole
+        answer. Raises the mid-stream error (saying how much was delivered) when no node
+        can take over."""
         failed_name = attempt.current.name if attempt.current else attempt.label
         # How the original request rendered its prompt: an Ollama continuation renders it
         # the same way.
         disaggregated = attempt.method == RouteMethod.DISAGGREGATED
         renderer = attempt.prefill if disaggregated else attempt.decode
         raw_prompt = not prompt.messages and renderer is not None and renderer.engine == "llama_cpp"
+        # The prefill node that evaluated this prompt: its prefix cache holds it.
+        prefilled = attempt.prefill.name if disaggregated and attempt.prefill else ""
         while True:
             sent.failed_nodes.add(failed_name)
             done = len(summary.migrations)
@@ -590,7 +596,12 @@ class Router:
             stats: DecodeStats | None = None
             try:
                 if isinstance(target, Node):
-                    events = self._decode(route, target, prompt, sampling, clock, continuation)
+                    via, migration.reason = self._resume_via(
+                        route, target, prompt, summary, sent, blocks, prefilled
+                    )
+                    events = self._resume_on(
+                        route, target, via, prompt, sampling, clock, continuation, migration
+                    )
                 else:
                     events = self._direct_events(route, prompt, sampling, continuation)
                 async with aclosing(events) as stream:
@@ -612,6 +623,12 @@ class Router:
             if isinstance(target, Node):
                 attempt.decode = target
                 summary.decode_node, summary.decode_address = target.name, target.address
+                replayed = 0 if migration.via_prefill_node else sent.tokens
+                if replayed:  # it evaluated the prompt and replayed the delivered tokens
+                    uncached = stats.prompt_tokens - stats.cached_prompt_tokens
+                    self.costs.learn_prompt(target.name, uncached, stats.prompt_eval_seconds)
+                generated = stats.completion_tokens - (sent.tokens - replayed)
+                self.costs.learn_steps(target.name, generated, stats.decode_seconds)
             else:
                 summary.decode_node = summary.decode_address = target
             summary.completion_tokens = stats.completion_tokens
@@ -621,6 +638,135 @@ class Router:
             if stats.decode_seconds > 0:
                 summary.decode_tokens_per_second = stats.completion_tokens / stats.decode_seconds
             return
+
+    def _resume_via(
+        self,
+        route: ModelRoute,
+        target: Node,
+        prompt: Prompt,
+        summary: RouteSummary,
+        sent: _Delivered,
+        blocks: list[bytes],
+        prefilled: str,
+    ) -> tuple[Node | None, str]:
+        """The prefill node that should evaluate the prompt and the delivered tokens for
+        `target` (None: target evaluates them itself), and why. A prefill node can when both
+        are llama_cpp nodes and every delivered token's id is known; route.migrate_via
+        "auto" weighs both ways (costs.py)."""
+        if route.migrate_via == "decode":
+            return None, "migrate_via = decode"
+        prefills = [
+            n
+            for n in self._by_prefix([self.topology.node(n) for n in route.prefill], blocks)
+            if n.engine == "llama_cpp" and self.health.available(n)
+        ]
+        if target.engine != "llama_cpp":
+            return None, f"{target.name} is an Ollama node: it continues from the text"
+        if not sent.ids_complete or not sent.token_ids:
+            return None, "the delivered tokens' ids are not known (Ollama streams text)"
+        if not prefills:
+            return None, f"{route.name} has no available llama_cpp prefill node"
+        via = next((n for n in prefills if n.name == prefilled), prefills[0])
+        if route.migrate_via == "prefill":
+            return via, "migrate_via = prefill"
+        data = prompt_bytes(prompt)
+        held = len(data) if via.name == prefilled else None
+        prefill = self._candidate(via, blocks, held)
+        decision = self.costs.resume(
+            route.name,
+            len(data),
+            summary.prompt_tokens,
+            sent.tokens,
+            prefill,
+            self._candidate(target, blocks),
+        )
+        return (via if decision.via == "prefill" else None), f"auto: {decision.reason}"
+
+    async def _resume_on(
+        self,
+        route: ModelRoute,
+        target: Node,
+        via: Node | None,
+        prompt: Prompt,
+        sampling: Sampling,
+        clock: _Clock,
+        continuation: Continuation,
+        migration: Migration,
+    ) -> AsyncGenerator[TextChunk | DecodeStats, None]:
+        """The generation going on on `target`: from the KV state of the prompt and the
+        delivered tokens that `via` evaluated, or from the prompt and the delivered tokens,
+        evaluated by target itself. When the prefill node fails, or target no longer holds
+        the prefix the state left out (ABORTED), target evaluates them itself."""
+        migration.via_prefill_node = via.name if via else ""
+        source: KvSource | Prompt = prompt
+        if via is not None:
+            try:
+                source = await self._prefill_continuation(
+                    route, via, target, prompt, sampling, clock, continuation
+                )
+            except MeshError as exc:
+                if exc.code in FINAL_CODES or isinstance(exc, CallerDeadlineExceeded):
+                    raise
+                if exc.code in NODE_TROUBLE_CODES:
+                    self.health.failed(via)
+                self._resume_alone(migration, target, via, exc)
+        streamed = False
+        try:
+            async for event in self._decode(route, target, source, sampling, clock, continuation):
+                streamed |= isinstance(event, TextChunk)
+                yield event
+            return
+        except MeshError as exc:
+            if exc.code != grpc.StatusCode.ABORTED or streamed or via is None:
+                raise
+            self.prefixes.forget(target.name)
+            self._resume_alone(migration, target, via, exc)
+        async for event in self._decode(route, target, prompt, sampling, clock, continuation):
+            yield event
+
+    def _resume_alone(self, migration: Migration, target: Node, via: Node, exc: MeshError) -> None:
+        migration.via_prefill_node = ""
+        migration.reason += (
+            f"; {via.name}'s way failed ({exc.code.name}: {exc.message}), so {target.name} "
+            "evaluated them itself"
+        )
+        log.warning(
+            "resuming through the prefill node failed; the decode node evaluates it itself",
+            prefill_node=via.name,
+            decode_node=target.name,
+            code=exc.code.name,
+            error=exc.message,
+        )
+
+    async def _prefill_continuation(
+        self,
+        route: ModelRoute,
+        via: Node,
+        target: Node,
+        prompt: Prompt,
+        sampling: Sampling,
+        clock: _Clock,
+        continuation: Continuation,
+    ) -> KvSource:
+        """The prefill node evaluates the prompt and the delivered tokens but the last, and
+        keeps their KV state for target (less the prefix target holds)."""
+        timeout, caller_bound = clock.stage_timeout(route.prefill_deadline_s)
+        client = PrefillClient(self.pool, via.address)
+        candidates = [DecodeCandidate(target.name, frozenset(self.prefixes.held(target.name)))]
+        try:
+            with self.health.busy(via):
+                result = await client.prefill(
+                    route.name, prompt, sampling, timeout, candidates, continuation
+                )
+        except UpstreamError as exc:
+            raise _stage_error(exc, "prefill", via, timeout, caller_bound) from exc
+        self.costs.learn_steps(via.name, result.replayed_tokens, result.replay_seconds)
+        self.costs.learn_prompt(
+            via.name,
+            result.prompt_tokens - result.cached_prompt_tokens,
+            result.prefill_seconds - result.replay_seconds,
+        )
+        return _kv_source(via, result)
 
     def _takeover_targets(self, route: ModelRoute, failed: set[str]) -> list[Node | str]:
         """Who can take a generation over: the route's healthy decode nodes (by health and
@@ -703,6 +849,20 @@ class Router:
     async def close(self) -> None:
         for engine in self._direct.values():
             await engine.close()
+
+
+def _kv_source(prefill: Node, result: PrefillResult) -> KvSource:
+    return KvSource(
+        prefill_address=prefill.address,
+        kv_handle=result.kv_handle,
+        first_token_id=result.first_token_id,
+        prompt_tokens=result.prompt_tokens,
+        fingerprint=result.fingerprint,
+        kv_size_bytes=result.kv_size_bytes,
+        first_token_text=result.first_token_text,
+        block_hashes=result.block_hashes,
+        prefix_tokens=result.kv_prefix_tokens,
+    )
 
 
 def _count_served(model: str, s: RouteSummary) -> None:

@@ -112,6 +112,8 @@ def summary_to_proto(s: RouteSummary) -> router_pb2.GenerateSummary:
                 tokens_delivered=m.tokens_delivered,
                 resumed_on=m.resumed_on,
                 resume_duration=convert.duration(m.resume_seconds),
+                via_prefill_node=m.via_prefill_node,
+                reason=m.reason,
             )
             for m in s.migrations
         ],

@@ -32,20 +32,6 @@ class KvSource(_message.Message):
     prefix_tokens: int
     def __init__(self, prefill_address: _Optional[str] = ..., kv_handle: _Optional[str] = ..., first_token_id: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., fingerprint: _Optional[_Union[_types_pb2.KvFingerprint, _Mapping]] = ..., kv_size_bytes: _Optional[int] = ..., first_token_text: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., prefix_tokens: _Optional[int] = ...) -> None: ...
 
-class Continuation(_message.Message):
-    __slots__ = ("generated_token_ids", "generated_text", "first_token_from_prefill", "raw_prompt", "generated_tokens")
-    GENERATED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    GENERATED_TEXT_FIELD_NUMBER: _ClassVar[int]
-    FIRST_TOKEN_FROM_PREFILL_FIELD_NUMBER: _ClassVar[int]
-    RAW_PROMPT_FIELD_NUMBER: _ClassVar[int]
-    GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    generated_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    generated_text: str
-    first_token_from_prefill: bool
-    raw_prompt: bool
-    generated_tokens: int
-    def __init__(self, generated_token_ids: _Optional[_Iterable[int]] = ..., generated_text: _Optional[str] = ..., first_token_from_prefill: _Optional[bool] = ..., raw_prompt: _Optional[bool] = ..., generated_tokens: _Optional[int] = ...) -> None: ...
-
 class DecodeServiceGenerateRequest(_message.Message):
     __slots__ = ("model", "kv", "prompt", "messages", "sampling", "continuation")
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -59,8 +45,8 @@ class DecodeServiceGenerateRequest(_message.Message):
     prompt: str
     messages: _containers.RepeatedCompositeFieldContainer[_types_pb2.ChatMessage]
     sampling: _types_pb2.SamplingParams
-    continuation: Continuation
-    def __init__(self, model: _Optional[str] = ..., kv: _Optional[_Union[KvSource, _Mapping]] = ..., prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[_types_pb2.ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[_types_pb2.SamplingParams, _Mapping]] = ..., continuation: _Optional[_Union[Continuation, _Mapping]] = ...) -> None: ...
+    continuation: _types_pb2.Continuation
+    def __init__(self, model: _Optional[str] = ..., kv: _Optional[_Union[KvSource, _Mapping]] = ..., prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[_types_pb2.ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[_types_pb2.SamplingParams, _Mapping]] = ..., continuation: _Optional[_Union[_types_pb2.Continuation, _Mapping]] = ...) -> None: ...
 
 class DecodeSummary(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "finish_reason", "kv_transfer", "kv_fetch_duration", "kv_fetch_bytes", "kv_load_duration", "prompt_eval_duration", "decode_duration", "time_to_first_token", "cached_prompt_tokens", "kept_prefix_tokens")

@@ -49,18 +49,22 @@ class FailedAttempt(_message.Message):
     def __init__(self, method: _Optional[_Union[RouteMethod, str]] = ..., node: _Optional[str] = ..., code: _Optional[str] = ..., message: _Optional[str] = ..., duration: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
 
 class Migration(_message.Message):
-    __slots__ = ("failed_node", "code", "tokens_delivered", "resumed_on", "resume_duration")
+    __slots__ = ("failed_node", "code", "tokens_delivered", "resumed_on", "resume_duration", "via_prefill_node", "reason")
     FAILED_NODE_FIELD_NUMBER: _ClassVar[int]
     CODE_FIELD_NUMBER: _ClassVar[int]
     TOKENS_DELIVERED_FIELD_NUMBER: _ClassVar[int]
     RESUMED_ON_FIELD_NUMBER: _ClassVar[int]
     RESUME_DURATION_FIELD_NUMBER: _ClassVar[int]
+    VIA_PREFILL_NODE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
     failed_node: str
     code: str
     tokens_delivered: int
     resumed_on: str
     resume_duration: _duration_pb2.Duration
-    def __init__(self, failed_node: _Optional[str] = ..., code: _Optional[str] = ..., tokens_delivered: _Optional[int] = ..., resumed_on: _Optional[str] = ..., resume_duration: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
+    via_prefill_node: str
+    reason: str
+    def __init__(self, failed_node: _Optional[str] = ..., code: _Optional[str] = ..., tokens_delivered: _Optional[int] = ..., resumed_on: _Optional[str] = ..., resume_duration: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., via_prefill_node: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class GenerateSummary(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "finish_reason", "method", "kv_transfer", "prefill_duration", "prefill_tokens_per_second", "kv_transfer_duration", "kv_transfer_bytes", "kv_load_duration", "time_to_first_token", "decode_duration", "decode_tokens_per_second", "total_duration", "prefill_node", "prefill_address", "decode_node", "decode_address", "failed_attempts", "decode_prompt_eval_duration", "migrations", "cached_prompt_tokens", "decode_cached_prompt_tokens", "kv_state_bytes", "route_reason")

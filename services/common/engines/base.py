@@ -45,6 +45,10 @@ class PrefillOutput:
     kv_prefix_tokens: int = 0
     kv_prefix_node: str = ""
     kv_state_bytes: int = 0
+    # A continuation's generated tokens evaluated after the prompt (one step each), and the
+    # seconds that took (part of `seconds`).
+    replayed_tokens: int = 0
+    replay_seconds: float = 0.0
 
 
 Generation = AsyncGenerator[TextChunk | GenerationEnd, None]
@@ -123,16 +127,28 @@ class Engine(Protocol):
     loaded_in_memory: bool
 
     async def prefill(
-        self, prompt: Prompt, sampling: Sampling, candidates: Sequence[DecodeCandidate] = ()
+        self,
+        prompt: Prompt,
+        sampling: Sampling,
+        candidates: Sequence[DecodeCandidate] = (),
+        continuation: Continuation | None = None,
     ) -> PrefillOutput:
         """Evaluate the prompt, sample the first token, export what decode needs (leaving
-        out what the candidate decode node holding most of the prompt already has)."""
+        out what the candidate decode node holding most of the prompt already has). With a
+        continuation (engines with KvTransferKind.STATE), evaluate its tokens but the last
+        after the prompt instead of sampling, the last being the first token."""
         ...
 
     def continue_from_state(
-        self, kv_state: memoryview, source: KvSource, sampling: Sampling
+        self,
+        kv_state: memoryview,
+        source: KvSource,
+        sampling: Sampling,
+        continuation: Continuation | None = None,
     ) -> Generation:
-        """Continue a prefill node's work: text chunks from the first token on, then the end."""
+        """Continue a prefill node's work: text chunks from the first token on, then the end.
+        With a continuation, the state holds its tokens but the last (a prefill node's
+        continuation): they are taken in, not sent, and generation goes on after them."""
         ...
 
     def generate(

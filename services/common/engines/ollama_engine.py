@@ -63,6 +63,11 @@ ENGINE_VERSION = "ollama"
 # `context`: the decode node continues the prefill node's text instead of a new chat turn.
 CONTINUE_TEMPLATE = "{{ .Prompt }}"
 NS = 1e9
+_NO_STATE_CONTINUATION = (
+    "an Ollama node cannot take a continuation with a KV state (continuation with kv, or "
+    "PrefillRequest.continuation): Ollama moves token ids, not KV; give the decode node "
+    "the continuation with the prompt instead"
+)
 
 
 class OllamaEngine:
@@ -113,9 +118,15 @@ class OllamaEngine:
     # -- prefill ---------------------------------------------------------------------------
 
     async def prefill(
-        self, prompt: Prompt, sampling: Sampling, candidates: Sequence[DecodeCandidate] = ()
+        self,
+        prompt: Prompt,
+        sampling: Sampling,
+        candidates: Sequence[DecodeCandidate] = (),
+        continuation: Continuation | None = None,
     ) -> PrefillOutput:
         """Ollama exposes no KV cache: its token ids always move whole (candidates unused)."""
+        if continuation is not None:
+            raise FailedPrecondition(_NO_STATE_CONTINUATION)
         if prompt.messages:
             raise FailedPrecondition(
                 "an Ollama prefill node cannot hand over chat messages: Ollama's chat API "
@@ -146,8 +157,14 @@ class OllamaEngine:
     # -- decode ----------------------------------------------------------------------------
 
     async def continue_from_state(
-        self, kv_state: memoryview, source: KvSource, sampling: Sampling
+        self,
+        kv_state: memoryview,
+        source: KvSource,
+        sampling: Sampling,
+        continuation: Continuation | None = None,
     ) -> Generation:
+        if continuation is not None:
+            raise FailedPrecondition(_NO_STATE_CONTINUATION)
         ids = _bytes_to_ids(kv_state)
         completion = 0
         if source.first_token_text:

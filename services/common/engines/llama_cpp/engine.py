@@ -12,6 +12,7 @@ llama.cpp, and sequence ids are checked in Python (`context.py`).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import threading
 from collections.abc import AsyncGenerator, Sequence
@@ -189,10 +190,16 @@ class LlamaCppEngine:
         return cls(model, context, scheduler, fingerprint)
 
     async def prefill(
-        self, prompt: Prompt, sampling: Sampling, candidates: Sequence[DecodeCandidate] = ()
+        self,
+        prompt: Prompt,
+        sampling: Sampling,
+        candidates: Sequence[DecodeCandidate] = (),
+        continuation: Continuation | None = None,
     ) -> PrefillOutput:
         tokens, hashes = await asyncio.to_thread(self._tokenize, prompt)
         job = Job(JobKind.PREFILL, sampling, tokens=tokens, hashes=hashes)
+        if continuation is not None:
+            job.replay = self._replay_ids(continuation, len(tokens))
         holder, blocks = _best_holder(hashes, len(tokens), candidates)
         job.prefix_tokens = blocks * PREFIX_BLOCK_TOKENS
         async with aclosing(self._events(job)) as events:
@@ -207,8 +214,21 @@ class LlamaCppEngine:
         return tokens, tuple(block_hashes(self._salt, tokens))
 
     async def continue_from_state(
-        self, kv_state: memoryview, source: KvSource, sampling: Sampling
+        self,
+        kv_state: memoryview,
+        source: KvSource,
+        sampling: Sampling,
+        continuation: Continuation | None = None,
     ) -> Generation:
+        replay: list[int] = []
+        if continuation is not None:
+            replay = self._replay_ids(continuation, source.prompt_tokens)
+            if source.first_token_id != replay[-1]:
+                raise InvalidArgument(
+                    "kv.first_token_id",
+                    f"must be the continuation's last generated token {replay[-1]} (a prefill "
+                    f"node's continuation), got {source.first_token_id}",
+                )
         if not 0 < source.prompt_tokens < self.n_ctx:
             raise InvalidArgument(
                 "kv.prompt_tokens", f"must be in 1..{self.n_ctx - 1}, got {source.prompt_tokens}"
@@ -243,6 +263,8 @@ class LlamaCppEngine:
             first_token=source.first_token_id,
             hashes=source.block_hashes,
             prefix_tokens=prefix,
+            replay=replay,
+            first_token_from_prefill=continuation is None or continuation.first_token_from_prefill,
         )
         async with aclosing(self._events(job)) as events:
             async for event in events:
@@ -255,28 +277,40 @@ class LlamaCppEngine:
         tokens, hashes = await asyncio.to_thread(self._tokenize, prompt)
         job = Job(JobKind.GENERATE, sampling, tokens=tokens, hashes=hashes)
         if continuation is not None:
-            replay = list(continuation.generated_token_ids)
-            if not replay and continuation.generated_text:  # an Ollama node's: text only
-                replay = await asyncio.to_thread(
+            if not continuation.generated_token_ids and continuation.generated_text:
+                # An Ollama node's: text only, tokenized here.
+                ids = await asyncio.to_thread(
                     self._model.tokenize_text, continuation.generated_text
                 )
-            if any(not 0 <= t < self._model.n_vocab for t in replay):
-                raise InvalidArgument(
-                    "continuation.generated_token_ids",
-                    f"every id must be in 0..{self._model.n_vocab - 1}",
-                )
-            if len(tokens) + len(replay) >= self.n_ctx:
-                raise InvalidArgument(
-                    "continuation.generated_token_ids",
-                    f"the prompt's {len(tokens)} tokens and {len(replay)} generated ones leave "
-                    f"no room in a context of {self.n_ctx}",
-                )
-            job.replay = replay
+                continuation = dataclasses.replace(continuation, generated_token_ids=tuple(ids))
+            job.replay = self._replay_ids(continuation, len(tokens), required=False)
             job.first_token_from_prefill = continuation.first_token_from_prefill
         async with aclosing(self._events(job)) as events:
             async for event in events:
                 assert isinstance(event, TextChunk | GenerationEnd)
                 yield event
+
+    def _replay_ids(
+        self, continuation: Continuation, prompt_tokens: int, required: bool = True
+    ) -> list[int]:
+        """A continuation's token ids, checked: in the vocabulary, with room for them and
+        at least one more after the prompt (and at least one, where a state is involved:
+        its last is the first token of the decode node)."""
+        ids = list(continuation.generated_token_ids)
+        field_name = "continuation.generated_token_ids"
+        if required and not ids:
+            raise InvalidArgument(
+                field_name, "must be set: a continuation through a KV state needs token ids"
+            )
+        if any(not 0 <= t < self._model.n_vocab for t in ids):
+            raise InvalidArgument(field_name, f"every id must be in 0..{self._model.n_vocab - 1}")
+        if prompt_tokens + len(ids) >= self.n_ctx:
+            raise InvalidArgument(
+                field_name,
+                f"the prompt's {prompt_tokens} tokens and {len(ids)} generated ones leave no "
+                f"room in a context of {self.n_ctx}",
+            )
+        return ids
 
     async def _events(self, job: Job) -> AsyncGenerator[Event, None]:
         """Run the job on the step loop and hand its events over as they come. If the caller

@@ -3,6 +3,7 @@ random generator: a seeded request gives the same text alone and in a batch."""
 
 from __future__ import annotations
 
+import ctypes
 from typing import Any
 
 import llama_cpp
@@ -21,7 +22,8 @@ class SlotSampler:
             llama_cpp.llama_sampler_chain_default_params()
         )
         self._chain = chain
-        if sampling.temperature == 0.0:
+        self._greedy = sampling.temperature == 0.0
+        if self._greedy:
             self._add(llama_cpp.llama_sampler_init_greedy())
             return
         seed = (
@@ -43,6 +45,22 @@ class SlotSampler:
         """Sample from the logits of batch row `row` (which must have asked for logits);
         the token is accepted into the chain's state."""
         return int(llama_cpp.llama_sampler_sample(self._chain, ctx, row))
+
+    def skip(self, draws: int) -> None:
+        """Advance the random generator as `draws` samples would, without logits: a decode
+        node taking over a seeded generation whose tokens were evaluated elsewhere (a
+        prefill node's continuation) draws next what the interrupted sampler would have.
+        Only the chain's last sampler (dist) uses the generator, once per sample however
+        many candidates are left (llama-sampler.cpp), so a one-candidate array will do."""
+        if draws <= 0 or self._greedy:
+            return
+        candidate = llama_cpp.llama_token_data(id=0, logit=0.0, p=1.0)
+        array = llama_cpp.llama_token_data_array(
+            data=ctypes.pointer(candidate), size=1, selected=-1, sorted=True
+        )
+        for _ in range(draws):
+            array.size = 1
+            llama_cpp.llama_sampler_apply(self._chain, ctypes.byref(array))
 
     def close(self) -> None:
         if self._chain is not None:

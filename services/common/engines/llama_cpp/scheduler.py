@@ -96,12 +96,16 @@ class Job:
     state: memoryview | None = None
     prompt_tokens: int = 0
     first_token: int = -1
-    # GENERATE continuing an interrupted generation: its tokens, evaluated one step at a time
-    # after the prompt (as they were made) and never sent again; the sampler draws as the
-    # interrupted one did, so a seeded sampler's random generator is where it was.
+    # The tokens of an interrupted generation, which the caller has; never sent again.
+    # GENERATE evaluates them one step at a time after the prompt (as they were made), its
+    # sampler drawing as the interrupted one did, so a seeded sampler's random generator is
+    # where it was. PREFILL evaluates all but the last the same way and exports that state,
+    # the last as its first token, sampling nothing. CONTINUE loads such a state (positions
+    # up to the last but one) and takes them in as its own without evaluating them again,
+    # its sampler skipping the draws that made them (SlotSampler.skip).
     replay: list[int] = field(default_factory=list)
-    # The first token was sampled by a prefill node: CONTINUE, or a continuation of a
-    # disaggregated generation. This sampler then did not draw it, and has seed offset 1.
+    # The first token was sampled by a prefill node (a disaggregated generation): this
+    # sampler did not draw it, and has seed offset 1.
     first_token_from_prefill: bool = False
     # The prompt's block hashes (prefix_keys.block_hashes), the prefix cache's keys.
     hashes: tuple[bytes, ...] = ()
@@ -112,7 +116,13 @@ class Job:
 
     @property
     def seed_offset(self) -> int:
-        return 1 if self.kind is JobKind.CONTINUE or self.first_token_from_prefill else 0
+        return 1 if self.first_token_from_prefill else 0
+
+    @property
+    def state_tokens(self) -> int:
+        """CONTINUE: the positions its state holds (the prompt, and the replayed tokens but
+        the last, which this job evaluates first)."""
+        return self.prompt_tokens + max(len(self.replay) - 1, 0)
 
 
 @dataclass(eq=False)
@@ -332,22 +342,32 @@ class Scheduler:
         if prefix is not None:
             self._cache_use(prefix, slot, job.prefix_tokens)
         held = self._ctx.pos_max(slot.index) + 1
-        if held != job.prompt_tokens or first != job.prefix_tokens:
+        if held != job.state_tokens or first != job.prefix_tokens:
+            replayed = f" and {len(job.replay) - 1} generated tokens" if job.replay else ""
             self._fail(
                 slot,
                 FailedPrecondition(
                     f"the KV state holds positions {first}..{held - 1}, but kv.prompt_tokens is "
-                    f"{job.prompt_tokens} and kv.prefix_tokens {job.prefix_tokens}"
+                    f"{job.prompt_tokens}{replayed} and kv.prefix_tokens {job.prefix_tokens}"
                 ),
             )
             return
         if self._cache is not None:
             slot.kept = self._cache.keep(slot.index, job.hashes)
-        slot.n_past = job.prompt_tokens
+        slot.n_past = held
         slot.first_at = time.perf_counter()
         slot.kv_load_seconds = slot.first_at - slot.admitted_at
         slot.text = TextStream(job.sampling.max_tokens, job.sampling.stop)
-        self._accept(slot, job.first_token)
+        if not job.replay:
+            self._accept(slot, job.first_token)
+            return
+        # A generation a prefill node replayed: its tokens are this stream's own, unsent.
+        slot.sampler.skip(len(job.replay) - job.seed_offset)
+        slot.replayed = len(job.replay)
+        for token in job.replay:
+            self._accept(slot, token, send=False)
+            if self._slots[slot.index] is not slot:  # it ended there (max_tokens, a stop)
+                return
 
     def _reap_cancelled(self) -> None:
         for slot in self._slots:
@@ -369,8 +389,11 @@ class Scheduler:
             self._decode_pass_s = took if last is None else (last + took) / 2
         # Sample every generated row before the next pass replaces the logits.
         for i, slot in enumerate(decoded):
-            token = slot.sampler.sample(self._ctx.ptr, i)
             slot.n_past += 1
+            if slot.job.kind is JobKind.PREFILL:
+                self._replay_for_prefill(slot)
+                continue
+            token = slot.sampler.sample(self._ctx.ptr, i)
             if slot.replayed < len(slot.job.replay):
                 self._accept_replayed(slot)  # the draw above keeps a seeded sampler in step
             else:
@@ -428,6 +451,9 @@ class Scheduler:
             slot.first_at = time.perf_counter()
             if self._cache is not None:
                 slot.kept = self._cache.keep(slot.index, slot.job.hashes)
+            if slot.job.kind is JobKind.PREFILL and slot.job.replay:
+                self._replay_for_prefill(slot)
+                return len(rows)
             if slot.job.replay:
                 if not slot.job.first_token_from_prefill:
                     slot.sampler.sample(self._ctx.ptr, len(rows) - 1)  # drawn, not used
@@ -490,6 +516,17 @@ class Scheduler:
         slot.replayed += 1
         self._accept(slot, slot.job.replay[slot.replayed - 1], send=False)
 
+    def _replay_for_prefill(self, slot: Slot) -> None:
+        """A prefill continuing an interrupted generation, its prompt evaluated: its next
+        replayed token for the next step, or, once every one but the last is evaluated, the
+        state, with the last as the first token the decode node evaluates."""
+        replay = slot.job.replay
+        if slot.replayed == len(replay) - 1:
+            self._finish_prefill(slot, replay[-1])
+            return
+        slot.next_token = replay[slot.replayed]
+        slot.replayed += 1
+
     def _finish_generation(self, slot: Slot, end: GenerationEnd) -> None:
         now = time.perf_counter()
         loaded = slot.job.kind is JobKind.CONTINUE
@@ -508,6 +545,7 @@ class Scheduler:
         self._free(slot)
 
     def _finish_prefill(self, slot: Slot, first_token: int) -> None:
+        evaluated = time.perf_counter() if slot.job.replay else slot.first_at
         whole = self._ctx.state_size(slot.index)
         if slot.job.prefix_tokens:  # the decode node holds these: leave them out
             self._ctx.forget_prefix(slot.index, slot.job.prefix_tokens)
@@ -520,7 +558,9 @@ class Scheduler:
                 first_token_id=first_token,
                 first_token_text="",
                 prompt_tokens=len(slot.job.tokens),
-                seconds=slot.first_at - slot.admitted_at,
+                seconds=evaluated - slot.admitted_at,
+                replayed_tokens=slot.replayed,
+                replay_seconds=evaluated - slot.first_at,
                 cached_prompt_tokens=slot.cached,
                 block_hashes=slot.job.hashes,
                 kv_prefix_tokens=slot.job.prefix_tokens,
