@@ -35,8 +35,10 @@ from tests.test_engine import drain, open_engine
 
 PROMPT = "Count from one to fifty in words, separated by commas: one, two,"
 LONG = 200
-# The same nodes; a migration's prompt and delivered tokens are evaluated by the prefill node.
+# The same nodes; a migration's prompt and delivered tokens are evaluated by the prefill
+# node, or by the decode node taking over ("m" weighs both: migrate_via = "auto").
 VIA_PREFILL = "m-via-prefill"
+VIA_DECODE = "m-via-decode"
 
 
 async def run(
@@ -265,6 +267,13 @@ def migration_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Migrati
             chain=["disaggregated", "decode_only"],
             migrate_via="prefill",
         ),
+        route(
+            VIA_DECODE,
+            ["prefill-m"],
+            ["decode-a", "decode-b", "decode-c"],
+            chain=["disaggregated", "decode_only"],
+            migrate_via="decode",
+        ),
     ]
     with running_mesh(folder, parts) as processes:
         yield MigrationMesh(processes)
@@ -379,14 +388,20 @@ def same_answer(alone: Streamed, got: Streamed) -> router_pb2.GenerateSummary:
     return got.summary
 
 
+@pytest.mark.parametrize("model", ["m", VIA_DECODE])
 async def test_a_killed_decode_node_is_replaced_mid_answer_with_the_same_text(
-    migration_mesh: MigrationMesh,
+    migration_mesh: MigrationMesh, model: str
 ) -> None:
-    async with interrupted(migration_mesh, signal.SIGKILL, frozenset({5})) as (alone, got, killed):
+    at = frozenset({5})
+    async with interrupted(migration_mesh, signal.SIGKILL, at, model=model) as (alone, got, killed):
         (m,) = same_answer(alone, got).migrations
     assert m.failed_node == killed[0] and m.resumed_on not in ("", killed[0])
     assert m.code == "UNAVAILABLE" and m.tokens_delivered >= 5
     assert m.resume_duration.ToNanoseconds() > 0
+    if model == VIA_DECODE:  # the node taking over evaluated prompt and tokens itself
+        assert m.via_prefill_node == "" and m.reason == "migrate_via = decode"
+    else:  # the estimate chose, and says how
+        assert m.reason.startswith("auto: ") and "delivered tokens" in m.reason
 
 
 async def test_a_hung_decode_node_is_replaced_after_its_stage_deadline(
