@@ -17,7 +17,7 @@ import pytest
 import pytest_asyncio
 
 from disagg.v1 import node_pb2, node_pb2_grpc, router_pb2, router_pb2_grpc, types_pb2
-from services.common.engines.base import PrefillOutput
+from services.common.engines.base import Generation, PrefillOutput
 from services.common.engines.llama_cpp import LlamaCppEngine
 from services.common.errors import FailedPrecondition, InvalidArgument
 from services.common.processes import MeshProcesses
@@ -514,3 +514,63 @@ async def test_a_failed_prefill_node_leaves_the_decode_node_to_evaluate_it_itsel
         (m,) = same_answer(alone, got).migrations
     assert killed[1] == "prefill-m" and m.via_prefill_node == ""
     assert "prefill-m's way failed (UNAVAILABLE" in m.reason and m.resumed_on in m.reason
+
+
+CODE_LINE = (
+    "def step_{i}(values, factor={f}):\n    return [v * factor for v in values if v > {t}]\n"
+)
+# 775 tokens: more than one n_batch piece (512), and 768 of them in whole 64-token blocks.
+CODE_PROMPT = "Review this code and list its bugs.\n" + "".join(
+    CODE_LINE.format(i=i, f=i % 7, t=i * 3) for i in range(26)
+)
+
+
+async def text_of(generation: Generation) -> list[TextChunk]:
+    return [item async for item in generation if isinstance(item, TextChunk)]
+
+
+async def test_a_continuation_cuts_the_prompt_where_the_original_did() -> None:
+    """The original evaluated the prompt in pieces [0, 512) and [512, 775), and its prefix
+    cache kept 768 tokens. A continuation taking all 768 from the cache would evaluate
+    [768, 775) alone: other numbers. Told where the original's pieces started
+    (prompt_cached_tokens), it takes 512 and evaluates [512, 775) again: the very same KV,
+    byte for byte; and the rest of the answer, through either node, is the original's."""
+    engine = await open_engine(n_ctx=2048, n_threads=2, prefix_cache_tokens=2048)
+    try:
+        sampling = Sampling(max_tokens=40, temperature=0.0)
+        prompt = Prompt(text=CODE_PROMPT)
+        original = await engine.prefill(prompt, sampling)
+        assert original.prompt_tokens == 775 and original.cached_prompt_tokens == 0
+        first = Continuation((original.first_token_id,), "", first_token_from_prefill=True)
+        aligned = await engine.prefill(
+            prompt, sampling, (), dataclasses.replace(first, prompt_cached_tokens=0)
+        )
+        assert aligned.cached_prompt_tokens == 512
+        assert bytes(aligned.kv_state) == bytes(original.kv_state)
+        unaligned = await engine.prefill(prompt, sampling, (), first)
+        assert unaligned.cached_prompt_tokens == 768
+        assert bytes(unaligned.kv_state) != bytes(original.kv_state)
+
+        whole = await text_of(
+            engine.continue_from_state(original.kv_state, source_of(engine, original), sampling)
+        )
+        ids, delivered, rest = split_after(whole, 10)
+        continuation = Continuation(
+            tuple(ids), delivered, first_token_from_prefill=True, prompt_cached_tokens=0
+        )
+        # The node taking over evaluates prompt and tokens itself...
+        alone = await text_of(engine.generate(prompt, sampling, continuation))
+        assert "".join(c.text for c in alone) == rest
+        # ...or a prefill node does.
+        out = await engine.prefill(prompt, sampling, (), continuation)
+        assert out.cached_prompt_tokens == 512
+        via = await text_of(
+            engine.continue_from_state(out.kv_state, source_of(engine, out), sampling, continuation)
+        )
+        assert "".join(c.text for c in via) == rest
+        with pytest.raises(InvalidArgument, match=r"continuation\.prompt_cached_tokens"):
+            await engine.prefill(
+                prompt, sampling, (), dataclasses.replace(continuation, prompt_cached_tokens=775)
+            )
+    finally:
+        await engine.close()

@@ -61,6 +61,9 @@ def continuation_from_proto(msg: types_pb2.Continuation) -> Continuation:
         first_token_from_prefill=msg.first_token_from_prefill,
         raw_prompt=msg.raw_prompt,
         generated_tokens=max(msg.generated_tokens, len(msg.generated_token_ids)),
+        prompt_cached_tokens=(
+            msg.prompt_cached_tokens if msg.HasField("prompt_cached_tokens") else None
+        ),
     )
 
 
@@ -71,6 +74,7 @@ def continuation_to_proto(c: Continuation) -> types_pb2.Continuation:
         first_token_from_prefill=c.first_token_from_prefill,
         raw_prompt=c.raw_prompt,
         generated_tokens=c.generated_tokens,
+        prompt_cached_tokens=c.prompt_cached_tokens,
     )
 
 

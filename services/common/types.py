@@ -142,6 +142,9 @@ class Continuation:
     raw_prompt: bool = False
     # Tokens generated so far (generated_token_ids may be empty: Ollama streams text only).
     generated_tokens: int = 0
+    # Prompt tokens the original evaluation took from a prefix cache: its n_batch pieces
+    # started there, and a llama.cpp node cuts the prompt on the same grid (None: unknown).
+    prompt_cached_tokens: int | None = None
 
 
 @dataclass(frozen=True)

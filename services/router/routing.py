@@ -591,6 +591,9 @@ class Router:
                 first_token_from_prefill=disaggregated,
                 raw_prompt=raw_prompt,
                 generated_tokens=sent.tokens,
+                # Where the prefill node's pieces of the prompt started (a decode_only
+                # node's cached count comes with its summary only: not known here).
+                prompt_cached_tokens=summary.cached_prompt_tokens if disaggregated else None,
             )
             attempt.current = target if isinstance(target, Node) else None
             stats: DecodeStats | None = None

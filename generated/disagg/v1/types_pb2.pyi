@@ -78,15 +78,17 @@ class TextDelta(_message.Message):
     def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Continuation(_message.Message):
-    __slots__ = ("generated_token_ids", "generated_text", "first_token_from_prefill", "raw_prompt", "generated_tokens")
+    __slots__ = ("generated_token_ids", "generated_text", "first_token_from_prefill", "raw_prompt", "generated_tokens", "prompt_cached_tokens")
     GENERATED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     GENERATED_TEXT_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FROM_PREFILL_FIELD_NUMBER: _ClassVar[int]
     RAW_PROMPT_FIELD_NUMBER: _ClassVar[int]
     GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     generated_token_ids: _containers.RepeatedScalarFieldContainer[int]
     generated_text: str
     first_token_from_prefill: bool
     raw_prompt: bool
     generated_tokens: int
-    def __init__(self, generated_token_ids: _Optional[_Iterable[int]] = ..., generated_text: _Optional[str] = ..., first_token_from_prefill: _Optional[bool] = ..., raw_prompt: _Optional[bool] = ..., generated_tokens: _Optional[int] = ...) -> None: ...
+    prompt_cached_tokens: int
+    def __init__(self, generated_token_ids: _Optional[_Iterable[int]] = ..., generated_text: _Optional[str] = ..., first_token_from_prefill: _Optional[bool] = ..., raw_prompt: _Optional[bool] = ..., generated_tokens: _Optional[int] = ..., prompt_cached_tokens: _Optional[int] = ...) -> None: ...

@@ -200,6 +200,7 @@ class LlamaCppEngine:
         job = Job(JobKind.PREFILL, sampling, tokens=tokens, hashes=hashes)
         if continuation is not None:
             job.replay = self._replay_ids(continuation, len(tokens))
+            job.piece_origin = _piece_origin(continuation, len(tokens))
         holder, blocks = _best_holder(hashes, len(tokens), candidates)
         job.prefix_tokens = blocks * PREFIX_BLOCK_TOKENS
         async with aclosing(self._events(job)) as events:
@@ -285,6 +286,7 @@ class LlamaCppEngine:
                 continuation = dataclasses.replace(continuation, generated_token_ids=tuple(ids))
             job.replay = self._replay_ids(continuation, len(tokens), required=False)
             job.first_token_from_prefill = continuation.first_token_from_prefill
+            job.piece_origin = _piece_origin(continuation, len(tokens))
         async with aclosing(self._events(job)) as events:
             async for event in events:
                 assert isinstance(event, TextChunk | GenerationEnd)
@@ -371,6 +373,17 @@ def _best_holder(
         if blocks > best_blocks:
             best, best_blocks = candidate.node, blocks
     return best, best_blocks
+
+
+def _piece_origin(continuation: Continuation, prompt_tokens: int) -> int | None:
+    origin = continuation.prompt_cached_tokens
+    if origin is not None and not 0 <= origin < prompt_tokens:
+        raise InvalidArgument(
+            "continuation.prompt_cached_tokens",
+            f"must be in 0..{prompt_tokens - 1} (the prompt has {prompt_tokens} tokens), "
+            f"got {origin}",
+        )
+    return origin
 
 
 def _sha256(data: memoryview) -> str:

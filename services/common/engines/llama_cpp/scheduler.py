@@ -107,6 +107,11 @@ class Job:
     # The first token was sampled by a prefill node (a disaggregated generation): this
     # sampler did not draw it, and has seed offset 1.
     first_token_from_prefill: bool = False
+    # PREFILL and GENERATE continuing a generation: where the original evaluation's n_batch
+    # pieces of the prompt started (its cached prompt tokens; None: not known). The prompt
+    # is cut on the same grid, and the prefix cache used only up to a point of it, so that
+    # every position is evaluated in the same piece as before: the same KV.
+    piece_origin: int | None = None
     # The prompt's block hashes (prefix_keys.block_hashes), the prefix cache's keys.
     hashes: tuple[bytes, ...] = ()
     # PREFILL: positions before this are left out of the exported state (a decode node
@@ -310,7 +315,10 @@ class Scheduler:
         if job.kind is not JobKind.CONTINUE:
             if self._cache is not None:
                 entry, n = self._cache.lookup(job.hashes, len(job.tokens))
-                if entry is not None:
+                origin = job.piece_origin
+                if origin is not None and n > origin:  # back to the original's grid
+                    n = origin + (n - origin) // self._ctx.n_batch * self._ctx.n_batch
+                if entry is not None and n:
                     self._cache_use(entry, slot, n)
                     slot.evaluated = slot.n_past = n
             return
@@ -380,7 +388,10 @@ class Scheduler:
             self._free_parked()
         generating = [s for s in active if s.next_token is not None]
         prompting = sorted((s for s in active if s.prompting), key=lambda s: s.order)
-        pieces = self._plan_prompts(prompting, len(generating))
+        # A prefill replaying a continuation's tokens streams nothing: prompts need not make
+        # room for it (and are cut as they would be without it).
+        streams = sum(1 for s in generating if s.job.kind is not JobKind.PREFILL)
+        pieces = self._plan_prompts(prompting, streams)
         started = time.perf_counter()
         decoded = self._decode_pass(generating) if generating else []
         if decoded:
@@ -473,16 +484,7 @@ class Scheduler:
         step within `max_itl_slowdown` times its decode pass (prompt_share.py)."""
         n_batch = self._ctx.n_batch
         if not generating:
-            return [
-                (
-                    s,
-                    min(
-                        len(s.job.tokens),
-                        s.cached + ((s.evaluated - s.cached) // n_batch + 1) * n_batch,
-                    ),
-                )
-                for s in prompting
-            ]
+            return [(s, min(len(s.job.tokens), _next_cut(s, n_batch))) for s in prompting]
         pieces = prompt_pieces(
             [len(s.job.tokens) - s.evaluated for s in prompting],
             [s.prompt_token_s for s in prompting],
@@ -604,6 +606,17 @@ class Scheduler:
             f"KV cache full on node {self.name}: this stream was the newest of "
             f"{self._busy} and was ended after {slot.n_past} positions; retry later"
         )
+
+
+def _next_cut(slot: Slot, n_batch: int) -> int:
+    """Where a prompt's next n_batch piece ends: on the grid that starts where the prompt's
+    evaluation started (after its cached tokens), or where the original evaluation's did.
+    Before that origin (a continuation that found less in the cache than the original did)
+    on the grid from 0, as the request that first evaluated those positions likely cut."""
+    origin = slot.job.piece_origin if slot.job.piece_origin is not None else slot.cached
+    if slot.evaluated < origin:
+        return min(origin, (slot.evaluated // n_batch + 1) * n_batch)
+    return origin + ((slot.evaluated - origin) // n_batch + 1) * n_batch
 
 
 def _next(slot: Slot) -> int:
