@@ -108,9 +108,11 @@ class Job:
     # sampler did not draw it, and has seed offset 1.
     first_token_from_prefill: bool = False
     # PREFILL and GENERATE continuing a generation: where the original evaluation's n_batch
-    # pieces of the prompt started (its cached prompt tokens; None: not known). The prompt
-    # is cut on the same grid, and the prefix cache used only up to a point of it, so that
-    # every position is evaluated in the same piece as before: the same KV.
+    # pieces of the prompt started (its cached prompt tokens; None: not known). When the
+    # prefix cache holds at least that much, it is used only up to a point of that grid and
+    # the rest cut on it, so every position is evaluated as before: the same KV. When it
+    # holds less, the positions before the origin were evaluated by an earlier request in
+    # pieces nobody knows: the prompt is cut as a new one.
     piece_origin: int | None = None
     # The prompt's block hashes (prefix_keys.block_hashes), the prefix cache's keys.
     hashes: tuple[bytes, ...] = ()
@@ -313,14 +315,17 @@ class Scheduler:
         if job.kind is JobKind.GENERATE:
             slot.text = TextStream(job.sampling.max_tokens, job.sampling.stop)
         if job.kind is not JobKind.CONTINUE:
+            entry, n = (None, 0)
             if self._cache is not None:
                 entry, n = self._cache.lookup(job.hashes, len(job.tokens))
-                origin = job.piece_origin
-                if origin is not None and n > origin:  # back to the original's grid
-                    n = origin + (n - origin) // self._ctx.n_batch * self._ctx.n_batch
-                if entry is not None and n:
-                    self._cache_use(entry, slot, n)
-                    slot.evaluated = slot.n_past = n
+            origin = job.piece_origin
+            if origin is not None and n >= origin:  # back to the original's grid
+                n = origin + (n - origin) // self._ctx.n_batch * self._ctx.n_batch
+            else:  # positions before it were evaluated elsewhere, and cut unknowably
+                job.piece_origin = None
+            if entry is not None and n:
+                self._cache_use(entry, slot, n)
+                slot.evaluated = slot.n_past = n
             return
         assert job.state is not None
         state, job.state = job.state, None  # the slot holds it now; let the buffer go
@@ -610,12 +615,8 @@ class Scheduler:
 
 def _next_cut(slot: Slot, n_batch: int) -> int:
     """Where a prompt's next n_batch piece ends: on the grid that starts where the prompt's
-    evaluation started (after its cached tokens), or where the original evaluation's did.
-    Before that origin (a continuation that found less in the cache than the original did)
-    on the grid from 0, as the request that first evaluated those positions likely cut."""
+    evaluation started (after its cached tokens), or where the original evaluation's did."""
     origin = slot.job.piece_origin if slot.job.piece_origin is not None else slot.cached
-    if slot.evaluated < origin:
-        return min(origin, (slot.evaluated // n_batch + 1) * n_batch)
     return origin + ((slot.evaluated - origin) // n_batch + 1) * n_batch
 
 
