@@ -109,10 +109,10 @@ class Job:
     first_token_from_prefill: bool = False
     # PREFILL and GENERATE continuing a generation: where the original evaluation's n_batch
     # pieces of the prompt started (its cached prompt tokens; None: not known). When the
-    # prefix cache holds at least that much, it is used only up to a point of that grid and
-    # the rest cut on it, so every position is evaluated as before: the same KV. When it
-    # holds less, the positions before the origin were evaluated by an earlier request in
-    # pieces nobody knows: the prompt is cut as a new one.
+    # prefix cache holds at least that much, it is used only up to a point of that grid, so
+    # the pieces cut from there (as after any cache hit) are the original's: the same KV.
+    # When it holds less, the positions before the origin were evaluated by an earlier
+    # request in pieces nobody knows: the prompt is cut as a new one.
     piece_origin: int | None = None
     # The prompt's block hashes (prefix_keys.block_hashes), the prefix cache's keys.
     hashes: tuple[bytes, ...] = ()
@@ -321,8 +321,6 @@ class Scheduler:
             origin = job.piece_origin
             if origin is not None and n >= origin:  # back to the original's grid
                 n = origin + (n - origin) // self._ctx.n_batch * self._ctx.n_batch
-            else:  # positions before it were evaluated elsewhere, and cut unknowably
-                job.piece_origin = None
             if entry is not None and n:
                 self._cache_use(entry, slot, n)
                 slot.evaluated = slot.n_past = n
@@ -489,7 +487,16 @@ class Scheduler:
         step within `max_itl_slowdown` times its decode pass (prompt_share.py)."""
         n_batch = self._ctx.n_batch
         if not generating:
-            return [(s, min(len(s.job.tokens), _next_cut(s, n_batch))) for s in prompting]
+            return [
+                (
+                    s,
+                    min(
+                        len(s.job.tokens),
+                        s.cached + ((s.evaluated - s.cached) // n_batch + 1) * n_batch,
+                    ),
+                )
+                for s in prompting
+            ]
         pieces = prompt_pieces(
             [len(s.job.tokens) - s.evaluated for s in prompting],
             [s.prompt_token_s for s in prompting],
@@ -611,13 +618,6 @@ class Scheduler:
             f"KV cache full on node {self.name}: this stream was the newest of "
             f"{self._busy} and was ended after {slot.n_past} positions; retry later"
         )
-
-
-def _next_cut(slot: Slot, n_batch: int) -> int:
-    """Where a prompt's next n_batch piece ends: on the grid that starts where the prompt's
-    evaluation started (after its cached tokens), or where the original evaluation's did."""
-    origin = slot.job.piece_origin if slot.job.piece_origin is not None else slot.cached
-    return origin + ((slot.evaluated - origin) // n_batch + 1) * n_batch
 
 
 def _next(slot: Slot) -> int:
