@@ -505,16 +505,12 @@ class Router:
             node = nodes[(number - 1) % len(nodes)]
             attempt.prefill = attempt.current = node
             attempt.started = time.perf_counter()
-            timeout, caller_bound = clock.stage_timeout(route.prefill_deadline_s)
-            client = PrefillClient(self.pool, node.address)
             try:
-                with self.health.busy(node):
-                    return await client.prefill(route.name, prompt, sampling, timeout, candidates)
-            except UpstreamError as exc:
-                error = _stage_error(exc, "prefill", node, timeout, caller_bound)
-                if type(error) is DeadlineExceeded:
+                return await self._prefill_on(route, node, prompt, sampling, clock, candidates)
+            except DeadlineExceeded as error:
+                if type(error) is DeadlineExceeded:  # the stage's own, not the caller's
                     timed_out.add(node.name)
-                raise error from exc
+                raise
 
         def retryable(exc: BaseException) -> bool:
             if is_retryable(exc):
@@ -530,6 +526,27 @@ class Router:
             self._attempt_failed(route, attempt, exc, failed)
 
         return await call_with_retries(call, clock.remaining(), retryable, on_retry)
+
+    async def _prefill_on(
+        self,
+        route: ModelRoute,
+        node: Node,
+        prompt: Prompt,
+        sampling: Sampling,
+        clock: _Clock,
+        candidates: list[DecodeCandidate],
+        continuation: Continuation | None = None,
+    ) -> PrefillResult:
+        """One prefill call, with the stage deadline (or what is left of the caller's)."""
+        timeout, caller_bound = clock.stage_timeout(route.prefill_deadline_s)
+        client = PrefillClient(self.pool, node.address)
+        try:
+            with self.health.busy(node):
+                return await client.prefill(
+                    route.name, prompt, sampling, timeout, candidates, continuation
+                )
+        except UpstreamError as exc:
+            raise _stage_error(exc, "prefill", node, timeout, caller_bound) from exc
 
     async def _migrate(
         self,
@@ -658,15 +675,15 @@ class Router:
         "auto" weighs both ways (costs.py)."""
         if route.migrate_via == "decode":
             return None, "migrate_via = decode"
+        if target.engine != "llama_cpp":
+            return None, f"{target.name} is an Ollama node: it continues from the text"
+        if not sent.ids_complete or not sent.token_ids:
+            return None, "the delivered tokens' ids are not known (Ollama streams text)"
         prefills = [
             n
             for n in self._by_prefix([self.topology.node(n) for n in route.prefill], blocks)
             if n.engine == "llama_cpp" and self.health.available(n)
         ]
-        if target.engine != "llama_cpp":
-            return None, f"{target.name} is an Ollama node: it continues from the text"
-        if not sent.ids_complete or not sent.token_ids:
-            return None, "the delivered tokens' ids are not known (Ollama streams text)"
         if not prefills:
             return None, f"{route.name} has no available llama_cpp prefill node"
         via = next((n for n in prefills if n.name == prefilled), prefills[0])
@@ -753,16 +770,10 @@ class Router:
     ) -> KvSource:
         """The prefill node evaluates the prompt and the delivered tokens but the last, and
         keeps their KV state for target (less the prefix target holds)."""
-        timeout, caller_bound = clock.stage_timeout(route.prefill_deadline_s)
-        client = PrefillClient(self.pool, via.address)
         candidates = [DecodeCandidate(target.name, frozenset(self.prefixes.held(target.name)))]
-        try:
-            with self.health.busy(via):
-                result = await client.prefill(
-                    route.name, prompt, sampling, timeout, candidates, continuation
-                )
-        except UpstreamError as exc:
-            raise _stage_error(exc, "prefill", via, timeout, caller_bound) from exc
+        result = await self._prefill_on(
+            route, via, prompt, sampling, clock, candidates, continuation
+        )
         self.costs.learn_steps(via.name, result.replayed_tokens, result.replay_seconds)
         self.costs.learn_prompt(
             via.name,
