@@ -42,7 +42,7 @@ is no time to measure a way that can take seconds more. Without the prefill node
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TypeVar
 
 # Weight of the newest observation in a running average.
@@ -91,8 +91,6 @@ class Decision:
     reason: str
     # "cost" (both estimated) or "measuring" (one mode lacks figures).
     basis: str
-    # Estimated seconds to the first token of each mode (None: not known).
-    estimates: dict[str, float | None] = field(default_factory=dict)
 
 
 @dataclass
@@ -102,8 +100,9 @@ class Resumption:
 
     via: str
     reason: str
+    # "cost" (both estimated), "assumed" (the decode node's prompt speed taken as the
+    # prefill node's) or "measuring" (no figures for the prefill node's way).
     basis: str
-    estimates: dict[str, float | None] = field(default_factory=dict)
 
 
 class Costs:
@@ -159,7 +158,7 @@ class Costs:
         )
         if d is None:
             reason = f"no figures yet for {prefill.node}'s prompt speed and the KV handoff"
-            return Resumption("decode", reason, "measuring", {"decode": None, "prefill": None})
+            return Resumption("decode", reason, "measuring")
         d += (delivered - 1) * prefill_step
         assumed = _value(self._rate, decode.node) is None
         o = self._decode_only(
@@ -174,9 +173,7 @@ class Costs:
         )
         if assumed:
             reason += f" ({decode.node}'s prompt speed not measured: taken as {prefill.node}'s)"
-        return Resumption(
-            via, reason, "assumed" if assumed else "cost", {"decode": o, "prefill": d}
-        )
+        return Resumption(via, reason, "assumed" if assumed else "cost")
 
     def decide(
         self, model: str, prompt_chars: int, prefill: Candidate, decode: Candidate
@@ -186,7 +183,6 @@ class Costs:
         tokens = prompt_chars / chars
         d = self._disaggregated(model, tokens, chars, prefill, decode)
         o = self._decode_only(model, tokens, chars, decode)
-        estimates = {"disaggregated": d, "decode_only": o}
         if d is None or o is None:
             method = "disaggregated" if d is None else "decode_only"
             missing = (
@@ -195,14 +191,14 @@ class Costs:
                 else f"{decode.node}'s prompt speed"
             )
             reason = f"auto: measuring {method} (no figures yet for {missing})"
-            return Decision(method, reason, "measuring", estimates)
+            return Decision(method, reason, "measuring")
         method = "disaggregated" if d <= o else "decode_only"
         reason = (
             f"auto: ~{tokens:.0f} prompt tokens: disaggregated ~{d * 1000:.0f} ms "
             f"({prefill.node} -> {decode.node}) vs decode_only ~{o * 1000:.0f} ms "
             f"({decode.node}): {method}"
         )
-        return Decision(method, reason, "cost", estimates)
+        return Decision(method, reason, "cost")
 
     def _disaggregated(
         self,
