@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import os
 import sys
 import tempfile
@@ -35,6 +36,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "generated")]
 import llama_cpp  # noqa: E402, I001  (before grpc: see services/node.py)
 import grpc  # noqa: E402
 
+from bench.work import Work, record, total  # noqa: E402
 from disagg.v1 import decode_pb2, decode_pb2_grpc, types_pb2  # noqa: E402
 from services.common.models import resolve_model_path  # noqa: E402
 from services.common.processes import MeshProcesses, free_port  # noqa: E402
@@ -81,6 +83,8 @@ class RawBatched:
 
     def __init__(self, model_path: Path, threads: int) -> None:
         self.llm: Any = llama_cpp.Llama(model_path=str(model_path), vocab_only=True, verbose=False)
+        vocab = self.llm._model.vocab
+        self.ends = [t for t in range(self.llm.n_vocab()) if llama_cpp.llama_vocab_is_eog(vocab, t)]
         params = llama_cpp.llama_model_default_params()
         self._model = llama_cpp.llama_model_load_from_file(str(model_path).encode(), params)
         ctx_params = llama_cpp.llama_context_default_params()
@@ -105,14 +109,25 @@ class RawBatched:
         if llama_cpp.llama_decode(self._ctx, batch) != 0:
             raise RuntimeError("llama_decode failed")
 
-    def tokens_per_second(self, streams: int, new_tokens: int) -> float:
+    def tokens_per_second(self, streams: int, new_tokens: int) -> tuple[float, Work]:
+        """Generated tokens per second of `streams` sequences decoded together, and the
+        work: their prompts evaluated whole, new_tokens generated each."""
         llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(self._ctx), True)
         samplers = []
         for _ in range(streams):
             chain = llama_cpp.llama_sampler_chain_init(
                 llama_cpp.llama_sampler_chain_default_params()
             )
-            llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_greedy())
+            # The node's chain for a greedy ignore_eos request: end tokens at -inf, greedy.
+            bias = (llama_cpp.llama_logit_bias * len(self.ends))(
+                *(llama_cpp.llama_logit_bias(token=t, bias=-math.inf) for t in self.ends)
+            )
+            n_vocab = self.llm.n_vocab()
+            for sampler in (
+                llama_cpp.llama_sampler_init_logit_bias(n_vocab, len(self.ends), bias),
+                llama_cpp.llama_sampler_init_greedy(),
+            ):
+                llama_cpp.llama_sampler_chain_add(chain, sampler)
             samplers.append(chain)
         prompts = [
             self.llm.tokenize(counting(i).encode(), add_bos=True, special=True)
@@ -132,7 +147,8 @@ class RawBatched:
         elapsed = time.perf_counter() - started
         for chain in samplers:
             llama_cpp.llama_sampler_free(chain)
-        return streams * (new_tokens - 1) / elapsed
+        work = Work(sum(len(t) for t in prompts), 0, streams * new_tokens)
+        return streams * (new_tokens - 1) / elapsed, work
 
     def close(self) -> None:
         llama_cpp.llama_batch_free(self._batch)
@@ -147,13 +163,14 @@ class Stream:
         self.at: list[float] = []
         self.tokens: list[int] = []
         self.call: Any = None
+        self.summary: Any = None
 
 
 async def run_stream(stub: Any, prompt: str, max_tokens: int, stream: Stream) -> Stream:
     request = decode_pb2.DecodeServiceGenerateRequest(
         model=LOGICAL,
         prompt=prompt,
-        sampling=types_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0),
+        sampling=types_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
     )
     stream.call = stub.Generate(request, timeout=900)
     try:
@@ -161,22 +178,32 @@ async def run_stream(stub: Any, prompt: str, max_tokens: int, stream: Stream) ->
             if reply.HasField("delta"):
                 stream.at.append(time.perf_counter())
                 stream.tokens.append(len(reply.delta.token_ids))
+            else:
+                stream.summary = reply.summary
     except asyncio.CancelledError:
         if not stream.call.cancelled():  # this task was cancelled, not the call
             raise
     return stream
 
 
-async def node_tokens_per_second(stub: Any, streams: int, new_tokens: int) -> float:
+async def node_tokens_per_second(stub: Any, streams: int, new_tokens: int) -> tuple[float, Work]:
     """Generated tokens per second, all streams together, while every one of them generates
-    (from the last first delta to the first last delta)."""
+    (from the last first delta to the first last delta); and the streams' work."""
     done = await asyncio.gather(
         *(run_stream(stub, counting(i), new_tokens, Stream()) for i in range(streams))
     )
     begin = max(s.at[0] for s in done)
     end = min(s.at[-1] for s in done)
     count = sum(n for s in done for t, n in zip(s.at, s.tokens, strict=True) if begin < t <= end)
-    return count / (end - begin)
+    work = total(
+        [
+            Work(
+                s.summary.prompt_tokens, s.summary.cached_prompt_tokens, s.summary.completion_tokens
+            )
+            for s in done
+        ]
+    )
+    return count / (end - begin), work
 
 
 async def batched_decode(
@@ -186,9 +213,14 @@ async def batched_decode(
     one = 0.0
     for level in levels:
         node, limit = [], []
+        node_work, raw_work = [], []
         for _ in range(repeats):  # the two take turns
-            node.append(await node_tokens_per_second(stub, level, new_tokens))
-            limit.append(await asyncio.to_thread(raw.tokens_per_second, level, new_tokens))
+            rate, work = await node_tokens_per_second(stub, level, new_tokens)
+            node.append(rate)
+            node_work.append(work)
+            rate, work = await asyncio.to_thread(raw.tokens_per_second, level, new_tokens)
+            limit.append(rate)
+            raw_work.append(work)
         if level == 1:
             one = median(node)
         rows.append(
@@ -198,6 +230,7 @@ async def batched_decode(
                 "raw_llama_cpp_tokens_per_s": limit,
                 "over_one_stream": median(node) / one,
                 "over_raw_llama_cpp": median(node) / median(limit),
+                "work": record(("node", "raw_llama_cpp"), total(node_work), total(raw_work)),
             }
         )
         say(

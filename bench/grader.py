@@ -24,6 +24,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "generated")]
 import llama_cpp  # noqa: E402, I001  (before grpc: see services/node.py)
 import grpc  # noqa: E402
 
+from bench.work import Work, figure, record, total  # noqa: E402
 from disagg.v1 import router_pb2, router_pb2_grpc, types_pb2  # noqa: E402
 from services.common.models import resolve_model_path  # noqa: E402
 from services.common.processes import MeshProcesses, free_port  # noqa: E402
@@ -102,7 +104,7 @@ async def one(stub: Any, prompt: str) -> router_pb2.GenerateSummary:
     request = router_pb2.GenerateRequest(
         model=LOGICAL,
         prompt=prompt,
-        sampling=types_pb2.SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0),
+        sampling=types_pb2.SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True),
     )
     summary: router_pb2.GenerateSummary | None = None
     async for reply in stub.Generate(request, timeout=600):
@@ -157,6 +159,14 @@ async def run_mesh(cache: bool, texts: list[str], others: list[str]) -> dict[str
         "sequential_s": sequential_s,
         "parallel_4_s": parallel_s,
         "parallel_cached_prompt_tokens": [s.cached_prompt_tokens for s in parallel],
+        "work_done": asdict(
+            total(
+                [
+                    Work(s.prompt_tokens, s.cached_prompt_tokens, s.completion_tokens)
+                    for s in sequential + list(parallel)
+                ]
+            )
+        ),
     }
 
 
@@ -177,6 +187,13 @@ async def measure(requests: int, rubric_tokens: int, submission_tokens: int) -> 
         "kv_moved_over_state": with_cache["median_moved_over_state"],
         "sequential_ratio": with_cache["sequential_s"] / without["sequential_s"],
         "parallel_ratio": with_cache["parallel_4_s"] / without["parallel_4_s"],
+        # This row measures the cache: its sides differ in cached tokens, nothing else.
+        "work": record(
+            ("with_cache", "without_cache"),
+            Work(**with_cache["work_done"]),
+            Work(**without["work_done"]),
+            cache_compared=True,
+        ),
     }
     for row in rows(result):
         say("   " + "  ".join(row))
@@ -190,8 +207,11 @@ def rows(g: dict[str, Any]) -> list[tuple[str, str, str]]:
         (
             f"grader, {n} x {tokens}-token prompts sharing a rubric: TTFT with / without the "
             "prefix cache",
-            f"{g['ttft_ratio']:.2f}x ({w['median_ttft_after_first_s'] * 1000:.0f} vs "
-            f"{wo['median_ttft_after_first_s'] * 1000:.0f} ms)",
+            figure(
+                f"{g['ttft_ratio']:.2f}x ({w['median_ttft_after_first_s'] * 1000:.0f} vs "
+                f"{wo['median_ttft_after_first_s'] * 1000:.0f} ms)",
+                g.get("work"),
+            ),
             "<= 0.25x",
         ),
         (
@@ -202,9 +222,12 @@ def rows(g: dict[str, Any]) -> list[tuple[str, str, str]]:
         ),
         (
             f"grader: the {n} one after another, 4 at once: time with / without",
-            f"{g['sequential_ratio']:.2f}x ({w['sequential_s']:.1f} vs {wo['sequential_s']:.1f} "
-            f"s), {g['parallel_ratio']:.2f}x ({w['parallel_4_s']:.1f} vs "
-            f"{wo['parallel_4_s']:.1f} s)",
+            figure(
+                f"{g['sequential_ratio']:.2f}x ({w['sequential_s']:.1f} vs "
+                f"{wo['sequential_s']:.1f} s), {g['parallel_ratio']:.2f}x "
+                f"({w['parallel_4_s']:.1f} vs {wo['parallel_4_s']:.1f} s)",
+                g.get("work"),
+            ),
             "-",
         ),
     ]

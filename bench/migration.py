@@ -98,7 +98,7 @@ async def answer(stub: Any, way: str, prompt: str, new_tokens: int, kill: Any = 
     request = router_pb2.GenerateRequest(
         model=way,
         prompt=prompt,
-        sampling=types_pb2.SamplingParams(max_tokens=new_tokens, temperature=0.0),
+        sampling=types_pb2.SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True),
     )
     async for reply in stub.Generate(request, timeout=300):
         if reply.HasField("delta"):

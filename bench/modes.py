@@ -47,7 +47,6 @@ from bench.run import (  # noqa: E402
     Bench,
     Prompts,
     Timed,
-    greedy,
     machine,
     median,
     report,
@@ -82,7 +81,7 @@ async def measure_pair(
 
         async def decode_only(prompt: str) -> Timed:
             request = decode_pb2.DecodeServiceGenerateRequest(
-                model=bench.model, prompt=prompt, sampling=greedy(new_tokens)
+                model=bench.model, prompt=prompt, sampling=bench.greedy(new_tokens)
             )
             return await timed_stream(decode, request)
 

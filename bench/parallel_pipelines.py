@@ -25,40 +25,51 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "examples")]
 
-from disagg_mesh import AsyncMeshClient, GenerateCall  # noqa: E402
+from bench.work import Work, record, total  # noqa: E402
+from disagg_mesh import AsyncMeshClient, GenerateCall, Metrics  # noqa: E402
 from services.common.processes import MeshProcesses  # noqa: E402
 from services.common.topology import load_topology  # noqa: E402
 
-# Both calls do the same amount of work (the model keeps counting until max_tokens), so
+# Both calls do the same amount of work (ignore_eos: each answer is max_tokens long), so
 # the ratio shows what running the two pipelines at once buys.
 COUNTING = "Count to five hundred: " + ", ".join(str(i) for i in range(1, 30)) + ","
 
 
-def calls(max_tokens: int) -> list[GenerateCall]:
+def calls(max_tokens: int, ignore_eos: bool = True) -> list[GenerateCall]:
     return [
-        GenerateCall(model, prompt=COUNTING, max_tokens=max_tokens, temperature=0.0)
+        GenerateCall(
+            model, prompt=COUNTING, max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos
+        )
         for model in ("qwen3-coder:30b", "gpt-oss:120b")
     ]
 
 
-async def measure(router: str, repeats: int, max_tokens: int) -> dict[str, Any]:
+async def measure(
+    router: str, repeats: int, max_tokens: int, ignore_eos: bool = True
+) -> dict[str, Any]:
+    """ignore_eos: every answer max_tokens long (embedded nodes only; Ollama has none)."""
     sequential: list[float] = []
     parallel: list[float] = []
     tokens: list[int] = []
+    sequential_work: list[Work] = []
+    parallel_work: list[Work] = []
     async with AsyncMeshClient(router) as mesh:
-        await mesh.gather(*calls(4))  # warm-up: models paged in, channels open
+        # Warm-up: models paged in, channels open, and the prompt's whole blocks cached on
+        # both sides alike.
+        await mesh.gather(*calls(4, ignore_eos))
         for _ in range(repeats):
             started = time.perf_counter()
-            for call in calls(max_tokens):
-                await mesh.generate(call)
+            for call in calls(max_tokens, ignore_eos):
+                sequential_work.append(work_of((await mesh.generate(call)).metrics))
             sequential.append(time.perf_counter() - started)
             started = time.perf_counter()
-            results = await mesh.gather(*calls(max_tokens))
+            results = await mesh.gather(*calls(max_tokens, ignore_eos))
             parallel.append(time.perf_counter() - started)
             for r in results:
                 if isinstance(r, Exception):
                     raise r
                 tokens.append(r.metrics.completion_tokens)
+                parallel_work.append(work_of(r.metrics))
     seq, par = statistics.median(sequential), statistics.median(parallel)
     return {
         "sequential_s": sequential,
@@ -67,7 +78,12 @@ async def measure(router: str, repeats: int, max_tokens: int) -> dict[str, Any]:
         "parallel_median_s": par,
         "speedup_parallel_over_sequential": seq / par,
         "completion_tokens": tokens,
+        "work": record(("sequential", "parallel"), total(sequential_work), total(parallel_work)),
     }
+
+
+def work_of(m: Metrics) -> Work:
+    return Work(m.prompt_tokens, m.cached_prompt_tokens, m.completion_tokens)
 
 
 def main() -> int:

@@ -9,7 +9,10 @@ repeated, median reported:
 1. handoff vs re-prefill: a decode node pulling + checking + loading a prompt's KV state,
    against the same decode node evaluating that prompt itself (~250, ~1,000, ~3,000 tokens);
 2. mesh overhead: router -> prefill -> KV -> decode, streamed, against the same generation in
-   one process with llama-cpp-python (llama_cpp topologies only);
+   one process with llama-cpp-python (llama_cpp topologies only), cold (a fresh prompt each
+   repeat: both evaluate it whole) and warm (one prompt repeated: the mesh takes its whole
+   blocks from its prefix cache, the process keeps as many in its context and evaluates the
+   same rest);
 3. router relay: the same two stages called by this script directly, without the router;
 4. KV transfer throughput: FetchKv of a ~50 MB state against a plain gRPC byte stream of the
    same size between two processes (the ceiling);
@@ -28,6 +31,11 @@ repeated, median reported:
    cache against without it: TTFT, KV bytes moved, total time (bench/grader.py, meshes of
    their own).
 
+Every answer is greedy with ignore_eos (end tokens never sampled), so both sides of a ratio
+generate the same number of tokens on any CPU. Each row records what each side did (prompt
+tokens, tokens from a cache, tokens generated, bytes: bench/work.py) and shows its figure
+only when both sides did the same; otherwise the row says what differed and the run exits 1.
+
 Prints a table; writes everything (machine, versions, date, every sample) to bench/results/.
 This machine is shared and noisy: read the ratios, not the absolute times.
 """
@@ -37,6 +45,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import platform
 import re
@@ -47,6 +56,7 @@ import tempfile
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +71,7 @@ from bench.grader import rows as grader_rows  # noqa: E402
 from bench.migration import measure as measure_migration  # noqa: E402
 from bench.migration import rows as migration_rows  # noqa: E402
 from bench.parallel_pipelines import measure as measure_parallel  # noqa: E402
+from bench.work import Work, failures, figure, record, total  # noqa: E402
 from disagg.v1 import (  # noqa: E402
     decode_pb2,
     decode_pb2_grpc,
@@ -109,6 +120,16 @@ class Prompts:
             return len(text) // 4
         return len(self._llm.tokenize(text.encode(), special=True))
 
+    def pair(self, n: int, tag: str) -> tuple[str, str]:
+        """Two prompts of about n tokens and exactly as many each, whose first lines
+        differ (no prefix cache serves one from the other)."""
+        first = self.of_tokens(n, salt=f"{tag} A")
+        for letter in "BCDEFGHJKLMNPQRSTUVWXYZ":
+            second = self.of_tokens(n, salt=f"{tag} {letter}")
+            if self.count(second) == self.count(first):
+                return first, second
+        raise SystemExit(f"no second prompt of {self.count(first)} tokens for {tag!r}")
+
     def of_tokens(self, n: int, salt: str = "") -> str:
         """About n tokens; a salt changes the first line, so that no prefix cache (Ollama
         keeps one) serves one measured prompt from another."""
@@ -127,8 +148,18 @@ class Prompts:
             i += 1
 
 
-def greedy(max_tokens: int) -> types_pb2.SamplingParams:
-    return types_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0)
+def greedy(max_tokens: int, ignore_eos: bool = True) -> types_pb2.SamplingParams:
+    """Greedy and, with ignore_eos, never ended by an end token: every answer is max_tokens
+    long (Ollama has no such option: an answer there may end sooner, and the work check
+    then says so)."""
+    return types_pb2.SamplingParams(
+        max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos or None
+    )
+
+
+def summary_work(s: Any) -> Work:
+    """A router GenerateSummary's work."""
+    return Work(s.prompt_tokens, s.cached_prompt_tokens, s.completion_tokens)
 
 
 def secs(d: Any) -> float:
@@ -145,6 +176,7 @@ class Timed:
         self.tokens = 0
         self.ended = 0.0
         self.summary: Any = None
+        self.prefill_reply: Any = None  # two stages called directly: the Prefill reply
 
     def at(self, i: int) -> float:
         """Seconds to delta i (nan if there was none)."""
@@ -180,10 +212,17 @@ class Bench:
         self.prefill: Node = topology.node(route.prefill[0])
         self.decode: Node = topology.node(route.decode[0])
         self.router = topology.router.address
+        # ignore_eos where every node of the route can: embedded nodes only.
+        self.ignore_eos = all(
+            topology.node(n).engine == "llama_cpp" for n in (*route.prefill, *route.decode)
+        )
+
+    def greedy(self, max_tokens: int) -> types_pb2.SamplingParams:
+        return greedy(max_tokens, self.ignore_eos)
 
     async def _prefill(self, stub: Any, prompt: str, max_tokens: int = 1) -> Any:
         request = prefill_pb2.PrefillRequest(
-            model=self.model, prompt=prompt, sampling=greedy(max_tokens)
+            model=self.model, prompt=prompt, sampling=self.greedy(max_tokens)
         )
         return await stub.Prefill(request, timeout=600)
 
@@ -192,7 +231,9 @@ class Bench:
         from the KV handle; times count from before the prefill."""
         started = time.perf_counter()
         reply = await self._prefill(prefill, prompt)
-        return await timed_stream(decode, self._kv_request(reply, new_tokens), started)
+        timed = await timed_stream(decode, self._kv_request(reply, new_tokens), started)
+        timed.prefill_reply = reply
+        return timed
 
     def _kv_request(self, reply: Any, max_tokens: int) -> Any:
         return decode_pb2.DecodeServiceGenerateRequest(
@@ -206,7 +247,7 @@ class Bench:
                 kv_size_bytes=reply.kv_size_bytes,
                 first_token_text=reply.first_token_text,
             ),
-            sampling=greedy(max_tokens),
+            sampling=self.greedy(max_tokens),
         )
 
     # 1 -------------------------------------------------------------------------------------
@@ -220,15 +261,23 @@ class Bench:
             decode: Any = decode_pb2_grpc.DecodeServiceStub(dc)
             for size in sizes:
                 handoff, reprefill, kv_bytes, tokens = [], [], 0, 0
+                handoff_work, reprefill_work = [], []
                 for k in range(self.repeats):
-                    # Two prompts of one size: an Ollama decode node would otherwise serve
-                    # the re-prefill from the prefix cache the handoff just filled.
-                    prompt = self.prompts.of_tokens(size, salt=f"handoff {k}")
+                    # Two prompts of one length: the decode node would otherwise serve the
+                    # re-prefill from the prefix it kept of the state it just loaded.
+                    prompt, other = self.prompts.pair(size, f"handoff {k}")
                     reply = await self._prefill(prefill, prompt)
                     # llama.cpp is ready once the state is loaded; Ollama only evaluates the
                     # prompt again when asked for a token beyond the prefill node's first.
                     ready = 2 if self.decode.engine == "ollama" else 1
                     summary = (await timed_stream(decode, self._kv_request(reply, ready))).summary
+                    handoff_work.append(
+                        Work(
+                            summary.prompt_tokens,
+                            reply.kv_prefix_tokens + summary.cached_prompt_tokens,
+                            summary.completion_tokens,
+                        )
+                    )
                     # Ready to generate: pulled, checked, loaded. With Ollama (token ids) the
                     # decode side's own prompt evaluation is part of the handoff too.
                     handoff.append(
@@ -238,12 +287,17 @@ class Bench:
                     )
                     kv_bytes, tokens = reply.kv_size_bytes, reply.prompt_tokens
                     whole = decode_pb2.DecodeServiceGenerateRequest(
-                        model=self.model,
-                        prompt=self.prompts.of_tokens(size, salt=f"re-prefill {k}"),
-                        sampling=greedy(1),
+                        model=self.model, prompt=other, sampling=self.greedy(ready)
                     )
                     summary = (await timed_stream(decode, whole)).summary
                     reprefill.append(secs(summary.prompt_eval_duration))
+                    reprefill_work.append(
+                        Work(
+                            summary.prompt_tokens,
+                            summary.cached_prompt_tokens,
+                            summary.completion_tokens,
+                        )
+                    )
                 ratio = median(handoff) / median(reprefill)
                 rows.append(
                     {
@@ -252,6 +306,9 @@ class Bench:
                         "handoff_s": handoff,
                         "reprefill_s": reprefill,
                         "handoff_over_reprefill": ratio,
+                        "work": record(
+                            ("handoff", "reprefill"), total(handoff_work), total(reprefill_work)
+                        ),
                     }
                 )
                 say(
@@ -263,39 +320,68 @@ class Bench:
 
     # 2 -------------------------------------------------------------------------------------
     async def overhead(self, prompt_tokens: int, new_tokens: int) -> dict[str, Any]:
-        """The whole request through the mesh against one process doing the same, the two
-        alternating so that the machine's drift hits both alike."""
-        prompt = self.prompts.of_tokens(prompt_tokens)
-        request = router_pb2.GenerateRequest(
-            model=self.model, prompt=prompt, sampling=greedy(new_tokens)
-        )
-        single = self._single_process(prompt, new_tokens)
-        mesh_s: list[float] = []
-        single_s: list[float] = []
-        stages: dict[str, list[float]] = {"prefill": [], "kv": [], "decode": []}
+        """The whole request through the mesh against one process doing the same work, the
+        two alternating so that the machine's drift hits both alike: cold, a fresh prompt
+        each repeat (nothing cached on either side), and warm, one prompt repeated (the
+        mesh's prefix cache holds its whole blocks; the process keeps as many tokens of it
+        in its context, llama-cpp-python's own prefix reuse, and evaluates the same rest).
+        The first of each is a warm-up."""
+        single = self._single_process()
+        result: dict[str, Any] = {"prompt_tokens": prompt_tokens, "new_tokens": new_tokens}
         async with grpc.aio.insecure_channel(self.router) as rc:
             router: Any = router_pb2_grpc.RouterServiceStub(rc)
-            for attempt in range(self.repeats + 1):  # the first is a warm-up
-                timed = await timed_stream(router, request)
-                summary = timed.summary
-                alone = single() if single else 0.0
-                if attempt:
+            for kind in ("cold", "warm"):
+                mesh_s: list[float] = []
+                single_s: list[float] = []
+                stages: dict[str, list[float]] = {"prefill": [], "kv": [], "decode": []}
+                mesh_work: list[Work] = []
+                single_work: list[Work] = []
+                for attempt in range(self.repeats + 1):
+                    salt = f"overhead {attempt}" if kind == "cold" else "overhead warm"
+                    prompt = self.prompts.of_tokens(prompt_tokens, salt=salt)
+                    request = router_pb2.GenerateRequest(
+                        model=self.model, prompt=prompt, sampling=self.greedy(new_tokens)
+                    )
+                    timed = await timed_stream(router, request)
+                    summary = timed.summary
+                    keep = summary.cached_prompt_tokens if kind == "warm" else 0
+                    alone = single.run(prompt, new_tokens, keep) if single else None
+                    if not attempt:
+                        continue
                     mesh_s.append(timed.ended)
-                    single_s.append(alone)
+                    mesh_work.append(summary_work(summary))
+                    if alone is not None:
+                        single_s.append(alone[0])
+                        single_work.append(alone[1])
                     stages["prefill"].append(secs(summary.prefill_duration))
                     kv = secs(summary.kv_transfer_duration) + secs(summary.kv_load_duration)
                     stages["kv"].append(kv)
                     stages["decode"].append(secs(summary.decode_duration))
-        result: dict[str, Any] = {
-            "prompt_tokens": prompt_tokens,
-            "new_tokens": new_tokens,
-            "mesh_s": mesh_s,
-            "mesh_stages_s": stages,
-            "single_process_s": single_s if single else [],
-        }
+                row: dict[str, Any] = {
+                    "mesh_s": mesh_s,
+                    "mesh_stages_s": stages,
+                    "single_process_s": single_s,
+                }
+                if single:
+                    row["mesh_over_single_process"] = median(mesh_s) / median(single_s)
+                    row["work"] = record(
+                        ("mesh", "single_process"), total(mesh_work), total(single_work)
+                    )
+                result[kind] = row
         if single:
-            result["mesh_over_single_process"] = median(mesh_s) / median(single_s)
+            single.close()
         return result
+
+    def _single_process(self) -> SingleProcess | None:
+        """The same generation in one process (this one), as without the mesh; None when
+        the topology's engine is not llama.cpp."""
+        if self.prefill.engine != "llama_cpp" or self.prefill.model is None:
+            return None
+        return SingleProcess(
+            resolve_model_path(self.prefill.model, self.topology.source.parent),
+            self.prefill,
+            self.topology.threads_for(self.prefill),
+        )
 
     # 3 -------------------------------------------------------------------------------------
     async def relay(self, new_tokens: int, repeats: int) -> dict[str, Any]:
@@ -304,9 +390,11 @@ class Bench:
         per second as the caller receives them (first to last delta)."""
         prompt = "def fibonacci(n):"
         request = router_pb2.GenerateRequest(
-            model=self.model, prompt=prompt, sampling=greedy(new_tokens)
+            model=self.model, prompt=prompt, sampling=self.greedy(new_tokens)
         )
         via_ttft, via_rate, direct_ttft, direct_rate = [], [], [], []
+        via_work: list[Work] = []
+        direct_work: list[Work] = []
         async with (
             grpc.aio.insecure_channel(self.router) as rc,
             grpc.aio.insecure_channel(self.prefill.address) as pc,
@@ -323,6 +411,15 @@ class Bench:
                     via_rate.append((via.tokens - 1) / (via.ended - via.at(0)))
                     direct_ttft.append(direct.at(0))
                     direct_rate.append((direct.tokens - 1) / (direct.ended - direct.at(0)))
+                    via_work.append(summary_work(via.summary))
+                    reply, decoded = direct.prefill_reply, direct.summary
+                    direct_work.append(
+                        Work(
+                            reply.prompt_tokens,
+                            reply.cached_prompt_tokens,
+                            decoded.completion_tokens,
+                        )
+                    )
         return {
             "new_tokens": new_tokens,
             "via_router_ttft_s": via_ttft,
@@ -331,37 +428,8 @@ class Bench:
             "direct_tokens_per_s": direct_rate,
             "router_added_ttft_ms": (median(via_ttft) - median(direct_ttft)) * 1000,
             "relay_tokens_per_s_ratio": median(via_rate) / median(direct_rate),
+            "work": record(("via_router", "direct"), total(via_work), total(direct_work)),
         }
-
-    def _single_process(self, prompt: str, new_tokens: int) -> Callable[[], float] | None:
-        """A function timing the same generation in one process (this one), as without the
-        mesh; None when the topology's engine is not llama.cpp."""
-        if self.prefill.engine != "llama_cpp" or self.prefill.model is None:
-            return None
-        import llama_cpp
-
-        threads = self.topology.threads_for(self.prefill)
-        llm = llama_cpp.Llama(
-            model_path=str(resolve_model_path(self.prefill.model, self.topology.source.parent)),
-            n_ctx=self.prefill.n_ctx,
-            n_threads=threads,
-            n_threads_batch=threads,
-            n_batch=self.prefill.n_batch,
-            n_ubatch=self.prefill.n_ubatch,
-            flash_attn=self.prefill.flash_attn,
-            verbose=False,
-        )
-
-        def run() -> float:
-            llm.reset()  # type: ignore[no-untyped-call]
-            started = time.perf_counter()
-            for _chunk in llm.create_completion(
-                prompt, max_tokens=new_tokens, temperature=0.0, stream=True
-            ):
-                pass
-            return time.perf_counter() - started
-
-        return run
 
     # 4 -------------------------------------------------------------------------------------
     async def kv_throughput(self, target_bytes: int) -> dict[str, Any]:
@@ -372,6 +440,7 @@ class Bench:
         fetch_rates: list[float] = []
         ceiling_rates: list[float] = []
         sizes: list[int] = []
+        ceiling_sizes: list[int] = []
         pool = ChannelPool()
         try:
             client = PrefillClient(pool, self.prefill.address)
@@ -387,11 +456,12 @@ class Bench:
                     async for chunk in client.fetch_kv(reply.kv_handle, 600):
                         received += len(chunk.data)
                     fetch_rate = received / (time.perf_counter() - started)
-                    ceiling_rate = await ceiling.rate(received)
+                    ceiling_rate, streamed = await ceiling.rate(received)
                     if attempt:
                         fetch_rates.append(fetch_rate)
                         ceiling_rates.append(ceiling_rate)
                         sizes.append(received)
+                        ceiling_sizes.append(streamed)
         finally:
             await pool.close()
         return {
@@ -399,6 +469,11 @@ class Bench:
             "fetchkv_bytes_per_s": fetch_rates,
             "plain_stream_bytes_per_s": ceiling_rates,
             "fetchkv_over_ceiling": median(fetch_rates) / median(ceiling_rates),
+            "work": record(
+                ("fetchkv", "plain_stream"),
+                Work(bytes_moved=sum(sizes)),
+                Work(bytes_moved=sum(ceiling_sizes)),
+            ),
         }
 
     # 5 -------------------------------------------------------------------------------------
@@ -414,17 +489,20 @@ class Bench:
                         prompt=f"Count to a hundred, item {i}: 1, 2, 3,",
                         max_tokens=new_tokens,
                         temperature=0.0,
+                        ignore_eos=self.ignore_eos,
                     )
                     for i in range(level)
                 ]
 
-                async def timed(call: GenerateCall) -> tuple[float, int] | MeshError:
+                async def timed(call: GenerateCall) -> tuple[float, int, Work] | MeshError:
                     started = time.perf_counter()
                     try:
                         result = await client.generate(call)
                     except MeshError as exc:
                         return exc
-                    return time.perf_counter() - started, result.metrics.completion_tokens
+                    m = result.metrics
+                    work = Work(m.prompt_tokens, m.cached_prompt_tokens, m.completion_tokens)
+                    return time.perf_counter() - started, m.completion_tokens, work
 
                 started = time.perf_counter()
                 outcomes = await asyncio.gather(*(timed(c) for c in calls))
@@ -444,6 +522,7 @@ class Bench:
                         "p99_s": pct(latencies, 0.99),
                         "tokens_per_s": rate,
                         "over_single_stream": rate / single_rate if single_rate else float("nan"),
+                        "work_done": asdict(total([o[2] for o in done])),
                     }
                 )
                 say(
@@ -452,6 +531,67 @@ class Bench:
                     f"{rate:.0f} tok/s ({rows[-1]['over_single_stream']:.2f}x single)"
                 )
         return rows
+
+
+class SingleProcess:
+    """llama-cpp-python in this process with the node's settings: Llama.eval evaluates the
+    prompt (in n_batch pieces, after the positions its context keeps), then one token at a
+    time, each sampled by llama.cpp's greedy sampler behind the same end-token bias as the
+    node's (ignore_eos) and detokenized as a stream would be."""
+
+    def __init__(self, model_path: Path, node: Node, threads: int) -> None:
+        import llama_cpp
+
+        self._llama_cpp = llama_cpp
+        self.llm: Any = llama_cpp.Llama(
+            model_path=str(model_path),
+            n_ctx=node.n_ctx,
+            n_threads=threads,
+            n_threads_batch=threads,
+            n_batch=node.n_batch,
+            n_ubatch=node.n_ubatch,
+            flash_attn=node.flash_attn,
+            verbose=False,
+        )
+        vocab = self.llm._model.vocab
+        ends = [t for t in range(self.llm.n_vocab()) if llama_cpp.llama_vocab_is_eog(vocab, t)]
+        self._chain = llama_cpp.llama_sampler_chain_init(
+            llama_cpp.llama_sampler_chain_default_params()
+        )
+        biases = (llama_cpp.llama_logit_bias * len(ends))(
+            *(llama_cpp.llama_logit_bias(token=t, bias=-math.inf) for t in ends)
+        )
+        for sampler in (
+            llama_cpp.llama_sampler_init_logit_bias(self.llm.n_vocab(), len(ends), biases),
+            llama_cpp.llama_sampler_init_greedy(),
+        ):
+            llama_cpp.llama_sampler_chain_add(self._chain, sampler)
+
+    def run(self, prompt: str, new_tokens: int, keep: int) -> tuple[float, Work]:
+        """Seconds to generate new_tokens after prompt, keeping at most `keep` positions of
+        what the context holds (0: cold); and the work done."""
+        llm = self.llm
+        tokens = llm.tokenize(prompt.encode(), add_bos=True, special=True)
+        held = llm.input_ids[: min(keep, llm.n_tokens, len(tokens) - 1)].tolist()
+        # held is no longer than tokens: the positions both have, up to the first difference
+        pairs = zip(held, tokens[: len(held)], strict=True)
+        reused = next((i for i, (a, b) in enumerate(pairs) if a != b), len(held))
+        llm.n_tokens = reused  # Llama.eval drops every cell from here on
+        generated = 0
+        started = time.perf_counter()
+        llm.eval(tokens[reused:])
+        while True:
+            token = self._llama_cpp.llama_sampler_sample(self._chain, llm.ctx, -1)
+            llm.detokenize([token])
+            generated += 1
+            if generated == new_tokens:
+                break
+            llm.eval([token])
+        elapsed = time.perf_counter() - started
+        return elapsed, Work(len(tokens), reused, generated)
+
+    def close(self) -> None:
+        self._llama_cpp.llama_sampler_free(self._chain)
 
 
 class ByteStreamCeiling:
@@ -472,12 +612,13 @@ class ByteStreamCeiling:
         self._stream: Any = self._channel.unary_stream("/bench.Bytes/Stream")
         return self
 
-    async def rate(self, size: int) -> float:
+    async def rate(self, size: int) -> tuple[float, int]:
+        """Bytes per second of a stream of `size` bytes, and the bytes received."""
         started = time.perf_counter()
         received = 0
         async for chunk in self._stream(str(size).encode()):
             received += len(chunk)
-        return received / (time.perf_counter() - started)
+        return received / (time.perf_counter() - started), received
 
     async def __aexit__(self, *exc: object) -> None:
         await self._channel.close()
@@ -552,7 +693,7 @@ async def run_all(bench: Bench, args: argparse.Namespace) -> dict[str, Any]:
         (
             "parallel_pipelines",
             "6. the grader's two calls, sequential vs parallel",
-            lambda: measure_parallel(bench.router, bench.repeats, 64),
+            lambda: measure_parallel(bench.router, bench.repeats, 64, bench.ignore_eos),
         ),
         (
             "batching",
@@ -591,22 +732,26 @@ def table(r: dict[str, Any]) -> str:
         rows.append(
             (
                 f"handoff / re-prefill, {h['prompt_tokens']} tokens",
-                f"{h['handoff_over_reprefill']:.4f}x",
+                figure(f"{h['handoff_over_reprefill']:.4f}x", h.get("work")),
                 "<= 0.05x at ~1,000" if 900 < h["prompt_tokens"] < 1100 else "falls with size",
             )
         )
     o = r.get("overhead", {})
-    if "mesh_over_single_process" in o:
-        rows.append(
-            (
-                f"mesh / single process, {o['prompt_tokens']} + {o['new_tokens']} tokens",
-                f"{o['mesh_over_single_process']:.3f}x",
-                "<= 1.10x",
+    for kind, what in (("cold", "a new prompt each time"), ("warm", "the prompt cached")):
+        row = o.get(kind, {})
+        if "mesh_over_single_process" in row:
+            cached = row["work"]["mesh"]["cached_tokens"] // max(1, len(row["mesh_s"]))
+            rows.append(
+                (
+                    f"mesh / single process, {o['prompt_tokens']} + {o['new_tokens']} tokens, "
+                    f"{kind} ({what}{f': {cached} tokens' if cached else ''})",
+                    figure(f"{row['mesh_over_single_process']:.3f}x", row["work"]),
+                    "<= 1.10x",
+                )
             )
-        )
     if "relay" in r:
         relay = r["relay"]
-        ratio = f"{relay['relay_tokens_per_s_ratio']:.3f}x"
+        ratio = figure(f"{relay['relay_tokens_per_s_ratio']:.3f}x", relay.get("work"))
         rows.append(("router relay tokens/s / direct", ratio, ">= 0.95x"))
         rows.append(("router added TTFT", f"{relay['router_added_ttft_ms']:.1f} ms", "<= 5 ms"))
     if "kv_throughput" in r:
@@ -616,7 +761,11 @@ def table(r: dict[str, Any]) -> str:
         rows.append(
             (
                 f"FetchKv / plain gRPC stream, {size_mb:.0f} MB",
-                f"{k['fetchkv_over_ceiling']:.2f}x ({fetch / 1e9:.2f} vs {plain / 1e9:.2f} GB/s)",
+                figure(
+                    f"{k['fetchkv_over_ceiling']:.2f}x ({fetch / 1e9:.2f} vs "
+                    f"{plain / 1e9:.2f} GB/s)",
+                    k.get("work"),
+                ),
                 ">= 0.8x",
             )
         )
@@ -630,13 +779,19 @@ def table(r: dict[str, Any]) -> str:
         rows.append(
             (
                 f"{c['concurrent']} concurrent: done, errors, p50/p95/p99",
-                f"{c['completed']}, {len(c['errors'])}, {latency}, "
-                f"{c['over_single_stream']:.2f}x tok/s{gain}",
+                figure(
+                    f"{c['completed']}, {len(c['errors'])}, {latency}, "
+                    f"{c['over_single_stream']:.2f}x tok/s{gain}",
+                    c.get("work"),
+                ),
                 "0 errors",
             )
         )
     if "parallel_pipelines" in r:
-        speedup = f"{r['parallel_pipelines']['speedup_parallel_over_sequential']:.2f}x"
+        pipelines = r["parallel_pipelines"]
+        speedup = figure(
+            f"{pipelines['speedup_parallel_over_sequential']:.2f}x", pipelines.get("work")
+        )
         rows.append(("grader's 2 calls: parallel speedup", speedup, "-"))
     if "batching" in r:
         b = r["batching"]
@@ -645,8 +800,11 @@ def table(r: dict[str, Any]) -> str:
                 (
                     f"{d['streams']} streams on one decode node: tok/s / 1 stream, / raw "
                     f"llama.cpp at {d['streams']}",
-                    f"{d['over_one_stream']:.2f}x, {d['over_raw_llama_cpp']:.2f}x "
-                    f"(raw itself: {d['raw_over_its_one_stream']:.2f}x)",
+                    figure(
+                        f"{d['over_one_stream']:.2f}x, {d['over_raw_llama_cpp']:.2f}x "
+                        f"(raw itself: {d['raw_over_its_one_stream']:.2f}x)",
+                        d.get("work"),
+                    ),
                     ">= 0.85x of raw",
                 )
             )
@@ -744,7 +902,12 @@ def main() -> int:
             results["concurrency"], results["concurrency_one_slot"], strict=True
         ):
             row["over_one_slot_per_node"] = row["tokens_per_s"] / before["tokens_per_s"]
-    record = {
+            row["work"] = record(
+                ("batched", "one_slot_per_node"),
+                Work(**row["work_done"]),
+                Work(**before["work_done"]),
+            )
+    run_record = {
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "machine": machine(),
         "topology": str(args.topology),
@@ -753,8 +916,16 @@ def main() -> int:
         "wall_s": time.perf_counter() - started,
         **results,
     }
-    report(args.out, "bench", record, table(results))
-    return 0
+    report(args.out, "bench", run_record, table(results))
+    return check_same_work(results)
+
+
+def check_same_work(results: dict[str, Any]) -> int:
+    """1 (and what differed) when any row's two sides did different work, else 0."""
+    bad = failures(results)
+    for line in bad:
+        say(f"!! different work on the two sides of {line}")
+    return 1 if bad else 0
 
 
 @contextmanager

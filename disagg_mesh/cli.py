@@ -94,6 +94,11 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float)
     gen.add_argument("--seed", type=int)
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    gen.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="never sample an end token: the answer runs to --max-tokens (benchmarks)",
+    )
     gen.add_argument("--json", action="store_true", help="one JSON object: text and metrics")
     gen.set_defaults(run=_generate)
 
@@ -149,6 +154,7 @@ def _generate(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens,
         temperature=args.temperature,
         top_p=args.top_p,
+        ignore_eos=args.ignore_eos,
         seed=args.seed,
         stop=args.stop,
     )

@@ -60,6 +60,7 @@ class GenerateCall:
     top_p: float | None = None
     seed: int | None = None
     stop: Sequence[str] = ()
+    ignore_eos: bool = False  # end tokens never sampled: the answer runs to max_tokens
     timeout: float | None = None  # seconds; None: the client's
 
     def to_proto(self) -> router_pb2.GenerateRequest:
@@ -75,6 +76,7 @@ class GenerateCall:
                 top_p=self.top_p,
                 seed=self.seed,
                 stop=list(self.stop),
+                ignore_eos=self.ignore_eos or None,
             ),
         )
 

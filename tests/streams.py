@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import llama_cpp
+import numpy as np
+import numpy.typing as npt
 
 from disagg.v1 import decode_pb2, prefill_pb2, router_pb2, types_pb2
 
@@ -55,8 +57,8 @@ def request(
 def kv_request(
     model: str, prefill_address: str, reply: prefill_pb2.PrefillResponse, **overrides: Any
 ) -> decode_pb2.DecodeServiceGenerateRequest:
-    """A decode node's request for the state a Prefill reply describes (4 greedy tokens);
-    overrides replace KvSource fields."""
+    """A decode node's request for the state a Prefill reply describes (4 greedy tokens,
+    never ended by an end token); overrides replace KvSource fields."""
     fields: dict[str, Any] = dict(
         prefill_address=prefill_address,
         kv_handle=reply.kv_handle,
@@ -67,17 +69,55 @@ def kv_request(
     )
     fields.update(overrides)
     return decode_pb2.DecodeServiceGenerateRequest(
-        model=model, kv=decode_pb2.KvSource(**fields), sampling=greedy(4)
+        model=model, kv=decode_pb2.KvSource(**fields), sampling=greedy(4, ignore_eos=True)
     )
 
 
-def reference_tokens(llm: llama_cpp.Llama, prompt: str, max_tokens: int) -> list[int]:
-    """Greedy generation in this process, as one would without the mesh."""
+def end_token_suppressor(llm: llama_cpp.Llama) -> llama_cpp.LogitsProcessorList:
+    """A logits processor giving every end-of-generation token a -inf logit: ignore_eos as
+    the mesh applies it (a -inf bias before the greedy pick), for llama-cpp-python."""
+    vocab = llm._model.vocab
+    ends = [t for t in range(llm.n_vocab()) if llama_cpp.llama_vocab_is_eog(vocab, t)]
+
+    def suppress(_ids: npt.NDArray[np.intc], scores: npt.NDArray[np.single]) -> Any:
+        scores[ends] = -np.inf
+        return scores
+
+    return llama_cpp.LogitsProcessorList([suppress])
+
+
+def reference_tokens(
+    llm: llama_cpp.Llama, prompt: str, max_tokens: int, ignore_eos: bool = False
+) -> list[int]:
+    """Greedy generation in this process, as one would without the mesh (ignore_eos: no
+    end token is ever picked, as with SamplingParams.ignore_eos)."""
     tokens: list[int] = []
     llm.reset()  # type: ignore[no-untyped-call]  # n_tokens = 0: no prefix of an earlier call is reused
     prompt_tokens = llm.tokenize(prompt.encode(), add_bos=True, special=True)
-    for token in llm.generate(prompt_tokens, temp=0.0, reset=True):
+    processor = end_token_suppressor(llm) if ignore_eos else None
+    for token in llm.generate(prompt_tokens, temp=0.0, reset=True, logits_processor=processor):
         if llama_cpp.llama_vocab_is_eog(llm._model.vocab, token) or len(tokens) >= max_tokens:
             break
         tokens.append(token)
     return tokens
+
+
+# Raw prompts a small model tends to continue at length; prompt_running picks among them.
+RUNNING_PROMPTS = (
+    "Count to one thousand: 1, 2, 3, 4, 5,",
+    "The three primary colors are",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village by the sea,",
+    "import numpy as np\narr =",
+)
+
+
+def prompt_running(llm: llama_cpp.Llama, tokens: int) -> str:
+    """A raw prompt whose greedy answer runs at least `tokens` tokens before any end token,
+    on this machine: greedy continuations differ between CPUs, so a test that cannot set
+    ignore_eos (Ollama's API has no such option) picks its prompt here, in the same run,
+    against the single-process reference."""
+    for prompt in RUNNING_PROMPTS:
+        if len(reference_tokens(llm, prompt, tokens)) == tokens:
+            return prompt
+    raise AssertionError(f"no prompt of {RUNNING_PROMPTS} runs {tokens} tokens on this machine")

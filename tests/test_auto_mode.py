@@ -61,7 +61,7 @@ async def router(auto_mesh: MeshProcesses) -> AsyncIterator[router_pb2_grpc.Rout
 async def served(
     router: router_pb2_grpc.RouterServiceAsyncStub, prompt: str
 ) -> router_pb2.GenerateSummary:
-    got = await collect(router.Generate(request(MODEL, prompt, 2)))
+    got = await collect(router.Generate(request(MODEL, prompt, 2, ignore_eos=True)))
     summary: router_pb2.GenerateSummary | None = got.summary
     assert summary is not None and not summary.failed_attempts
     return summary

@@ -33,7 +33,9 @@ METRIC_NAMES = {
 
 def test_sync_generate_returns_text_and_the_graders_metrics(mesh: Mesh) -> None:
     with MeshClient(mesh.router_address) as client:
-        result = client.generate("qwen3-coder:30b", PROMPT, max_tokens=8, temperature=0.0)
+        result = client.generate(
+            "qwen3-coder:30b", PROMPT, max_tokens=8, temperature=0.0, ignore_eos=True
+        )
     m = result.metrics
     assert result.text and m.completion_tokens == 8
     assert METRIC_NAMES <= set(m.as_dict())
@@ -121,6 +123,7 @@ def test_cli_generate_streams_then_prints_one_summary_line(mesh: Mesh) -> None:
         "8",
         "--temperature",
         "0",
+        "--ignore-eos",
         PROMPT,
     )
     assert out.returncode == 0, out.stderr
@@ -140,6 +143,7 @@ def test_cli_generate_json_from_stdin(mesh: Mesh) -> None:
         "gpt-oss:120b",
         "--max-tokens",
         "4",
+        "--ignore-eos",
         "--json",
         "-",
         stdin=PROMPT,

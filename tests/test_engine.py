@@ -22,8 +22,9 @@ from services.common.types import GenerationEnd, Prompt, Sampling, TextChunk
 from tests.conftest import MODEL, ROOT, engine_node, node_refusing_to_start, route, router_node
 
 PATH: Path = resolve_model_path(MODEL, ROOT)
-LONG = Sampling(max_tokens=400, temperature=0.0)
-SHORT = Sampling(max_tokens=4, temperature=0.0)
+# ignore_eos: the answers run to max_tokens on any CPU (greedy paths differ between them).
+LONG = Sampling(max_tokens=400, temperature=0.0, ignore_eos=True)
+SHORT = Sampling(max_tokens=4, temperature=0.0, ignore_eos=True)
 # SmolLM2-135M: 30 layers x 3 KV heads x (64 + 64) dims x 2 bytes.
 BYTES_PER_TOKEN = 23_040
 

@@ -44,7 +44,7 @@ async def expect_error(call: Any, code: grpc.StatusCode, *fragments: str) -> str
 async def still_serves(
     router: router_pb2_grpc.RouterServiceAsyncStub, model: str = "qwen3-coder:30b"
 ) -> None:
-    got = await collect(router.Generate(request(model, PROMPT, 4)))
+    got = await collect(router.Generate(request(model, PROMPT, 4, ignore_eos=True)))
     assert got.summary.completion_tokens == 4
 
 
@@ -123,7 +123,7 @@ async def prefill(
     stub: prefill_pb2_grpc.PrefillServiceAsyncStub, model: str = "qwen3-coder:30b"
 ) -> Any:
     return await stub.Prefill(
-        prefill_pb2.PrefillRequest(model=model, prompt=PROMPT, sampling=greedy(4))
+        prefill_pb2.PrefillRequest(model=model, prompt=PROMPT, sampling=greedy(4, ignore_eos=True))
     )
 
 
@@ -278,7 +278,9 @@ async def test_a_damaged_kv_stream_is_data_loss_and_the_node_keeps_serving(
     proxy.mangle = MANGLES[damage]
     # ~250 tokens: a state of 5 chunks of 1 MiB.
     reply = await prefill_qwen.Prefill(
-        prefill_pb2.PrefillRequest(model="qwen3-coder:30b", prompt=COUNTING * 3, sampling=greedy(4))
+        prefill_pb2.PrefillRequest(
+            model="qwen3-coder:30b", prompt=COUNTING * 3, sampling=greedy(4, ignore_eos=True)
+        )
     )
     await expect_error(
         decode_qwen.Generate(kv_request(mesh, reply, prefill_address=address)),
@@ -299,7 +301,7 @@ async def test_prefill_stage_deadline(router: router_pb2_grpc.RouterServiceAsync
 
 async def test_decode_stage_deadline(router: router_pb2_grpc.RouterServiceAsyncStub) -> None:
     await expect_error(
-        router.Generate(request("test/tight-decode", COUNTING, 2000)),
+        router.Generate(request("test/tight-decode", COUNTING, 2000, ignore_eos=True)),
         grpc.StatusCode.DEADLINE_EXCEEDED,
         "decode stage",
     )
@@ -308,7 +310,7 @@ async def test_decode_stage_deadline(router: router_pb2_grpc.RouterServiceAsyncS
 
 async def test_callers_deadline(router: router_pb2_grpc.RouterServiceAsyncStub) -> None:
     await expect_error(
-        router.Generate(request("qwen3-coder:30b", COUNTING, 2000), timeout=0.3),
+        router.Generate(request("qwen3-coder:30b", COUNTING, 2000, ignore_eos=True), timeout=0.3),
         grpc.StatusCode.DEADLINE_EXCEEDED,
     )
     await still_serves(router)
@@ -319,12 +321,12 @@ async def test_caller_cancellation_frees_the_engine(
 ) -> None:
     """Cancel a long stream after its first delta: the decode engine stops at its next token,
     so the next request on the same nodes is served at once, not after 2,000 tokens."""
-    call = router.Generate(request("qwen3-coder:30b", COUNTING, 2000))
+    call = router.Generate(request("qwen3-coder:30b", COUNTING, 2000, ignore_eos=True))
     async for reply in call:
         assert reply.HasField("delta")
         break
     call.cancel()
     got = await asyncio.wait_for(
-        collect(router.Generate(request("qwen3-coder:30b", PROMPT, 4))), 10
+        collect(router.Generate(request("qwen3-coder:30b", PROMPT, 4, ignore_eos=True))), 10
     )
     assert got.summary.completion_tokens == 4

@@ -55,7 +55,9 @@ async def router(mesh: MeshProcesses) -> AsyncIterator[router_pb2_grpc.RouterSer
 
 async def timed(router: router_pb2_grpc.RouterServiceAsyncStub) -> tuple[float, Collected]:
     started = time.perf_counter()
-    got = await collect(router.Generate(request(MODEL, "def add(a, b):", 8), timeout=60))
+    got = await collect(
+        router.Generate(request(MODEL, "def add(a, b):", 8, ignore_eos=True), timeout=60)
+    )
     return time.perf_counter() - started, got
 
 
@@ -224,7 +226,9 @@ async def test_local_topology_serves_both_models_with_any_one_node_killed(
             router = router_pb2_grpc.RouterServiceStub(channel)
             for model in ("qwen3-coder:30b", "gpt-oss:120b"):
                 got = await collect(
-                    router.Generate(request(model, "def add(a, b):", 6), timeout=60)
+                    router.Generate(
+                        request(model, "def add(a, b):", 6, ignore_eos=True), timeout=60
+                    )
                 )
                 assert got.summary.completion_tokens == 6, (victim, model)
                 assert victim not in (got.summary.prefill_node, got.summary.decode_node)

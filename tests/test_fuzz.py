@@ -67,7 +67,8 @@ def test_the_mesh_still_serves_after_the_fuzzing(mesh: Mesh) -> None:
     async def check() -> None:
         async with grpc.aio.insecure_channel(mesh.router_address) as channel:
             stub: object = router_pb2_grpc.RouterServiceStub(channel)
-            got = await collect(stub.Generate(request("qwen3-coder:30b", "def f():", 4)))  # type: ignore[attr-defined]
+            four = request("qwen3-coder:30b", "def f():", 4, ignore_eos=True)
+            got = await collect(stub.Generate(four))  # type: ignore[attr-defined]
             assert got.summary.completion_tokens == 4
             models = await stub.ListModels(router_pb2.ListModelsRequest())  # type: ignore[attr-defined]
             assert models.models

@@ -106,7 +106,7 @@ async def test_the_callers_request_id_is_logged_on_every_hop(mesh: Mesh) -> None
     async with grpc.aio.insecure_channel(mesh.router_address) as channel:
         stub: object = router_pb2_grpc.RouterServiceStub(channel)
         call = stub.Generate(  # type: ignore[attr-defined]
-            request("qwen3-coder:30b", "def add(a, b):", 2),
+            request("qwen3-coder:30b", "def add(a, b):", 2, ignore_eos=True),
             metadata=(("x-request-id", request_id),),
         )
         async for _ in call:
@@ -129,7 +129,8 @@ async def test_the_callers_request_id_is_logged_on_every_hop(mesh: Mesh) -> None
 async def test_prometheus_metrics(mesh: Mesh) -> None:
     async with grpc.aio.insecure_channel(mesh.router_address) as channel:
         stub: object = router_pb2_grpc.RouterServiceStub(channel)
-        await collect(stub.Generate(request("qwen3-coder:30b", "def add(a, b):", 3)))  # type: ignore[attr-defined]
+        three = request("qwen3-coder:30b", "def add(a, b):", 3, ignore_eos=True)
+        await collect(stub.Generate(three))  # type: ignore[attr-defined]
     router = await asyncio.to_thread(scrape, mesh.topology.router)
     assert (
         'disagg_requests_total{code="OK",method="disaggregated",model="qwen3-coder:30b"}' in router

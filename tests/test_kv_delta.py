@@ -127,7 +127,7 @@ async def test_the_node_holding_the_prefix_is_passed_over_while_busy(
     holder = s.decode_node
     # One slot each: a long answer sharing the rubric goes to the holder and keeps it busy.
     long = asyncio.create_task(
-        collect(router.Generate(request(MODEL, RUBRIC + SUBMISSIONS[1], 400)))
+        collect(router.Generate(request(MODEL, RUBRIC + SUBMISSIONS[1], 400, ignore_eos=True)))
     )
     try:
         await wait_busy(delta_mesh, holder)
@@ -187,7 +187,9 @@ async def test_decode_only_requests_go_to_the_node_that_served_their_prefix(
     rubric = RUBRIC.replace("Python", "Rust").replace("PEP 8", "rustfmt")  # cached nowhere
     # The preferred node busy with a long answer: the rubric's first request goes to the
     # other one.
-    long = asyncio.create_task(collect(router.Generate(request(DECODE_ONLY, "Count:", 400))))
+    long = asyncio.create_task(
+        collect(router.Generate(request(DECODE_ONLY, "Count:", 400, ignore_eos=True)))
+    )
     try:
         await wait_busy(delta_mesh, "decode-d1")
         first = await collect(router.Generate(request(DECODE_ONLY, rubric + SUBMISSIONS[0], 4)))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -39,7 +40,8 @@ def test_launcher_starts_the_mesh_streams_examples_and_stops_everything(tmp_path
     assert "all nodes SERVING" in text
     for model in ("qwen3-coder:30b", "gpt-oss:120b"):
         assert f">> {model}: streaming an example" in text
-    assert text.count("disaggregated via") >= 2 and "| 12 tok in " in text
+    # Greedy chat answers differ between CPUs: one may end before its 12 tokens.
+    assert text.count("disaggregated via") >= 2 and re.search(r"\| \d+ tok in ", text)
     assert ">> stopped" in text and "non-zero exits" not in text
     # Every node it started is gone.
     ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True, check=True)

@@ -40,7 +40,8 @@ async def test_sigterm_lets_the_stream_in_flight_finish_and_exits_0(mesh: MeshPr
     draining = mesh.procs["decode-a"]
     async with grpc.aio.insecure_channel(mesh.topology.router.address) as channel:
         router: object = router_pb2_grpc.RouterServiceStub(channel)
-        call = router.Generate(request("test/decode-a-only", COUNTING, 120), timeout=60)  # type: ignore[attr-defined]
+        long = request("test/decode-a-only", COUNTING, 120, ignore_eos=True)
+        call = router.Generate(long, timeout=60)  # type: ignore[attr-defined]
         first = await call.read()
         assert first.HasField("delta")
         draining.send_signal(signal.SIGTERM)

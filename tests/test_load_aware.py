@@ -32,7 +32,7 @@ async def generate(
     request = router_pb2.GenerateRequest(
         model="m",
         prompt="Count from one to one hundred: one, two, three,",
-        sampling=types_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0),
+        sampling=types_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
     )
     async for reply in stub.Generate(request, timeout=120):
         if reply.HasField("delta"):

@@ -72,7 +72,7 @@ async def test_token_id_handoff_continues_the_text_and_reports_the_second_prefil
     s = disaggregated.summary
     assert s.method == router_pb2.ROUTE_METHOD_DISAGGREGATED
     assert s.kv_transfer == types_pb2.KV_TRANSFER_TOKEN_IDS
-    assert s.completion_tokens == 12 and s.prompt_tokens > 10
+    assert s.prompt_tokens > 10 and 0 < s.completion_tokens <= 12
     # The decode machine got the prompt's token ids plus the first token, and evaluated them.
     context = decode_machine.last("/api/generate")["context"]
     assert len(context) == s.prompt_tokens + 1
@@ -82,5 +82,16 @@ async def test_token_id_handoff_continues_the_text_and_reports_the_second_prefil
     whole = await collect(router.Generate(request("decode-only", PROMPT, 12), timeout=120))
     assert whole.summary.method == router_pb2.ROUTE_METHOD_DECODE_ONLY
     assert whole.summary.kv_transfer == types_pb2.KV_TRANSFER_NONE
-    # Greedy: the same text either way.
-    assert disaggregated.text == whole.text and whole.text.strip()
+    # Greedy: the same text either way, ended the same way (greedy text differs between
+    # CPUs, so how long it runs is compared, not assumed).
+    assert disaggregated.text == whole.text
+    assert s.completion_tokens == whole.summary.completion_tokens
+    assert (
+        s.finish_reason
+        == whole.summary.finish_reason
+        == (
+            types_pb2.FINISH_REASON_LENGTH
+            if s.completion_tokens == 12
+            else types_pb2.FINISH_REASON_STOP
+        )
+    )

@@ -83,7 +83,9 @@ async def test_every_service_but_health_refuses_a_missing_or_wrong_token(
 
 def test_with_the_token_requests_work_end_to_end(secured: Topology) -> None:
     with MeshClient(secured.router.address, token=TOKEN) as client:
-        result = client.generate("qwen3-coder:30b", "def add(a, b):", max_tokens=6, temperature=0.0)
+        result = client.generate(
+            "qwen3-coder:30b", "def add(a, b):", max_tokens=6, temperature=0.0, ignore_eos=True
+        )
     assert result.metrics.completion_tokens == 6 and result.metrics.kv_transfer == "state"
     with (
         MeshClient(secured.router.address, token="nope") as client,

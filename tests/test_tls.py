@@ -60,7 +60,9 @@ def tls_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TlsMesh]:
 
 def test_a_caller_with_a_certificate_from_the_mesh_ca_gets_through(tls_mesh: TlsMesh) -> None:
     with MeshClient(tls_mesh.topology.router.address, tls=tls_mesh.client, timeout=30) as mesh:
-        result = mesh.generate(MODEL, "def add(a, b):", max_tokens=6, temperature=0.0)
+        result = mesh.generate(
+            MODEL, "def add(a, b):", max_tokens=6, temperature=0.0, ignore_eos=True
+        )
     # router -> prefill, router -> decode and decode -> prefill (FetchKv) all went over TLS.
     assert result.metrics.completion_tokens == 6 and result.metrics.kv_transfer == "state"
 
@@ -86,7 +88,9 @@ def test_the_http_apis_serve_tls_with_the_mesh_certificates(tls_mesh: TlsMesh) -
     got = ollama.Client(host=url, verify=context).generate(
         model=MODEL, prompt="def add(a, b):", raw=True, options={"temperature": 0, "num_predict": 4}
     )
-    assert got.eval_count == 4
+    # Greedy text differs between CPUs: the answer may end at an end token before its 4.
+    assert got.done and got.eval_count is not None and 0 < got.eval_count <= 4
+    assert got.done_reason == ("length" if got.eval_count == 4 else "stop")
     # Plain HTTP, and HTTPS without a client certificate (mutual TLS), get nothing.
     with pytest.raises(httpx.HTTPError):
         httpx.get(f"http://127.0.0.1:{router.http_port}/api/tags", timeout=5)

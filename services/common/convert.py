@@ -33,6 +33,7 @@ def sampling_from_proto(msg: types_pb2.SamplingParams, max_tokens_limit: int) ->
         top_p=msg.top_p if msg.HasField("top_p") else DEFAULT_TOP_P,
         seed=msg.seed if msg.HasField("seed") else None,
         stop=tuple(msg.stop),
+        ignore_eos=msg.ignore_eos,
     )
 
 
@@ -43,6 +44,7 @@ def sampling_to_proto(sampling: Sampling) -> types_pb2.SamplingParams:
         top_p=sampling.top_p,
         seed=sampling.seed,
         stop=list(sampling.stop),
+        ignore_eos=sampling.ignore_eos or None,
     )
 
 

@@ -18,6 +18,8 @@ class Sampling:
     top_p: float = DEFAULT_TOP_P
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    # End tokens are never sampled: the answer runs to max_tokens (or a stop string).
+    ignore_eos: bool = False
 
 
 @dataclass(frozen=True)

@@ -280,6 +280,12 @@ class OllamaEngine:
     # -- helpers ---------------------------------------------------------------------------
 
     def _options(self, sampling: Sampling, num_predict: int) -> dict[str, Any]:
+        if sampling.ignore_eos:
+            raise InvalidArgument(
+                "sampling.ignore_eos",
+                f"is not supported by the Ollama engine at {self.url} (Ollama has no such "
+                "option); route the model to embedded llama.cpp nodes",
+            )
         options: dict[str, Any] = {
             "num_predict": num_predict,
             "temperature": sampling.temperature,

@@ -200,6 +200,7 @@ def sampling(
     seed: int | None,
     stop: tuple[str, ...],
     max_tokens_field: str,
+    ignore_eos: bool = False,
 ) -> Sampling:
     """A Sampling from an HTTP request; unset max_tokens (or Ollama's -1/-2) means until an
     end token or a full context, bounded by the mesh's max_tokens_limit."""
@@ -217,6 +218,7 @@ def sampling(
         top_p=DEFAULT_TOP_P if top_p is None else top_p,
         seed=seed,
         stop=stop,
+        ignore_eos=ignore_eos,
     )
 
 

@@ -100,6 +100,8 @@ class OpenAiApi:
             seed=body.integer("seed"),
             stop=body.strings("stop"),
             max_tokens_field=field,
+            # vLLM's extra parameter (the openai client's extra_body): fixed-length answers.
+            ignore_eos=body.boolean("ignore_eos", False),
         )
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:

@@ -97,6 +97,10 @@ class LlamaModel:
             layers=layers,
         )
         self.n_vocab: int = self._model.n_vocab()
+        # Every end-of-generation token (EOS, EOT, <|im_end|>, ...): what ignore_eos suppresses.
+        self.end_tokens: tuple[int, ...] = tuple(
+            t for t in range(self.n_vocab) if llama_cpp.llama_vocab_is_eog(self._model.vocab, t)
+        )
         self.metadata: dict[str, str] = self._model.metadata()
         self._bos: int = self._model.token_bos()
         self._chat: Jinja2ChatFormatter | None = None

@@ -4,6 +4,7 @@ random generator: a seeded request gives the same text alone and in a batch."""
 from __future__ import annotations
 
 import ctypes
+import math
 from typing import Any
 
 import llama_cpp
@@ -17,12 +18,25 @@ TYPICAL_P = 1.0
 
 
 class SlotSampler:
-    def __init__(self, sampling: Sampling, seed_offset: int = 0) -> None:
+    def __init__(
+        self,
+        sampling: Sampling,
+        seed_offset: int = 0,
+        end_tokens: tuple[int, ...] = (),
+        n_vocab: int = 0,
+    ) -> None:
+        """end_tokens: the model's end-of-generation ids (of n_vocab), suppressed when
+        sampling.ignore_eos (a -inf logit bias first in the chain, as llama-server does)."""
         chain: Any = llama_cpp.llama_sampler_chain_init(
             llama_cpp.llama_sampler_chain_default_params()
         )
         self._chain = chain
         self._greedy = sampling.temperature == 0.0
+        # skip()'s one candidate: any id the bias leaves alone.
+        self._skip_id = 0
+        if sampling.ignore_eos and end_tokens:
+            self._add(_end_token_bias(end_tokens, n_vocab))
+            self._skip_id = next(t for t in range(len(end_tokens) + 1) if t not in end_tokens)
         if self._greedy:
             self._add(llama_cpp.llama_sampler_init_greedy())
             return
@@ -54,7 +68,7 @@ class SlotSampler:
         many candidates are left (llama-sampler.cpp), so a one-candidate array will do."""
         if draws <= 0 or self._greedy:
             return
-        candidate = llama_cpp.llama_token_data(id=0, logit=0.0, p=1.0)
+        candidate = llama_cpp.llama_token_data(id=self._skip_id, logit=0.0, p=1.0)
         array = llama_cpp.llama_token_data_array(
             data=ctypes.pointer(candidate), size=1, selected=-1, sorted=True
         )
@@ -66,3 +80,11 @@ class SlotSampler:
         if self._chain is not None:
             llama_cpp.llama_sampler_free(self._chain)
             self._chain = None
+
+
+def _end_token_bias(end_tokens: tuple[int, ...], n_vocab: int) -> Any:
+    """A logit-bias sampler setting every end token's logit to -inf."""
+    biases = (llama_cpp.llama_logit_bias * len(end_tokens))(
+        *(llama_cpp.llama_logit_bias(token=t, bias=-math.inf) for t in end_tokens)
+    )
+    return llama_cpp.llama_sampler_init_logit_bias(n_vocab, len(end_tokens), biases)

@@ -301,7 +301,9 @@ class Scheduler:
             slot = Slot(
                 index=index,
                 job=job,
-                sampler=SlotSampler(job.sampling, job.seed_offset),
+                sampler=SlotSampler(
+                    job.sampling, job.seed_offset, self._model.end_tokens, self._model.n_vocab
+                ),
                 order=next(self._order),
                 admitted_at=time.perf_counter(),
             )
