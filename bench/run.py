@@ -265,7 +265,7 @@ class Bench:
                 for k in range(self.repeats):
                     # Two prompts of one length: the decode node would otherwise serve the
                     # re-prefill from the prefix it kept of the state it just loaded.
-                    prompt, other = self.prompts.pair(size, f"handoff {k}")
+                    prompt, other = self.prompts.pair(size, f"handoff {size} {k}")
                     reply = await self._prefill(prefill, prompt)
                     # llama.cpp is ready once the state is loaded; Ollama only evaluates the
                     # prompt again when asked for a token beyond the prefill node's first.

@@ -136,6 +136,29 @@ async def test_max_tokens_ends_with_length(router: router_pb2_grpc.RouterService
     assert got.summary.finish_reason == types_pb2.FINISH_REASON_LENGTH
 
 
+@pytest.mark.parametrize("model", ["qwen3-coder:30b", "test/decode-only"])
+async def test_ignore_eos_runs_to_max_tokens_with_the_same_tokens_until_the_end(
+    router: router_pb2_grpc.RouterServiceAsyncStub, model: str
+) -> None:
+    """ignore_eos suppresses end tokens and nothing else: up to where the usual answer ended,
+    the same tokens; then on to max_tokens, through the prefill node's first token and the
+    decode node's."""
+
+    def chat(ignore_eos: bool) -> router_pb2.GenerateRequest:
+        return router_pb2.GenerateRequest(
+            model=model,
+            messages=[types_pb2.ChatMessage(role="user", content="Say hi.")],
+            sampling=greedy(64, ignore_eos=ignore_eos),
+        )
+
+    usual = await collect(router.Generate(chat(False)))
+    forced = await collect(router.Generate(chat(True)))
+    assert forced.summary.completion_tokens == 64 == len(forced.token_ids)
+    assert forced.summary.finish_reason == types_pb2.FINISH_REASON_LENGTH
+    assert forced.token_ids[: len(usual.token_ids)] == usual.token_ids
+    assert forced.text.startswith(usual.text)
+
+
 async def test_decode_node_pulls_kv_directly_from_the_prefill_node(
     prefill_qwen: prefill_pb2_grpc.PrefillServiceAsyncStub,
     decode_qwen: decode_pb2_grpc.DecodeServiceAsyncStub,

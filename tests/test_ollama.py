@@ -175,6 +175,17 @@ async def test_direct_ollama_streams_and_unknown_model_is_not_found(
     assert "model 'llama-9000' not found" in (info.value.details() or "")
 
 
+async def test_ignore_eos_is_refused_by_ollama_naming_the_field(
+    router: router_pb2_grpc.RouterServiceAsyncStub,
+) -> None:
+    """Ollama has no such option: the node says so instead of ending answers early."""
+    for model in ("ollama/decode-only", "ollama/direct"):
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await collect(router.Generate(ollama_request(model, ignore_eos=True)))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, model
+        assert "sampling.ignore_eos" in (info.value.details() or ""), info.value.details()
+
+
 async def test_ollama_500_on_the_nodes_falls_back_to_direct_ollama(
     router: router_pb2_grpc.RouterServiceAsyncStub, ollama_mesh: OllamaMesh
 ) -> None:
