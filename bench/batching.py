@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import math
 import os
 import sys
 import tempfile
@@ -38,6 +37,7 @@ import grpc  # noqa: E402
 
 from bench.work import Work, record, total  # noqa: E402
 from disagg.v1 import decode_pb2, decode_pb2_grpc, types_pb2  # noqa: E402
+from services.common.engines.llama_cpp.sampling import end_token_bias  # noqa: E402
 from services.common.models import resolve_model_path  # noqa: E402
 from services.common.processes import MeshProcesses, free_port  # noqa: E402
 from services.common.topology import load_topology  # noqa: E402
@@ -84,7 +84,9 @@ class RawBatched:
     def __init__(self, model_path: Path, threads: int) -> None:
         self.llm: Any = llama_cpp.Llama(model_path=str(model_path), vocab_only=True, verbose=False)
         vocab = self.llm._model.vocab
-        self.ends = [t for t in range(self.llm.n_vocab()) if llama_cpp.llama_vocab_is_eog(vocab, t)]
+        self.ends = tuple(
+            t for t in range(self.llm.n_vocab()) if llama_cpp.llama_vocab_is_eog(vocab, t)
+        )
         params = llama_cpp.llama_model_default_params()
         self._model = llama_cpp.llama_model_load_from_file(str(model_path).encode(), params)
         ctx_params = llama_cpp.llama_context_default_params()
@@ -119,12 +121,8 @@ class RawBatched:
                 llama_cpp.llama_sampler_chain_default_params()
             )
             # The node's chain for a greedy ignore_eos request: end tokens at -inf, greedy.
-            bias = (llama_cpp.llama_logit_bias * len(self.ends))(
-                *(llama_cpp.llama_logit_bias(token=t, bias=-math.inf) for t in self.ends)
-            )
-            n_vocab = self.llm.n_vocab()
             for sampler in (
-                llama_cpp.llama_sampler_init_logit_bias(n_vocab, len(self.ends), bias),
+                end_token_bias(self.ends, self.llm.n_vocab()),
                 llama_cpp.llama_sampler_init_greedy(),
             ):
                 llama_cpp.llama_sampler_chain_add(chain, sampler)

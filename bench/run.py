@@ -45,7 +45,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
 import os
 import platform
 import re
@@ -542,6 +541,8 @@ class SingleProcess:
     def __init__(self, model_path: Path, node: Node, threads: int) -> None:
         import llama_cpp
 
+        from services.common.engines.llama_cpp.sampling import end_token_bias
+
         self._llama_cpp = llama_cpp
         self.llm: Any = llama_cpp.Llama(
             model_path=str(model_path),
@@ -558,11 +559,8 @@ class SingleProcess:
         self._chain = llama_cpp.llama_sampler_chain_init(
             llama_cpp.llama_sampler_chain_default_params()
         )
-        biases = (llama_cpp.llama_logit_bias * len(ends))(
-            *(llama_cpp.llama_logit_bias(token=t, bias=-math.inf) for t in ends)
-        )
         for sampler in (
-            llama_cpp.llama_sampler_init_logit_bias(self.llm.n_vocab(), len(ends), biases),
+            end_token_bias(tuple(ends), self.llm.n_vocab()),
             llama_cpp.llama_sampler_init_greedy(),
         ):
             llama_cpp.llama_sampler_chain_add(self._chain, sampler)

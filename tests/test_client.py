@@ -48,16 +48,18 @@ def test_sync_generate_returns_text_and_the_graders_metrics(mesh: Mesh) -> None:
 
 def test_sync_stream_yields_text_then_metrics(mesh: Mesh) -> None:
     with MeshClient(mesh.router_address) as client:
-        items = list(client.stream("gpt-oss:120b", PROMPT, max_tokens=6, temperature=0.0))
+        items = list(
+            client.stream("gpt-oss:120b", PROMPT, max_tokens=6, temperature=0.0, ignore_eos=True)
+        )
     assert all(isinstance(i, str) for i in items[:-1]) and len(items) > 2
     assert isinstance(items[-1], Metrics)
 
 
 def test_sync_gather_keeps_order_and_one_failure_does_not_cancel_the_other(mesh: Mesh) -> None:
     calls = [
-        GenerateCall("qwen3-coder:30b", PROMPT, max_tokens=4, temperature=0.0),
+        GenerateCall("qwen3-coder:30b", PROMPT, max_tokens=4, temperature=0.0, ignore_eos=True),
         GenerateCall("no-such-model", PROMPT, max_tokens=4),
-        GenerateCall("gpt-oss:120b", PROMPT, max_tokens=4, temperature=0.0),
+        GenerateCall("gpt-oss:120b", PROMPT, max_tokens=4, temperature=0.0, ignore_eos=True),
     ]
     with MeshClient(mesh.router_address) as client:
         first, second, third = client.gather(*calls)

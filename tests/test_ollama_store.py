@@ -381,7 +381,7 @@ async def test_a_state_with_another_k_cache_type_is_refused_and_the_node_serves_
         after = await collect(
             decode.Generate(
                 decode_pb2.DecodeServiceGenerateRequest(
-                    model="smol", prompt=PROMPT, sampling=greedy(4)
+                    model="smol", prompt=PROMPT, sampling=greedy(4, ignore_eos=True)
                 )
             )
         )

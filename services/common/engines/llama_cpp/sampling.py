@@ -35,7 +35,7 @@ class SlotSampler:
         # skip()'s one candidate: any id the bias leaves alone.
         self._skip_id = 0
         if sampling.ignore_eos and end_tokens:
-            self._add(_end_token_bias(end_tokens, n_vocab))
+            self._add(end_token_bias(end_tokens, n_vocab))
             self._skip_id = next(t for t in range(len(end_tokens) + 1) if t not in end_tokens)
         if self._greedy:
             self._add(llama_cpp.llama_sampler_init_greedy())
@@ -82,7 +82,7 @@ class SlotSampler:
             self._chain = None
 
 
-def _end_token_bias(end_tokens: tuple[int, ...], n_vocab: int) -> Any:
+def end_token_bias(end_tokens: tuple[int, ...], n_vocab: int) -> Any:
     """A logit-bias sampler setting every end token's logit to -inf."""
     biases = (llama_cpp.llama_logit_bias * len(end_tokens))(
         *(llama_cpp.llama_logit_bias(token=t, bias=-math.inf) for t in end_tokens)
