@@ -92,6 +92,9 @@ def one_thread_llm() -> llama_cpp.Llama:
     )
 
 
+# Twenty ~1,100-token prompts and their references: ~3 minutes here, over 5 on a CPU without
+# AVX2 (a build without -march=native).
+@pytest.mark.timeout(900)
 async def test_twenty_requests_move_only_the_delta_and_keep_their_texts(
     router: router_pb2_grpc.RouterServiceAsyncStub, one_thread_llm: llama_cpp.Llama
 ) -> None:
