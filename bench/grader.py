@@ -159,14 +159,7 @@ async def run_mesh(cache: bool, texts: list[str], others: list[str]) -> dict[str
         "sequential_s": sequential_s,
         "parallel_4_s": parallel_s,
         "parallel_cached_prompt_tokens": [s.cached_prompt_tokens for s in parallel],
-        "work_done": asdict(
-            total(
-                [
-                    Work(s.prompt_tokens, s.cached_prompt_tokens, s.completion_tokens)
-                    for s in sequential + list(parallel)
-                ]
-            )
-        ),
+        "work_done": asdict(total([Work.of(s) for s in sequential + list(parallel)])),
     }
 
 

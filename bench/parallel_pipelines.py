@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "examples")]
 
 from bench.work import Work, record, total  # noqa: E402
-from disagg_mesh import AsyncMeshClient, GenerateCall, Metrics  # noqa: E402
+from disagg_mesh import AsyncMeshClient, GenerateCall  # noqa: E402
 from services.common.processes import MeshProcesses  # noqa: E402
 from services.common.topology import load_topology  # noqa: E402
 
@@ -60,7 +60,7 @@ async def measure(
         for _ in range(repeats):
             started = time.perf_counter()
             for call in calls(max_tokens, ignore_eos):
-                sequential_work.append(work_of((await mesh.generate(call)).metrics))
+                sequential_work.append(Work.of((await mesh.generate(call)).metrics))
             sequential.append(time.perf_counter() - started)
             started = time.perf_counter()
             results = await mesh.gather(*calls(max_tokens, ignore_eos))
@@ -69,7 +69,7 @@ async def measure(
                 if isinstance(r, Exception):
                     raise r
                 tokens.append(r.metrics.completion_tokens)
-                parallel_work.append(work_of(r.metrics))
+                parallel_work.append(Work.of(r.metrics))
     seq, par = statistics.median(sequential), statistics.median(parallel)
     return {
         "sequential_s": sequential,
@@ -80,10 +80,6 @@ async def measure(
         "completion_tokens": tokens,
         "work": record(("sequential", "parallel"), total(sequential_work), total(parallel_work)),
     }
-
-
-def work_of(m: Metrics) -> Work:
-    return Work(m.prompt_tokens, m.cached_prompt_tokens, m.completion_tokens)
 
 
 def main() -> int:

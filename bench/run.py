@@ -85,6 +85,7 @@ from services.common.models import resolve_model_path  # noqa: E402
 from services.common.node_clients import ChannelPool, PrefillClient  # noqa: E402
 from services.common.processes import MeshProcesses  # noqa: E402
 from services.common.topology import Node, Topology, load_topology  # noqa: E402
+from services.common.types import Sampling  # noqa: E402
 
 MiB = 1 << 20
 
@@ -123,11 +124,12 @@ class Prompts:
         """Two prompts of about n tokens and exactly as many each, whose first lines
         differ (no prefix cache serves one from the other)."""
         first = self.of_tokens(n, salt=f"{tag} A")
+        length = self.count(first)
         for letter in "BCDEFGHJKLMNPQRSTUVWXYZ":
             second = self.of_tokens(n, salt=f"{tag} {letter}")
-            if self.count(second) == self.count(first):
+            if self.count(second) == length:
                 return first, second
-        raise SystemExit(f"no second prompt of {self.count(first)} tokens for {tag!r}")
+        raise SystemExit(f"no second prompt of {length} tokens for {tag!r}")
 
     def of_tokens(self, n: int, salt: str = "") -> str:
         """About n tokens; a salt changes the first line, so that no prefix cache (Ollama
@@ -145,20 +147,6 @@ class Prompts:
                 return "\n".join(lines)
             lines += block
             i += 1
-
-
-def greedy(max_tokens: int, ignore_eos: bool = True) -> types_pb2.SamplingParams:
-    """Greedy and, with ignore_eos, never ended by an end token: every answer is max_tokens
-    long (Ollama has no such option: an answer there may end sooner, and the work check
-    then says so)."""
-    return types_pb2.SamplingParams(
-        max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos or None
-    )
-
-
-def summary_work(s: Any) -> Work:
-    """A router GenerateSummary's work."""
-    return Work(s.prompt_tokens, s.cached_prompt_tokens, s.completion_tokens)
 
 
 def secs(d: Any) -> float:
@@ -217,7 +205,12 @@ class Bench:
         )
 
     def greedy(self, max_tokens: int) -> types_pb2.SamplingParams:
-        return greedy(max_tokens, self.ignore_eos)
+        """Greedy and, with ignore_eos, never ended by an end token: every answer is
+        max_tokens long (Ollama has no such option: an answer there may end sooner, and the
+        work check then says so)."""
+        return types_pb2.SamplingParams(
+            max_tokens=max_tokens, temperature=0.0, ignore_eos=self.ignore_eos or None
+        )
 
     async def _prefill(self, stub: Any, prompt: str, max_tokens: int = 1) -> Any:
         request = prefill_pb2.PrefillRequest(
@@ -290,13 +283,7 @@ class Bench:
                     )
                     summary = (await timed_stream(decode, whole)).summary
                     reprefill.append(secs(summary.prompt_eval_duration))
-                    reprefill_work.append(
-                        Work(
-                            summary.prompt_tokens,
-                            summary.cached_prompt_tokens,
-                            summary.completion_tokens,
-                        )
-                    )
+                    reprefill_work.append(Work.of(summary))
                 ratio = median(handoff) / median(reprefill)
                 rows.append(
                     {
@@ -326,6 +313,7 @@ class Bench:
         in its context, llama-cpp-python's own prefix reuse, and evaluates the same rest).
         The first of each is a warm-up."""
         single = self._single_process()
+        warm = self.prompts.of_tokens(prompt_tokens, salt="overhead warm")
         result: dict[str, Any] = {"prompt_tokens": prompt_tokens, "new_tokens": new_tokens}
         async with grpc.aio.insecure_channel(self.router) as rc:
             router: Any = router_pb2_grpc.RouterServiceStub(rc)
@@ -336,8 +324,11 @@ class Bench:
                 mesh_work: list[Work] = []
                 single_work: list[Work] = []
                 for attempt in range(self.repeats + 1):
-                    salt = f"overhead {attempt}" if kind == "cold" else "overhead warm"
-                    prompt = self.prompts.of_tokens(prompt_tokens, salt=salt)
+                    prompt = (
+                        self.prompts.of_tokens(prompt_tokens, salt=f"overhead {attempt}")
+                        if kind == "cold"
+                        else warm
+                    )
                     request = router_pb2.GenerateRequest(
                         model=self.model, prompt=prompt, sampling=self.greedy(new_tokens)
                     )
@@ -348,7 +339,7 @@ class Bench:
                     if not attempt:
                         continue
                     mesh_s.append(timed.ended)
-                    mesh_work.append(summary_work(summary))
+                    mesh_work.append(Work.of(summary))
                     if alone is not None:
                         single_s.append(alone[0])
                         single_work.append(alone[1])
@@ -410,7 +401,7 @@ class Bench:
                     via_rate.append((via.tokens - 1) / (via.ended - via.at(0)))
                     direct_ttft.append(direct.at(0))
                     direct_rate.append((direct.tokens - 1) / (direct.ended - direct.at(0)))
-                    via_work.append(summary_work(via.summary))
+                    via_work.append(Work.of(via.summary))
                     reply, decoded = direct.prefill_reply, direct.summary
                     direct_work.append(
                         Work(
@@ -500,8 +491,7 @@ class Bench:
                     except MeshError as exc:
                         return exc
                     m = result.metrics
-                    work = Work(m.prompt_tokens, m.cached_prompt_tokens, m.completion_tokens)
-                    return time.perf_counter() - started, m.completion_tokens, work
+                    return time.perf_counter() - started, m.completion_tokens, Work.of(m)
 
                 started = time.perf_counter()
                 outcomes = await asyncio.gather(*(timed(c) for c in calls))
@@ -541,9 +531,8 @@ class SingleProcess:
     def __init__(self, model_path: Path, node: Node, threads: int) -> None:
         import llama_cpp
 
-        from services.common.engines.llama_cpp.sampling import end_token_bias
+        from services.common.engines.llama_cpp.sampling import SlotSampler, end_tokens
 
-        self._llama_cpp = llama_cpp
         self.llm: Any = llama_cpp.Llama(
             model_path=str(model_path),
             n_ctx=node.n_ctx,
@@ -554,16 +543,14 @@ class SingleProcess:
             flash_attn=node.flash_attn,
             verbose=False,
         )
-        vocab = self.llm._model.vocab
-        ends = [t for t in range(self.llm.n_vocab()) if llama_cpp.llama_vocab_is_eog(vocab, t)]
-        self._chain = llama_cpp.llama_sampler_chain_init(
-            llama_cpp.llama_sampler_chain_default_params()
+        # The node's own chain for a greedy ignore_eos request: end tokens at -inf, greedy.
+        n_vocab = self.llm.n_vocab()
+        self._sampler = SlotSampler(
+            Sampling(max_tokens=1, temperature=0.0, ignore_eos=True),
+            0,
+            end_tokens(self.llm._model.vocab, n_vocab),
+            n_vocab,
         )
-        for sampler in (
-            end_token_bias(tuple(ends), self.llm.n_vocab()),
-            llama_cpp.llama_sampler_init_greedy(),
-        ):
-            llama_cpp.llama_sampler_chain_add(self._chain, sampler)
 
     def run(self, prompt: str, new_tokens: int, keep: int) -> tuple[float, Work]:
         """Seconds to generate new_tokens after prompt, keeping at most `keep` positions of
@@ -579,7 +566,7 @@ class SingleProcess:
         started = time.perf_counter()
         llm.eval(tokens[reused:])
         while True:
-            token = self._llama_cpp.llama_sampler_sample(self._chain, llm.ctx, -1)
+            token = self._sampler.sample(llm.ctx, -1)
             llm.detokenize([token])
             generated += 1
             if generated == new_tokens:
@@ -589,7 +576,7 @@ class SingleProcess:
         return elapsed, Work(len(tokens), reused, generated)
 
     def close(self) -> None:
-        self._llama_cpp.llama_sampler_free(self._chain)
+        self._sampler.close()
 
 
 class ByteStreamCeiling:

@@ -30,6 +30,12 @@ class Work:
     # Bytes moved, for rows that time a transfer.
     bytes_moved: int = 0
 
+    @classmethod
+    def of(cls, served: Any) -> Work:
+        """The work of one served request, from anything that counts it under the summary's
+        names (a router or decode node summary, the client's Metrics)."""
+        return cls(served.prompt_tokens, served.cached_prompt_tokens, served.completion_tokens)
+
     def __add__(self, other: Work) -> Work:
         return Work(
             self.prompt_tokens + other.prompt_tokens,

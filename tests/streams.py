@@ -12,6 +12,7 @@ import numpy as np
 import numpy.typing as npt
 
 from disagg.v1 import decode_pb2, prefill_pb2, router_pb2, types_pb2
+from services.common.engines.llama_cpp.sampling import end_tokens
 
 
 @dataclass
@@ -76,8 +77,7 @@ def kv_request(
 def end_token_suppressor(llm: llama_cpp.Llama) -> llama_cpp.LogitsProcessorList:
     """A logits processor giving every end-of-generation token a -inf logit: ignore_eos as
     the mesh applies it (a -inf bias before the greedy pick), for llama-cpp-python."""
-    vocab = llm._model.vocab
-    ends = [t for t in range(llm.n_vocab()) if llama_cpp.llama_vocab_is_eog(vocab, t)]
+    ends = list(end_tokens(llm._model.vocab, llm.n_vocab()))
 
     def suppress(_ids: npt.NDArray[np.intc], scores: npt.NDArray[np.single]) -> Any:
         scores[ends] = -np.inf
@@ -100,6 +100,16 @@ def reference_tokens(
             break
         tokens.append(token)
     return tokens
+
+
+def late_word(texts: list[str], after: int) -> str:
+    """A stop string from this machine's own answer (greedy text differs between CPUs): the
+    first piece's text, from piece `after` on, that the text before it does not hold."""
+    for i in range(after, len(texts)):
+        word = texts[i].strip()
+        if word and word not in "".join(texts[:i]):
+            return word
+    raise AssertionError(f"no new word after piece {after} of {texts}")
 
 
 # Raw prompts a small model tends to continue at length; prompt_running picks among them.

@@ -68,7 +68,7 @@ async def served(
     return summary
 
 
-async def test_long_prompts_go_to_the_faster_prefill_node_and_short_ones_do_not(
+async def test_long_prompts_go_to_the_faster_prefill_node_short_ones_the_cheaper_way(
     router: router_pb2_grpc.RouterServiceAsyncStub,
 ) -> None:
     # No figures yet: each mode is measured once.

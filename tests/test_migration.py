@@ -31,6 +31,7 @@ from services.common.types import (
 )
 from tests.conftest import engine_node, route, router_node, running_mesh
 from tests.fake_ollama import FakeOllama, WordModel
+from tests.streams import late_word
 from tests.test_engine import drain, open_engine
 
 PROMPT = "Count from one to fifty in words, separated by commas: one, two,"
@@ -66,16 +67,6 @@ def split_after(chunks: list[TextChunk], n_chunks: int) -> tuple[list[int], str,
         "".join(c.text for c in chunks[:n_chunks]),
         "".join(c.text for c in chunks[n_chunks:]),
     )
-
-
-def late_word(texts: list[str], after: int) -> str:
-    """A stop string from this machine's own answer (greedy text differs between CPUs): the
-    first chunk's text, from chunk `after` on, that the text before it does not hold."""
-    for i in range(after, len(texts)):
-        word = texts[i].strip()
-        if word and word not in "".join(texts[:i]):
-            return word
-    raise AssertionError(f"no new word after chunk {after} of {texts}")
 
 
 def tokenized_as_made(engine: LlamaCppEngine, ids: list[int], text: str) -> bool:

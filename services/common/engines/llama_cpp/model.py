@@ -16,6 +16,7 @@ from llama_cpp import _internals, _logger
 from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
 from services.common.engines.base import Placement
+from services.common.engines.llama_cpp.sampling import end_tokens
 from services.common.errors import FailedPrecondition, InvalidArgument, MeshError
 from services.common.types import Prompt
 
@@ -97,10 +98,7 @@ class LlamaModel:
             layers=layers,
         )
         self.n_vocab: int = self._model.n_vocab()
-        # Every end-of-generation token (EOS, EOT, <|im_end|>, ...): what ignore_eos suppresses.
-        self.end_tokens: tuple[int, ...] = tuple(
-            t for t in range(self.n_vocab) if llama_cpp.llama_vocab_is_eog(self._model.vocab, t)
-        )
+        self.end_tokens = end_tokens(self._model.vocab, self.n_vocab)
         self.metadata: dict[str, str] = self._model.metadata()
         self._bos: int = self._model.token_bos()
         self._chat: Jinja2ChatFormatter | None = None

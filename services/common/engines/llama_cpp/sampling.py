@@ -17,6 +17,12 @@ MIN_P = 0.05
 TYPICAL_P = 1.0
 
 
+def end_tokens(vocab: Any, n_vocab: int) -> tuple[int, ...]:
+    """Every end-of-generation id of a vocabulary (EOS, EOT, <|im_end|>, ...): what
+    ignore_eos suppresses."""
+    return tuple(t for t in range(n_vocab) if llama_cpp.llama_vocab_is_eog(vocab, t))
+
+
 class SlotSampler:
     def __init__(
         self,
@@ -35,7 +41,7 @@ class SlotSampler:
         # skip()'s one candidate: any id the bias leaves alone.
         self._skip_id = 0
         if sampling.ignore_eos and end_tokens:
-            self._add(end_token_bias(end_tokens, n_vocab))
+            self._add(_end_token_bias(end_tokens, n_vocab))
             self._skip_id = next(t for t in range(len(end_tokens) + 1) if t not in end_tokens)
         if self._greedy:
             self._add(llama_cpp.llama_sampler_init_greedy())
@@ -82,7 +88,7 @@ class SlotSampler:
             self._chain = None
 
 
-def end_token_bias(end_tokens: tuple[int, ...], n_vocab: int) -> Any:
+def _end_token_bias(end_tokens: tuple[int, ...], n_vocab: int) -> Any:
     """A logit-bias sampler setting every end token's logit to -inf."""
     biases = (llama_cpp.llama_logit_bias * len(end_tokens))(
         *(llama_cpp.llama_logit_bias(token=t, bias=-math.inf) for t in end_tokens)
