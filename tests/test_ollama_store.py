@@ -13,13 +13,16 @@ import hashlib
 import json
 import os
 import shutil
+import struct
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import gguf
 import grpc
 import llama_cpp
+import numpy as np
 import pytest
 import pytest_asyncio
 
@@ -40,6 +43,7 @@ from services.common.topology import load_topology
 from tests.conftest import MODEL, ROOT, engine_node, node_refusing_to_start, route, router_node
 from tests.streams import collect, greedy, kv_request, reference_tokens, request
 from tests.test_errors import expect_error
+from tests.tiny_models import write_gpt_oss
 
 GGUF = resolve_model_path(MODEL, ROOT)
 LIBRARY_NAME = "smollm2:135m"
@@ -193,18 +197,73 @@ def tiny_gguf(path: Path, architecture: str) -> Path:
     return path
 
 
-def test_ollamas_own_gpt_oss_is_refused_with_the_way_out(tmp_path: Path) -> None:
-    store = tmp_path / "models"
+def ollama_gpt_oss_store(root: Path) -> Path:
+    """A store holding a tiny gpt-oss in Ollama's own layout as gpt-oss:120b (its weights are
+    those of write_gpt_oss's llama.cpp layout)."""
+    store = root / "models"
     (store / "blobs").mkdir(parents=True)
-    data = tiny_gguf(tmp_path / "gptoss.gguf", "gptoss").read_bytes()
+    data = write_gpt_oss(root / "ollama-gpt-oss.gguf", ollama_layout=True).read_bytes()
     write_manifest(
         store, "gpt-oss:120b", [{"mediaType": ollama_store.MODEL_MEDIA_TYPE, **_blob(store, data)}]
     )
-    with pytest.raises(ModelFileError) as info:
-        locate_model("ollama:gpt-oss:120b", ROOT, str(store))
-    said = str(info.value)
-    assert "Ollama's own gpt-oss build (GGUF architecture 'gptoss'" in said
-    assert "llama-gguf-split --merge" in said and "ollama create gpt-oss-120b-native" in said
+    return store
+
+
+def test_ollamas_own_gpt_oss_is_rewritten_once_for_llama_cpp(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    store = ollama_gpt_oss_store(tmp_path)
+    blobs = {p: p.stat().st_mtime_ns for p in (store / "blobs").iterdir()}
+    seen: list[tuple[int, int]] = []
+    found = locate_model("ollama:gpt-oss:120b", ROOT, str(store), lambda d, t: seen.append((d, t)))
+    assert found.architecture == "gpt-oss"
+    assert found.path.parent == tmp_path / "cache" / "disagg-mesh" / "gguf"
+    assert found.sha256 == hashlib.sha256(found.path.read_bytes()).hexdigest()
+    assert seen and seen[-1][0] == seen[-1][1]  # progress up to the whole data section
+    # The same tensors, types and bytes as llama.cpp's own layout; Ollama's store untouched.
+    native = gguf.GGUFReader(write_gpt_oss(tmp_path / "native.gguf"))
+    converted = gguf.GGUFReader(found.path)
+    assert {k: f.contents() for k, f in converted.fields.items() if not k.startswith("GGUF")} == {
+        k: f.contents() for k, f in native.fields.items() if not k.startswith("GGUF")
+    }
+    for mine, theirs in zip(converted.tensors, native.tensors, strict=True):
+        assert (mine.name, mine.tensor_type) == (theirs.name, theirs.tensor_type)
+        assert np.array_equal(mine.data, theirs.data)
+    assert {p: p.stat().st_mtime_ns for p in (store / "blobs").iterdir()} == blobs
+    # Written once: the next node start reuses it.
+    written = found.path.stat().st_mtime_ns
+    seen.clear()
+    again = locate_model("ollama:gpt-oss:120b", ROOT, str(store), lambda d, t: seen.append((d, t)))
+    assert again == found and not seen and found.path.stat().st_mtime_ns == written
+
+
+def test_an_ollama_gpt_oss_blob_that_a_header_cannot_fix_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    # MXFP4 as ggml type 4, as Ollama stored it before its 2025-10 re-publish (gguf-py has
+    # no name for that type any more: written as MXFP4, then the type patched).
+    old = tmp_path / "old.gguf"
+    name = "blk.0.ffn_gate_exps.weight"
+    writer = gguf.GGUFWriter(str(old), "gptoss")
+    writer.add_block_count(1)
+    mxfp4 = gguf.GGMLQuantizationType.MXFP4
+    writer.add_tensor_info(name, [4, 64, 64], np.dtype(np.float32), 34 * 512, mxfp4)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    writer.close()
+    data = bytearray(old.read_bytes())
+    at = data.index(name.encode()) + len(name) + 4 + 3 * 8  # past n_dims and the dims
+    assert data[at : at + 4] == struct.pack("<I", mxfp4)
+    data[at : at + 4] = struct.pack("<I", 4)
+    old.write_bytes(bytes(data))
+    with pytest.raises(ModelFileError, match=r"MXFP4 as ggml type 4 .* run `ollama pull`"):
+        locate_model(str(old), ROOT)
+    # No experts at all: not a gpt-oss model.
+    with pytest.raises(ModelFileError, match=r"is not a gpt-oss model llama\.cpp can load"):
+        locate_model(str(tiny_gguf(tmp_path / "gptoss.gguf", "gptoss")), ROOT)
 
 
 def test_an_architecture_llama_cpp_does_not_know(tmp_path: Path) -> None:
@@ -234,7 +293,7 @@ def test_the_sha256_of_a_file_is_hashed_once(tmp_path: Path) -> None:
     ("model", "said"),
     [
         ("ollama:qwen3-coder:30b", "run `ollama pull qwen3-coder:30b`"),
-        ("ollama:gpt-oss:120b", "own gpt-oss build (GGUF architecture"),
+        ("ollama:gpt-oss:120b", "is not a gpt-oss model llama.cpp can load"),
     ],
 )
 def test_a_node_with_an_unusable_model_exits_with_one_line(
@@ -356,7 +415,7 @@ async def test_a_node_reports_its_backend_and_fingerprint(store_mesh: StoreMesh)
         "f16",
         True,
         True,
-        False,
+        True,  # the topology's default
     )
     assert fp.engine_version.startswith("llama-cpp-python/0.3.36 (llama.cpp ")
 

@@ -168,6 +168,9 @@ def test_a_lookup_always_leaves_a_token_to_evaluate() -> None:
         def drop(self, seq: int) -> None:
             pass
 
+        def pos_min(self, seq: int) -> int:
+            return 0
+
     cache = PrefixCache(Nothing(), [10, 11], budget_tokens=1000, block_tokens=4)
     hashes = block_hashes("m", list(range(12)), 4)
     cache.keep(0, hashes[:2])  # 8 tokens
@@ -177,6 +180,50 @@ def test_a_lookup_always_leaves_a_token_to_evaluate() -> None:
     entry = cache.find(hashes, 8)
     assert entry is not None and cache.find(hashes, 12) is None  # only 2 blocks held
     assert cache.find(hashes, 6) is None  # not whole blocks
+
+
+def test_a_window_model_uses_an_entry_only_while_its_window_layers_hold_enough() -> None:
+    """Sliding-window layers keep a sequence's last positions only (llama.cpp reuses the
+    others' cells): an entry serves a prompt from position n only while they still hold
+    every position a token at n attends to (n - window + 1 .. n - 1)."""
+
+    class Windowed:
+        def __init__(self) -> None:
+            self.lowest: dict[int, int] = {}  # sequence -> lowest position its window holds
+
+        def copy_prefix(self, source: int, target: int, tokens: int) -> None:
+            self.lowest[target] = self.lowest.get(source, 0)
+
+        def drop(self, seq: int) -> None:
+            self.lowest.pop(seq, None)
+
+        def pos_min(self, seq: int) -> int:
+            return self.lowest.get(seq, -1)
+
+    ctx = Windowed()
+    cache = PrefixCache(ctx, [10, 11, 12], budget_tokens=1000, block_tokens=4, window=8)
+    hashes = block_hashes("m", list(range(40)), 4)
+    cache.keep(0, hashes[:6])  # 24 tokens; its window layers hold them all
+    (entry,) = cache._entries
+    assert cache.lookup(hashes, 40) == (entry, 24)
+    ctx.lowest[entry.seq] = 16  # llama.cpp reused the cells of positions 0..15
+    assert cache.lookup(hashes, 40) == (entry, 24)  # a token at 24 attends to 17..24
+    assert cache.lookup(hashes[:4], 17) == (None, 0)  # one at 16 needs 9..15
+    ctx.lowest[entry.seq] = 18
+    assert cache.lookup(hashes, 40) == (None, 0)
+    ctx.lowest[entry.seq] = -1  # nothing left in the window layers
+    assert cache.lookup(hashes, 40) == (None, 0)
+    # Kept again, the same blocks get an entry of their own; a shorter entry is not folded
+    # into a longer one (the longer one's window is elsewhere), and an entry made from a
+    # state whose window starts late (window_from) serves only from there.
+    assert cache.keep(0, hashes[:6]) == 24
+    assert cache.keep(1, hashes[:8], window_from=28) == 32
+    assert len(cache._entries) == 3
+    # A token at 32 attends to 25..32, which the 32-token entry does not hold: the new
+    # 24-token entry serves.
+    assert cache.lookup(hashes, 40) == (cache._entries[1], 24)
+    cache._entries[2].window_from = 25
+    assert cache.lookup(hashes, 40) == (cache._entries[2], 32)
 
 
 async def test_the_router_summary_says_how_many_prompt_tokens_were_cached(

@@ -24,8 +24,8 @@ def test_seed_topology_is_the_users_four_machines() -> None:
     nodes = {n.name: (n.role, n.host, n.engine, n.model) for n in t.nodes if n.role != "router"}
     assert nodes == {
         "dgx-spark-1": ("prefill", "169.254.150.103", "llama_cpp", "ollama:qwen3-coder:30b"),
-        "dgx-spark-2": ("prefill", "169.254.150.104", "llama_cpp", "ollama:gpt-oss-120b-native"),
-        "mac-studio-1": ("decode", "169.254.150.101", "llama_cpp", "ollama:gpt-oss-120b-native"),
+        "dgx-spark-2": ("prefill", "169.254.150.104", "llama_cpp", "ollama:gpt-oss:120b"),
+        "mac-studio-1": ("decode", "169.254.150.101", "llama_cpp", "ollama:gpt-oss:120b"),
         "mac-studio-2": ("decode", "169.254.150.102", "llama_cpp", "ollama:qwen3-coder:30b"),
     }
     for name in ("qwen3-coder:30b", "gpt-oss:120b"):

@@ -113,10 +113,15 @@ class Node(_Strict):
     # and a CPU node of the same model hand KV over to each other.
     n_gpu_layers: Annotated[int, Field(ge=-1, le=10_000)] | None = None
     # llama_cpp: K and V cache types (quantized V needs flash_attn); the prefill and decode
-    # nodes of a model must agree, as on swa_full (full-size sliding-window caches).
+    # nodes of a model must agree, as on swa_full.
     type_k: KvCacheTypeName = "f16"
     type_v: KvCacheTypeName = "f16"
-    swa_full: bool = False
+    # llama_cpp, sliding-window models (gpt-oss, gemma3): window caches as large as the
+    # others. A handoff works either way (a state holds the window); with small window
+    # caches llama.cpp reuses their cells in an order that depends on what ran before, so a
+    # long answer's greedy text can drift after a handoff or a migration (measured:
+    # README, "Architectures"). No effect on other models.
+    swa_full: bool = True
     # While streams generate, a step that also evaluates prompt tokens takes at most this
     # many times as long as one that does not: a long prompt arriving slows the streams
     # down by this factor instead of stalling them.

@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import asyncio
 
+import structlog
+
 from services.common.engines.base import Engine
 from services.common.errors import MeshError
 from services.common.models import locate_model
+from services.common.models.gptoss import Progress
 from services.common.topology import Node, Topology
+
+log = structlog.get_logger("engine")
 
 
 class EngineUnavailable(MeshError):
@@ -21,7 +26,11 @@ async def open_engine(topology: Topology, node: Node) -> Engine:
         from services.common.engines.llama_cpp import EngineSettings, LlamaCppEngine
 
         located = await asyncio.to_thread(
-            locate_model, node.model, topology.source.parent, node.ollama_models
+            locate_model,
+            node.model,
+            topology.source.parent,
+            node.ollama_models,
+            _conversion_progress(node.name),
         )
         settings = EngineSettings(
             n_ctx=node.n_ctx,
@@ -54,3 +63,23 @@ async def open_engine(topology: Topology, node: Node) -> Engine:
             keep_alive=node.ollama_keep_alive,
         )
     raise EngineUnavailable(f"node {node.name}: unknown engine {node.engine!r}")
+
+
+def _conversion_progress(node: str) -> Progress:
+    """A log line every 5% while Ollama's gpt-oss blob is rewritten for llama.cpp (once)."""
+    shown = -1
+
+    def progress(done: int, total: int) -> None:
+        nonlocal shown
+        percent = 100 * done // max(total, 1)
+        if percent // 5 > shown:
+            shown = percent // 5
+            log.info(
+                "writing the llama.cpp version of Ollama's gpt-oss blob (once)",
+                node=node,
+                percent=percent,
+                done_gb=round(done / 1e9, 2),
+                total_gb=round(total / 1e9, 2),
+            )
+
+    return progress

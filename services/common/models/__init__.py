@@ -3,6 +3,7 @@
 - `files.py`         paths and package:DIST/FILE names; a file's SHA-256, cached
 - `ollama_store.py`  "ollama:NAME": the GGUF blob of a model pulled with Ollama
 - `gguf_header.py`   the architecture a GGUF declares, checked before llama.cpp loads it
+- `gptoss.py`        Ollama's own gpt-oss blob, rewritten once for llama.cpp (a new header)
 """
 
 from __future__ import annotations
@@ -10,9 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.common.models import ollama_store
+from services.common.models import gptoss, ollama_store
 from services.common.models.files import ModelFileError, cached_sha256, resolve_model_path
 from services.common.models.gguf_header import check_loadable
+from services.common.models.gptoss import Progress
 
 __all__ = ["LocatedModel", "ModelFileError", "locate_model", "resolve_model_path"]
 
@@ -24,9 +26,16 @@ class LocatedModel:
     architecture: str
 
 
-def locate_model(spec: str, relative_to: Path, ollama_models: str | None = None) -> LocatedModel:
+def locate_model(
+    spec: str,
+    relative_to: Path,
+    ollama_models: str | None = None,
+    progress: Progress | None = None,
+) -> LocatedModel:
     """The GGUF file a llama_cpp node's `model` names, checked loadable, with its SHA-256
-    (Ollama's digest, or hashed once and cached). Blocking: run it in a thread."""
+    (Ollama's digest, or hashed once and cached). Ollama's own gpt-oss build is rewritten
+    for llama.cpp the first time (gptoss.py; progress(bytes done, bytes in all) while it
+    copies). Blocking: run it in a thread."""
     digest = None
     if spec.startswith(ollama_store.PREFIX):
         found = ollama_store.find_model(spec.removeprefix(ollama_store.PREFIX), ollama_models)
@@ -34,4 +43,8 @@ def locate_model(spec: str, relative_to: Path, ollama_models: str | None = None)
     else:
         path = resolve_model_path(spec, relative_to)
     arch = check_loadable(path, spec)  # before hashing: a file llama.cpp refuses is not read
+    if arch == gptoss.SOURCE_ARCH:
+        source = digest or cached_sha256(path)
+        path, digest = gptoss.convert(path, source, spec, progress=progress)
+        arch = check_loadable(path, spec)
     return LocatedModel(path=path, sha256=digest or cached_sha256(path), architecture=arch)

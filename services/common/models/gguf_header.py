@@ -38,7 +38,8 @@ def _constants() -> ModuleType:
 gguf: Any = _constants()
 
 ARCHITECTURE_KEY = "general.architecture"
-# Ollama's own gpt-oss GGUFs: renamed tensors that stock llama.cpp refuses.
+# Ollama's own gpt-oss GGUFs: renamed tensors that stock llama.cpp refuses (gptoss.py
+# rewrites their header).
 OLLAMA_GPT_OSS = "gptoss"
 _SCALARS = {
     gguf.GGUFValueType.UINT8: 1,
@@ -56,7 +57,9 @@ _SCALARS = {
 _MAX_KEYS = 1 << 20
 
 
-class _Reader:
+class Reader:
+    """Little-endian GGUF values from a file, read where it stands."""
+
     def __init__(self, f: BinaryIO) -> None:
         self.f = f
 
@@ -94,7 +97,7 @@ class _Reader:
 def architecture(path: Path) -> str:
     """general.architecture of a GGUF file; ValueError if it is no GGUF file or has none."""
     with path.open("rb") as f:
-        r = _Reader(f)
+        r = Reader(f)
         try:
             if r.u32() != gguf.GGUF_MAGIC:
                 raise ValueError("not a GGUF file (bad magic)")
@@ -115,23 +118,13 @@ def architecture(path: Path) -> str:
 
 
 def check_loadable(path: Path, spec: str) -> str:
-    """The file's architecture, or ModelFileError if stock llama.cpp cannot load it."""
+    """The file's architecture, or ModelFileError if llama.cpp cannot load it (Ollama's own
+    gpt-oss passes: gptoss.py rewrites it)."""
     try:
         arch = architecture(path)
     except (OSError, ValueError) as exc:
         raise ModelFileError(f"model {spec!r}: {path} cannot be read as GGUF: {exc}") from None
-    if arch == OLLAMA_GPT_OSS:
-        raise ModelFileError(
-            f"model {spec!r} is Ollama's own gpt-oss build (GGUF architecture 'gptoss', with "
-            "renamed tensors), which stock llama.cpp cannot load: put a llama.cpp-native "
-            "gpt-oss GGUF (architecture 'gpt-oss') into the same store, either with "
-            "`ollama pull hf.co/<org>/<repo>:<quant>` from a single-file GGUF repository, or, "
-            "for ggml-org/gpt-oss-120b-GGUF (sharded, which ollama pull refuses), by merging "
-            "its shards with llama-gguf-split --merge and `ollama create gpt-oss-120b-native "
-            "-f Modelfile` (FROM the merged file); then set model = "
-            '"ollama:gpt-oss-120b-native" (README: "gpt-oss on the embedded engine")'
-        )
-    if arch not in gguf.MODEL_ARCH_NAMES.values():
+    if arch != OLLAMA_GPT_OSS and arch not in gguf.MODEL_ARCH_NAMES.values():
         raise ModelFileError(
             f"model {spec!r}: GGUF architecture {arch!r} is not one llama.cpp knows: this "
             "file needs the runtime that wrote it"

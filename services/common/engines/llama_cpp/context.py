@@ -149,12 +149,15 @@ class SlotContext:
         llama_cpp.llama_memory_seq_cp(self._mem, slot, self._parked, -1, -1)
         llama_cpp.llama_memory_seq_rm(self._mem, slot, -1, -1)
 
+    def _check_seq(self, seq: int) -> None:
+        if not (0 <= seq < self.slots or seq in self.cache_seqs):
+            raise ValueError(f"sequence id {seq} is neither a slot nor a prefix cache entry")
+
     def copy_prefix(self, source: int, target: int, tokens: int) -> None:
         """Positions 0..tokens-1 of one sequence (a slot or a prefix cache entry) become the
         other's too: the cells are shared, not copied."""
-        for seq in (source, target):
-            if not (0 <= seq < self.slots or seq in self.cache_seqs):
-                raise ValueError(f"sequence id {seq} is neither a slot nor a prefix cache entry")
+        self._check_seq(source)
+        self._check_seq(target)
         llama_cpp.llama_memory_seq_cp(self._mem, source, target, 0, tokens)
 
     def drop(self, seq: int) -> None:
@@ -166,10 +169,12 @@ class SlotContext:
     def free_parked(self) -> None:
         llama_cpp.llama_memory_seq_rm(self._mem, self._parked, -1, -1)
 
-    def pos_min(self, slot: int) -> int:
-        """The slot's lowest position, -1 when it holds none."""
-        self.check_slot(slot)
-        return int(llama_cpp.llama_memory_seq_pos_min(self._mem, slot))
+    def pos_min(self, seq: int) -> int:
+        """The lowest position a slot or a prefix cache entry holds in every layer, -1 when
+        it holds none. With sliding-window layers, their cache's lowest: the others hold
+        every position from 0 (or from where a prefix was left out)."""
+        self._check_seq(seq)
+        return int(llama_cpp.llama_memory_seq_pos_min(self._mem, seq))
 
     def forget_prefix(self, slot: int, tokens: int) -> None:
         """The slot lets go of positions 0..tokens-1 (cells another sequence holds stay)."""

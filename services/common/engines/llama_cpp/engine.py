@@ -22,7 +22,12 @@ from pathlib import Path
 
 from services.common.engines.base import EngineLoad, Generation, PrefillOutput
 from services.common.engines.llama_cpp.context import ContextSettings, SlotContext
-from services.common.engines.llama_cpp.model import ENGINE_VERSION, LlamaModel, ModelLoadError
+from services.common.engines.llama_cpp.model import (
+    ENGINE_VERSION,
+    LlamaModel,
+    ModelLoadError,
+    attended_from,
+)
 from services.common.engines.llama_cpp.prefix_cache import PrefixCache
 from services.common.engines.llama_cpp.scheduler import (
     Event,
@@ -177,7 +182,9 @@ class LlamaCppEngine:
         model, context, fingerprint, bytes_per_token = await asyncio.to_thread(build)
         cache = None
         if settings.prefix_cache_tokens:
-            cache = PrefixCache(context, context.cache_seqs, settings.prefix_cache_tokens)
+            cache = PrefixCache(
+                context, context.cache_seqs, settings.prefix_cache_tokens, window=model.window
+            )
         scheduler = Scheduler(
             name,
             model,
@@ -202,6 +209,13 @@ class LlamaCppEngine:
             job.replay = self._replay_ids(continuation, len(tokens))
             job.piece_origin = _piece_origin(continuation, len(tokens))
         holder, blocks = _best_holder(hashes, len(tokens), candidates)
+        if self._model.window:
+            # The state holds every position the decode node's first token attends to: the
+            # window layers of the decode node's copy of the prefix may have lost them.
+            state_tokens = len(tokens) + max(len(job.replay) - 1, 0)
+            reach = attended_from(state_tokens, self._model.window) // PREFIX_BLOCK_TOKENS
+            blocks = min(blocks, reach)
+            holder = holder if blocks else ""
         job.prefix_tokens = blocks * PREFIX_BLOCK_TOKENS
         async with aclosing(self._events(job)) as events:
             output = await anext(events)

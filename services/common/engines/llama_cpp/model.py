@@ -68,6 +68,16 @@ def gpu_backend() -> str | None:
     return "GPU"
 
 
+def attended_from(position: int, window: int) -> int:
+    """The lowest position a token at `position` attends to in every layer of a model with
+    this sliding window (0: none): what a KV cache must hold for that token. llama.cpp's
+    sliding-window layers keep only that much of a sequence (its older cells are reused, and
+    a saved state leaves them out), so a sequence's KV is complete for continuing at a
+    position only where the window layers still reach back this far. Exact for the usual
+    window (gemma3, gpt-oss); llama4's chunked window needs less, so it is safe there too."""
+    return max(0, position - window + 1) if window else 0
+
+
 class ModelLoadError(MeshError):
     """llama.cpp cannot load the model file."""
 
@@ -97,6 +107,9 @@ class LlamaModel:
             gpu_layers=min(n_gpu_layers, layers),
             layers=layers,
         )
+        # Sliding-window attention (gemma3: 512, gpt-oss: 128; 0: every layer attends to every
+        # position): a token at position p attends in those layers to p - window + 1 .. p.
+        self.window = int(llama_cpp.llama_model_n_swa(self.ptr))
         self.n_vocab: int = self._model.n_vocab()
         self.end_tokens = end_tokens(self._model.vocab, self.n_vocab)
         self.metadata: dict[str, str] = self._model.metadata()

@@ -17,6 +17,13 @@ tokens, salted with the fingerprint), so a decode node can keep the prefix of a 
 loaded without knowing its tokens, and a prefill node can tell which decode node holds which
 prefix: a prefix from another model or other KV settings never matches.
 
+Models with sliding-window attention (gemma3, gpt-oss) keep only a window of each sequence in
+those layers: llama.cpp reuses the cells of positions no later token of the sequence attends
+to. An entry can then serve a prompt from position n only while its window layers still hold
+every position a token at n attends to (`attended_from`), which the cache checks at each
+lookup; entries are not folded into longer ones there, since a longer entry no longer holds
+the window of a shorter one.
+
 Only the engine thread changes a PrefixCache; `tokens` is a plain int that other threads may
 read (the engine's load()).
 """
@@ -28,6 +35,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from services.common.engines.llama_cpp.model import attended_from
 from services.common.engines.prefix_keys import PREFIX_BLOCK_TOKENS, reusable_blocks
 
 
@@ -38,6 +46,8 @@ class Sequences(Protocol):
 
     def drop(self, seq: int) -> None: ...
 
+    def pos_min(self, seq: int) -> int: ...
+
 
 @dataclass(eq=False)
 class Entry:
@@ -46,6 +56,10 @@ class Entry:
     # 0 .. len(hashes) * block_tokens - 1 of the prompt these hashes describe.
     hashes: tuple[bytes, ...]
     used: int
+    # Sliding-window models: the sequence's window layers hold no position below this one
+    # that the cache can count on (a state loaded with a prefix from elsewhere holds that
+    # prefix's old window cells, then a gap up to its own window).
+    window_from: int = 0
 
 
 def common_prefix(a: Sequence[bytes], b: Sequence[bytes]) -> int:
@@ -64,8 +78,10 @@ class PrefixCache:
         seqs: Sequence[int],
         budget_tokens: int,
         block_tokens: int = PREFIX_BLOCK_TOKENS,
+        window: int = 0,
     ) -> None:
         self._ctx = context
+        self.window = window
         self._free = list(seqs)
         self.budget_tokens = budget_tokens
         self.block_tokens = block_tokens
@@ -83,9 +99,24 @@ class PrefixCache:
         best_n = 0
         for entry in self._entries:
             n = common_prefix(entry.hashes, usable) * self.block_tokens
-            if n > best_n:
+            if n > best_n and self.serves(entry, n):
                 best, best_n = entry, n
         return best, best_n
+
+    def serves(self, entry: Entry, tokens: int) -> bool:
+        """Whether the entry's first `tokens` positions are a complete KV for continuing from
+        there: always, but for a sliding-window model whose window cells have gone."""
+        return not self.window or self.window_from(entry) <= attended_from(tokens, self.window)
+
+    def window_from(self, entry: Entry) -> int:
+        """The lowest position from which the entry's window layers hold every position up to
+        its end (see Entry.window_from)."""
+        if not self.window:
+            return 0
+        lowest = self._ctx.pos_min(entry.seq)
+        if lowest < 0:  # its window layers hold nothing
+            return len(entry.hashes) * self.block_tokens
+        return max(lowest, entry.window_from)
 
     def find(self, hashes: Sequence[bytes], tokens: int) -> Entry | None:
         """An entry holding the first `tokens` positions (whole blocks) of the prompt these
@@ -107,26 +138,27 @@ class PrefixCache:
         self._ctx.copy_prefix(entry.seq, slot, tokens)
         entry.used = next(self._clock)
 
-    def keep(self, slot: int, hashes: Sequence[bytes]) -> int:
+    def keep(self, slot: int, hashes: Sequence[bytes], window_from: int = 0) -> int:
         """Keep the slot's first len(hashes) whole blocks resident (they hold those tokens),
-        as many as the budget allows; returns the tokens now held."""
+        as many as the budget allows; returns the tokens now held. window_from: see Entry."""
         held = tuple(hashes[: self.budget_tokens // self.block_tokens])
         n = len(held) * self.block_tokens
         if n == 0:
             return 0
         for entry in self._entries:
-            if common_prefix(entry.hashes, held) == len(held):  # already held
-                entry.used = next(self._clock)
+            if common_prefix(entry.hashes, held) == len(held) and self.serves(entry, n):
+                entry.used = next(self._clock)  # already held
                 return n
-        for entry in [e for e in self._entries if held[: len(e.hashes)] == e.hashes]:
-            self._drop(entry)  # this one holds all of it, and more
+        if not self.window:
+            for entry in [e for e in self._entries if held[: len(e.hashes)] == e.hashes]:
+                self._drop(entry)  # this one holds all of it, and more
         while self._entries and (self.tokens + n > self.budget_tokens or not self._free):
             self.evict()
         if not self._free:
             return 0
         seq = self._free.pop()
         self._ctx.copy_prefix(slot, seq, n)
-        self._entries.append(Entry(seq, held, next(self._clock)))
+        self._entries.append(Entry(seq, held, next(self._clock), window_from))
         self.tokens += n
         return n
 

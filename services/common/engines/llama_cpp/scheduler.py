@@ -47,7 +47,7 @@ import structlog
 
 from services.common.engines.base import EngineLoad, PrefillOutput, TokenRates
 from services.common.engines.llama_cpp.context import Row, SlotContext
-from services.common.engines.llama_cpp.model import LlamaModel
+from services.common.engines.llama_cpp.model import LlamaModel, attended_from
 from services.common.engines.llama_cpp.prefix_cache import Entry, PrefixCache
 from services.common.engines.llama_cpp.prompt_share import prompt_pieces
 from services.common.engines.llama_cpp.sampling import SlotSampler
@@ -156,6 +156,9 @@ class Slot:
     # the cache keeps of this prompt.
     cached: int = 0
     kept: int = 0
+    # Sliding-window models: the lowest position from which the window layers hold every
+    # position of this slot (prefix_cache.Entry.window_from).
+    window_from: int = 0
 
     @property
     def prompting(self) -> bool:
@@ -351,22 +354,37 @@ class Scheduler:
                 ),
             )
             return
+        # The lowest position held in every layer: a sliding-window model's state holds the
+        # window layers' last positions only, which is enough when they reach back as far
+        # as the next token attends.
         first = self._ctx.pos_min(slot.index)
-        if prefix is not None:
-            self._cache_use(prefix, slot, job.prefix_tokens)
         held = self._ctx.pos_max(slot.index) + 1
-        if held != job.state_tokens or first != job.prefix_tokens:
+        window = self._model.window
+        reach = max(job.prefix_tokens, attended_from(held, window))
+        if held != job.state_tokens or not job.prefix_tokens <= first <= reach:
             replayed = f" and {len(job.replay) - 1} generated tokens" if job.replay else ""
+            windowed = (
+                f" (its {window}-position sliding window must reach back to {reach})"
+                if window
+                else ""
+            )
             self._fail(
                 slot,
                 FailedPrecondition(
-                    f"the KV state holds positions {first}..{held - 1}, but kv.prompt_tokens is "
-                    f"{job.prompt_tokens}{replayed} and kv.prefix_tokens {job.prefix_tokens}"
+                    f"the KV state holds positions {first}..{held - 1}{windowed}, but "
+                    f"kv.prompt_tokens is {job.prompt_tokens}{replayed} and kv.prefix_tokens "
+                    f"{job.prefix_tokens}"
                 ),
             )
             return
+        slot.window_from = first
+        if prefix is not None:
+            # The positions before kv.prefix_tokens come from this node's cache, whatever
+            # the state held there (a window model's check above sees its window layers only).
+            self._ctx.forget_prefix(slot.index, job.prefix_tokens)
+            self._cache_use(prefix, slot, job.prefix_tokens)
         if self._cache is not None:
-            slot.kept = self._cache.keep(slot.index, job.hashes)
+            slot.kept = self._cache.keep(slot.index, job.hashes, slot.window_from)
         slot.n_past = held
         slot.first_at = time.perf_counter()
         slot.kv_load_seconds = slot.first_at - slot.admitted_at
@@ -466,7 +484,7 @@ class Scheduler:
         if end == len(tokens):
             slot.first_at = time.perf_counter()
             if self._cache is not None:
-                slot.kept = self._cache.keep(slot.index, slot.job.hashes)
+                slot.kept = self._cache.keep(slot.index, slot.job.hashes, slot.window_from)
             if slot.job.kind is JobKind.PREFILL and slot.job.replay:
                 self._replay_for_prefill(slot)
                 return len(rows)
@@ -603,6 +621,8 @@ class Scheduler:
 
     def _cache_use(self, entry: Entry, slot: Slot, tokens: int) -> None:
         assert self._cache is not None
+        if slot.job.kind is not JobKind.CONTINUE:  # its state's window is its own
+            slot.window_from = self._cache.window_from(entry)
         self._cache.use(entry, slot.index, tokens)
         slot.cached = tokens
         metrics.engine_cached(tokens)
