@@ -40,6 +40,7 @@ LONG = 200
 # node, or by the decode node taking over ("m" weighs both: migrate_via = "auto").
 VIA_PREFILL = "m-via-prefill"
 VIA_DECODE = "m-via-decode"
+DECODE_NODES = ("decode-a", "decode-b", "decode-c")
 
 
 async def run(
@@ -274,21 +275,21 @@ def migration_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Migrati
         route(
             "m",
             ["prefill-m"],
-            ["decode-a", "decode-b", "decode-c"],
+            list(DECODE_NODES),
             chain=["disaggregated", "decode_only"],
             decode_deadline_s=8.0,
         ),
         route(
             VIA_PREFILL,
             ["prefill-m"],
-            ["decode-a", "decode-b", "decode-c"],
+            list(DECODE_NODES),
             chain=["disaggregated", "decode_only"],
             migrate_via="prefill",
         ),
         route(
             VIA_DECODE,
             ["prefill-m"],
-            ["decode-a", "decode-b", "decode-c"],
+            list(DECODE_NODES),
             chain=["disaggregated", "decode_only"],
             migrate_via="decode",
         ),
@@ -345,10 +346,10 @@ async def stream(
     return Streamed(deltas, summary, None)
 
 
-async def serving_decode_node(mesh: MigrationMesh) -> str:
-    """The decode node generating now (the router picks by health and load, so the test
-    asks the nodes instead of assuming)."""
-    for name in ("decode-a", "decode-b", "decode-c"):
+async def serving_decode_node(mesh: MigrationMesh, names: tuple[str, ...] = DECODE_NODES) -> str:
+    """The decode node of these generating now (the router picks by health and load, so
+    the test asks the nodes instead of assuming)."""
+    for name in names:
         if mesh.processes.procs[name].poll() is not None:
             continue
         address = mesh.processes.topology.node(name).address
@@ -364,10 +365,14 @@ async def serving_decode_node(mesh: MigrationMesh) -> str:
 
 
 def kill_serving(
-    mesh: MigrationMesh, how: signal.Signals, killed: list[str], also: tuple[str, ...] = ()
+    mesh: MigrationMesh,
+    how: signal.Signals,
+    killed: list[str],
+    also: tuple[str, ...] = (),
+    names: tuple[str, ...] = DECODE_NODES,
 ) -> Callable[[], Awaitable[None]]:
     async def action() -> None:
-        name = await serving_decode_node(mesh)
+        name = await serving_decode_node(mesh, names)
         for victim in (name, *also):
             os.kill(mesh.pid(victim), how)
             killed.append(victim)

@@ -17,8 +17,6 @@ and through the prefix cache's delta, for prompts shorter and longer than a slid
 
 from __future__ import annotations
 
-import asyncio
-import os
 import signal
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
@@ -28,12 +26,13 @@ import grpc
 import llama_cpp
 import pytest
 
-from disagg.v1 import node_pb2, node_pb2_grpc, router_pb2, router_pb2_grpc
+from disagg.v1 import router_pb2, router_pb2_grpc
 from services.common.models import resolve_model_path
 from services.common.processes import MeshProcesses
 from tests.conftest import MODEL as SMOLLM2
 from tests.conftest import N_CTX, ROOT, engine_node, route, router_node, running_mesh
 from tests.streams import reference_tokens, request
+from tests.test_migration import MigrationMesh, kill_serving
 from tests.test_ollama_store import ollama_gpt_oss_store
 from tests.test_prefix_cache import SamePieces
 from tests.tiny_models import write_gpt_oss, write_qwen3moe
@@ -205,40 +204,19 @@ async def test_every_mode_gives_the_single_process_answer(family_mesh: FamilyMes
         assert long == pytest.approx(short, rel=0.1)
 
 
-async def serving_decode_node(mesh: FamilyMesh) -> str:
-    for name in DECODE_NODES:
-        if mesh.processes.procs[name].poll() is not None:
-            continue
-        address = mesh.processes.topology.node(name).address
-        async with grpc.aio.insecure_channel(address) as channel:
-            stub = node_pb2_grpc.NodeServiceStub(channel)
-            info = await stub.GetNodeInfo(node_pb2.GetNodeInfoRequest(), timeout=5)
-        if info.slots_busy:
-            return name
-    raise AssertionError("no decode node is generating")
-
-
 @pytest.mark.parametrize("model", [DISAGGREGATED, VIA_PREFILL])
 async def test_a_migration_past_the_window_keeps_the_answer(
     family_mesh: FamilyMesh, model: str
 ) -> None:
     n = family_mesh.family.answer_tokens
     alone = await answer(family_mesh.router, model, LONG, n)
+    mesh = MigrationMesh(family_mesh.processes)
     killed: list[str] = []
-
-    async def kill() -> None:
-        name = await serving_decode_node(family_mesh)
-        os.kill(family_mesh.processes.procs[name].pid, signal.SIGKILL)
-        killed.append(name)
-
+    kill = kill_serving(mesh, signal.SIGKILL, killed, names=DECODE_NODES)
     try:
         got = await answer(family_mesh.router, model, LONG, n, after_deltas=5, action=kill)
     finally:
-        for name in killed:
-            family_mesh.processes.procs[name].wait()
-            family_mesh.processes.start_node(family_mesh.processes.topology.node(name))
-        await family_mesh.processes.wait_serving(120, names=killed)
-        await asyncio.sleep(6.0)  # the router's view of a restarted node lags its checks
+        await mesh.restart(*killed)
     assert got.text == alone.text and got.token_ids == alone.token_ids
     (migration,) = got.summary.migrations
     assert migration.failed_node == killed[0]

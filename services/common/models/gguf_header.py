@@ -78,6 +78,23 @@ class Reader:
     def string(self) -> bytes:
         return self.take(self.u64())
 
+    def preamble(self) -> tuple[int, int, int]:
+        """A GGUF file's version, tensor count and key count; ValueError if it is none."""
+        if self.u32() != gguf.GGUF_MAGIC:
+            raise ValueError("not a GGUF file (bad magic)")
+        version = self.u32()
+        if version < 2:
+            raise ValueError(f"GGUF version {version} is too old")
+        return version, self.u64(), self.u64()
+
+    def raw(self, kind: int) -> bytes:
+        """A value of this type as encoded in the file."""
+        start = self.f.tell()
+        self.skip(kind)
+        length = self.f.tell() - start
+        self.f.seek(start)
+        return self.take(length)
+
     def skip(self, kind: int) -> None:
         if kind == gguf.GGUFValueType.STRING:
             self.f.seek(self.u64(), 1)
@@ -99,13 +116,7 @@ def architecture(path: Path) -> str:
     with path.open("rb") as f:
         r = Reader(f)
         try:
-            if r.u32() != gguf.GGUF_MAGIC:
-                raise ValueError("not a GGUF file (bad magic)")
-            version = r.u32()
-            if version < 2:
-                raise ValueError(f"GGUF version {version} is too old")
-            r.u64()  # tensors
-            keys = r.u64()
+            _, _, keys = r.preamble()
             for _ in range(min(keys, _MAX_KEYS)):
                 key = r.string().decode(errors="replace")
                 kind = r.u32()

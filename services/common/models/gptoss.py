@@ -85,19 +85,12 @@ class _Header:
 
 def _read_header(f: BinaryIO) -> _Header:
     r = Reader(f)
-    if r.u32() != gguf.GGUF_MAGIC:
-        raise ValueError("not a GGUF file (bad magic)")
-    version = r.u32()
-    n_tensors, n_kv = r.u64(), r.u64()
+    version, n_tensors, n_kv = r.preamble()
     kvs = []
     for _ in range(n_kv):
         key = r.string().decode()
         kind = r.u32()
-        start = f.tell()
-        r.skip(kind)
-        end = f.tell()
-        f.seek(start)
-        kvs.append(_Kv(key, kind, r.take(end - start)))
+        kvs.append(_Kv(key, kind, r.raw(kind)))
     tensors = []
     for _ in range(n_tensors):
         name = r.string().decode()

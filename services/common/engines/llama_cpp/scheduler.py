@@ -320,13 +320,13 @@ class Scheduler:
         if job.kind is JobKind.GENERATE:
             slot.text = TextStream(job.sampling.max_tokens, job.sampling.stop)
         if job.kind is not JobKind.CONTINUE:
-            entry, n = (None, 0)
-            if self._cache is not None:
-                entry, n = self._cache.lookup(job.hashes, len(job.tokens))
+            cache = self._cache
+            entry, n = (None, 0) if cache is None else cache.lookup(job.hashes, len(job.tokens))
             origin = job.piece_origin
             if origin is not None and n >= origin:  # back to the original's grid
                 n = origin + (n - origin) // self._ctx.n_batch * self._ctx.n_batch
-            if entry is not None and n:
+            if cache is not None and entry is not None and n:
+                slot.window_from = cache.window_from(entry)
                 self._cache_use(entry, slot, n)
                 slot.evaluated = slot.n_past = n
             return
@@ -621,8 +621,6 @@ class Scheduler:
 
     def _cache_use(self, entry: Entry, slot: Slot, tokens: int) -> None:
         assert self._cache is not None
-        if slot.job.kind is not JobKind.CONTINUE:  # its state's window is its own
-            slot.window_from = self._cache.window_from(entry)
         self._cache.use(entry, slot.index, tokens)
         slot.cached = tokens
         metrics.engine_cached(tokens)
