@@ -7,7 +7,14 @@ with MeshClient("127.0.0.1:50051") as mesh:
     print(result.text, result.metrics.decode_speed)
 """
 
-from disagg_mesh.client import AsyncMeshClient, GenerateCall, MeshClient, Result, TlsFiles
+from disagg_mesh.client import (
+    AsyncMeshClient,
+    GenerateCall,
+    MeshClient,
+    Reasoning,
+    Result,
+    TlsFiles,
+)
 from disagg_mesh.errors import (
     InvalidRequest,
     MeshError,
@@ -26,6 +33,7 @@ __all__ = [
     "MeshError",
     "Metrics",
     "ModelNotFound",
+    "Reasoning",
     "Result",
     "Timeout",
     "TlsFiles",

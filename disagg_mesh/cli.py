@@ -32,6 +32,7 @@ from disagg_mesh.client import (
     DEFAULT_ADDRESS,
     GenerateCall,
     MeshClient,
+    Reasoning,
     TlsFiles,
 )
 from disagg_mesh.errors import MeshError
@@ -99,7 +100,19 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="never sample an end token: the answer runs to --max-tokens (benchmarks)",
     )
-    gen.add_argument("--json", action="store_true", help="one JSON object: text and metrics")
+    gen.add_argument(
+        "--chat",
+        action="store_true",
+        help="send the prompt as a user turn, rendered with the model's chat template",
+    )
+    gen.add_argument(
+        "--reasoning-effort",
+        choices=("low", "medium", "high"),
+        help="how hard a reasoning model (gpt-oss) thinks; implies --chat",
+    )
+    gen.add_argument(
+        "--json", action="store_true", help="one JSON object: text, reasoning and metrics"
+    )
     gen.set_defaults(run=_generate)
 
     status = commands.add_parser("status", help="health of every node of the topology")
@@ -148,9 +161,12 @@ def _client(args: argparse.Namespace) -> MeshClient:
 
 def _generate(args: argparse.Namespace) -> int:
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    chat = args.chat or args.reasoning_effort is not None
     call = GenerateCall(
         model=args.model,
-        prompt=prompt,
+        prompt="" if chat else prompt,
+        messages=[{"role": "user", "content": prompt}] if chat else [],
+        reasoning_effort=args.reasoning_effort,
         max_tokens=args.max_tokens,
         temperature=args.temperature,
         top_p=args.top_p,
@@ -161,12 +177,16 @@ def _generate(args: argparse.Namespace) -> int:
     with _client(args) as mesh:
         if args.json:
             result = mesh.generate(call)
-            print(json.dumps({"text": result.text, "metrics": result.metrics.as_dict()}, indent=2))
+            out = {"text": result.text, "reasoning": result.reasoning}
+            print(json.dumps({**out, "metrics": result.metrics.as_dict()}, indent=2))
             return 0
         metrics: Metrics | None = None
-        for item in mesh.stream(call):
+        for item in mesh.stream(call, reasoning=True):
             if isinstance(item, Metrics):
                 metrics = item
+            elif isinstance(item, Reasoning):  # on stderr: stdout is the answer alone
+                sys.stderr.write(item)
+                sys.stderr.flush()
             else:
                 sys.stdout.write(item)
                 sys.stdout.flush()

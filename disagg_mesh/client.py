@@ -62,6 +62,14 @@ class GenerateCall:
     stop: Sequence[str] = ()
     ignore_eos: bool = False  # end tokens never sampled: the answer runs to max_tokens
     timeout: float | None = None  # seconds; None: the client's
+    # How hard a reasoning model (gpt-oss) thinks: "low", "medium" or "high"; None: its default.
+    reasoning_effort: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.reasoning_effort or "") not in _EFFORTS:
+            raise ValueError(
+                f"reasoning_effort must be 'low', 'medium' or 'high', got {self.reasoning_effort!r}"
+            )
 
     def to_proto(self) -> router_pb2.GenerateRequest:
         return router_pb2.GenerateRequest(
@@ -78,7 +86,21 @@ class GenerateCall:
                 stop=list(self.stop),
                 ignore_eos=self.ignore_eos or None,
             ),
+            reasoning_effort=_EFFORTS[self.reasoning_effort or ""],
         )
+
+
+_EFFORTS = {
+    "": types_pb2.REASONING_EFFORT_UNSPECIFIED,
+    "low": types_pb2.REASONING_EFFORT_LOW,
+    "medium": types_pb2.REASONING_EFFORT_MEDIUM,
+    "high": types_pb2.REASONING_EFFORT_HIGH,
+}
+
+
+class Reasoning(str):
+    """A piece of the model's reasoning (gpt-oss's analysis channel), apart from the answer:
+    what `stream(..., reasoning=True)` yields beside the answer's text."""
 
 
 @dataclass(frozen=True)
@@ -86,6 +108,8 @@ class Result:
     text: str
     metrics: Metrics
     request_id: str = ""
+    # The model's reasoning before its answer (gpt-oss); "" for other models.
+    reasoning: str = ""
 
 
 @dataclass
@@ -113,10 +137,13 @@ def _call(
     )
 
 
-def _item(reply: router_pb2.GenerateResponse) -> str | Metrics:
-    if reply.HasField("delta"):
-        return reply.delta.text
-    return Metrics.from_summary(reply.summary)
+def _items(reply: router_pb2.GenerateResponse, reasoning: bool) -> list[str | Metrics]:
+    if not reply.HasField("delta"):
+        return [Metrics.from_summary(reply.summary)]
+    thought = [Reasoning(reply.delta.reasoning)] if reasoning and reply.delta.reasoning else []
+    if thought and not reply.delta.text:
+        return list(thought)
+    return [*thought, reply.delta.text]
 
 
 class _Collector:
@@ -124,18 +151,21 @@ class _Collector:
 
     def __init__(self) -> None:
         self.parts: list[str] = []
+        self.reasoning: list[str] = []
         self.metrics: Metrics | None = None
 
     def add(self, item: str | Metrics) -> None:
         if isinstance(item, Metrics):
             self.metrics = item
+        elif isinstance(item, Reasoning):
+            self.reasoning.append(item)
         else:
             self.parts.append(item)
 
     def result(self, address: str) -> Result:
         if self.metrics is None:
             raise MeshError(grpc.StatusCode.DATA_LOSS, "stream ended without metrics", address)
-        return Result("".join(self.parts), self.metrics)
+        return Result("".join(self.parts), self.metrics, reasoning="".join(self.reasoning))
 
 
 class AsyncMeshClient:
@@ -168,9 +198,10 @@ class AsyncMeshClient:
         await self._channel.close()
 
     async def stream(
-        self, model: str | GenerateCall, prompt: str = "", **kwargs: Any
+        self, model: str | GenerateCall, prompt: str = "", reasoning: bool = False, **kwargs: Any
     ) -> AsyncIterator[str | Metrics]:
-        """Text deltas as they arrive, then the Metrics."""
+        """Text deltas as they arrive, then the Metrics. reasoning: the model's reasoning
+        too, as `Reasoning` pieces (a str subclass) before the answer's."""
         call = _call(model, prompt, kwargs)
         s = self._settings
         rpc = self._stub.Generate(
@@ -178,7 +209,8 @@ class AsyncMeshClient:
         )
         try:
             async for reply in rpc:
-                yield _item(reply)
+                for item in _items(reply, reasoning):
+                    yield item
         except grpc.aio.AioRpcError as exc:
             raise from_rpc_error(exc, s.address) from None
         finally:
@@ -187,7 +219,7 @@ class AsyncMeshClient:
     async def generate(self, model: str | GenerateCall, prompt: str = "", **kwargs: Any) -> Result:
         """The whole text and its metrics."""
         collector = _Collector()
-        async for item in self.stream(model, prompt, **kwargs):
+        async for item in self.stream(model, prompt, reasoning=True, **kwargs):
             collector.add(item)
         return collector.result(self._settings.address)
 
@@ -250,9 +282,10 @@ class MeshClient:
         self._channel.close()
 
     def stream(
-        self, model: str | GenerateCall, prompt: str = "", **kwargs: Any
+        self, model: str | GenerateCall, prompt: str = "", reasoning: bool = False, **kwargs: Any
     ) -> Iterator[str | Metrics]:
-        """Text deltas as they arrive, then the Metrics."""
+        """Text deltas as they arrive, then the Metrics. reasoning: the model's reasoning
+        too, as `Reasoning` pieces (a str subclass) before the answer's."""
         call = _call(model, prompt, kwargs)
         s = self._settings
         rpc = self._stub.Generate(
@@ -260,7 +293,7 @@ class MeshClient:
         )
         try:
             for reply in rpc:
-                yield _item(reply)
+                yield from _items(reply, reasoning)
         except grpc.RpcError as exc:
             raise from_rpc_error(exc, s.address) from None
         finally:
@@ -269,7 +302,7 @@ class MeshClient:
     def generate(self, model: str | GenerateCall, prompt: str = "", **kwargs: Any) -> Result:
         """The whole text and its metrics."""
         collector = _Collector()
-        for item in self.stream(model, prompt, **kwargs):
+        for item in self.stream(model, prompt, reasoning=True, **kwargs):
             collector.add(item)
         return collector.result(self._settings.address)
 

@@ -18,6 +18,7 @@ from services.common.engines.llama_cpp.sampling import end_tokens
 @dataclass
 class Collected:
     text: str = ""
+    reasoning: str = ""
     token_ids: list[int] = field(default_factory=list)
     deltas: int = 0
     summary: Any = None
@@ -34,6 +35,7 @@ async def collect(call: AsyncIterable[Any]) -> Collected:
                 out.first_delta_at = time.perf_counter()
             out.deltas += 1
             out.text += reply.delta.text
+            out.reasoning += reply.delta.reasoning
             out.token_ids.extend(reply.delta.token_ids)
         else:
             assert out.summary is None, "two summaries"

@@ -194,7 +194,8 @@ async def test_every_mode_gives_the_single_process_answer(family_mesh: FamilyMes
         assert alone.summary.method == router_pb2.ROUTE_METHOD_DECODE_ONLY
         assert split.token_ids == alone.token_ids == want, prompt[:20]
         state_bytes_per_token.append(split.summary.kv_state_bytes / split.summary.prompt_tokens)
-        assert split.summary.prompt_tokens > 3 * 512 or prompt is SHORT
+        # Past the window (gpt-oss: 1,385 tokens with o200k_harmony, over 10 windows).
+        assert split.summary.prompt_tokens > 1024 or prompt is SHORT
     short, long = state_bytes_per_token
     if family_mesh.family.window:
         # Past the window, the state holds every position of the full-attention layers but

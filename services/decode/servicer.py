@@ -8,7 +8,7 @@ from typing import Any
 
 import grpc
 
-from disagg.v1 import decode_pb2, decode_pb2_grpc, types_pb2
+from disagg.v1 import decode_pb2, decode_pb2_grpc
 from services.common import convert
 from services.common.errors import InvalidArgument
 from services.common.readiness import Ready
@@ -40,7 +40,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                     )
                 else:
                     yield decode_pb2.DecodeServiceGenerateResponse(
-                        delta=types_pb2.TextDelta(text=event.text, token_ids=event.token_ids)
+                        delta=convert.text_delta_to_proto(event)
                     )
 
 
@@ -66,5 +66,6 @@ def _source(request: decode_pb2.DecodeServiceGenerateRequest) -> KvSource | Prom
             first_token_text=kv.first_token_text,
             block_hashes=tuple(kv.block_hashes),
             prefix_tokens=kv.prefix_tokens,
+            open_message=tuple(kv.open_message_token_ids),
         )
-    return convert.prompt_from_proto(request.prompt, request.messages)
+    return convert.prompt_from_proto(request.prompt, request.messages, request.reasoning_effort)

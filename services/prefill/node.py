@@ -70,6 +70,7 @@ class PrefillNode:
             kv_state_bytes=out.kv_state_bytes or len(out.kv_state),
             replayed_tokens=out.replayed_tokens,
             replay_seconds=out.replay_seconds,
+            open_message=out.open_message,
         )
 
     def fetch(self, kv_handle: str) -> list[bytes]:

@@ -26,7 +26,7 @@ class PrefillServicer:
     ) -> prefill_pb2.PrefillResponse:
         result = await self._node.get().prefill(
             request.model,
-            convert.prompt_from_proto(request.prompt, request.messages),
+            convert.prompt_from_proto(request.prompt, request.messages, request.reasoning_effort),
             convert.sampling_from_proto(request.sampling, self._node.get().max_tokens_limit),
             [DecodeCandidate(c.node, frozenset(c.block_hashes)) for c in request.decode_candidates],
             convert.continuation_from_proto(request.continuation)
@@ -50,6 +50,7 @@ class PrefillServicer:
             kv_state_bytes=result.kv_state_bytes,
             replayed_tokens=result.replayed_tokens,
             replay_duration=convert.duration(result.replay_seconds),
+            open_message_token_ids=result.open_message,
         )
 
     async def FetchKv(

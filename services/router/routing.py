@@ -876,6 +876,7 @@ def _kv_source(prefill: Node, result: PrefillResult) -> KvSource:
         first_token_text=result.first_token_text,
         block_hashes=result.block_hashes,
         prefix_tokens=result.kv_prefix_tokens,
+        open_message=result.open_message,
     )
 
 

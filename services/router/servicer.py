@@ -8,7 +8,7 @@ from typing import Any
 
 import grpc
 
-from disagg.v1 import router_pb2, router_pb2_grpc, types_pb2
+from disagg.v1 import router_pb2, router_pb2_grpc
 from services.common import convert
 from services.common.topology import Node
 from services.router.routing import RouteMethod, Router, RouteSummary
@@ -31,7 +31,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
     ) -> AsyncIterator[router_pb2.GenerateResponse]:
         events = self._router.generate(
             request.model,
-            convert.prompt_from_proto(request.prompt, request.messages),
+            convert.prompt_from_proto(request.prompt, request.messages, request.reasoning_effort),
             convert.sampling_from_proto(request.sampling, self._router.max_tokens_limit),
             context.time_remaining(),
         )
@@ -40,9 +40,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                 if isinstance(event, RouteSummary):
                     yield router_pb2.GenerateResponse(summary=summary_to_proto(event))
                 else:
-                    yield router_pb2.GenerateResponse(
-                        delta=types_pb2.TextDelta(text=event.text, token_ids=event.token_ids)
-                    )
+                    yield router_pb2.GenerateResponse(delta=convert.text_delta_to_proto(event))
 
     async def ListModels(
         self, request: router_pb2.ListModelsRequest, context: Context

@@ -11,7 +11,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class KvSource(_message.Message):
-    __slots__ = ("prefill_address", "kv_handle", "first_token_id", "prompt_tokens", "fingerprint", "kv_size_bytes", "first_token_text", "block_hashes", "prefix_tokens")
+    __slots__ = ("prefill_address", "kv_handle", "first_token_id", "prompt_tokens", "fingerprint", "kv_size_bytes", "first_token_text", "block_hashes", "prefix_tokens", "open_message_token_ids")
     PREFILL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     KV_HANDLE_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
@@ -21,6 +21,7 @@ class KvSource(_message.Message):
     FIRST_TOKEN_TEXT_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     PREFIX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    OPEN_MESSAGE_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     prefill_address: str
     kv_handle: str
     first_token_id: int
@@ -30,23 +31,26 @@ class KvSource(_message.Message):
     first_token_text: str
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     prefix_tokens: int
-    def __init__(self, prefill_address: _Optional[str] = ..., kv_handle: _Optional[str] = ..., first_token_id: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., fingerprint: _Optional[_Union[_types_pb2.KvFingerprint, _Mapping]] = ..., kv_size_bytes: _Optional[int] = ..., first_token_text: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., prefix_tokens: _Optional[int] = ...) -> None: ...
+    open_message_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, prefill_address: _Optional[str] = ..., kv_handle: _Optional[str] = ..., first_token_id: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., fingerprint: _Optional[_Union[_types_pb2.KvFingerprint, _Mapping]] = ..., kv_size_bytes: _Optional[int] = ..., first_token_text: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., prefix_tokens: _Optional[int] = ..., open_message_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DecodeServiceGenerateRequest(_message.Message):
-    __slots__ = ("model", "kv", "prompt", "messages", "sampling", "continuation")
+    __slots__ = ("model", "kv", "prompt", "messages", "sampling", "continuation", "reasoning_effort")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     KV_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     CONTINUATION_FIELD_NUMBER: _ClassVar[int]
+    REASONING_EFFORT_FIELD_NUMBER: _ClassVar[int]
     model: str
     kv: KvSource
     prompt: str
     messages: _containers.RepeatedCompositeFieldContainer[_types_pb2.ChatMessage]
     sampling: _types_pb2.SamplingParams
     continuation: _types_pb2.Continuation
-    def __init__(self, model: _Optional[str] = ..., kv: _Optional[_Union[KvSource, _Mapping]] = ..., prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[_types_pb2.ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[_types_pb2.SamplingParams, _Mapping]] = ..., continuation: _Optional[_Union[_types_pb2.Continuation, _Mapping]] = ...) -> None: ...
+    reasoning_effort: _types_pb2.ReasoningEffort
+    def __init__(self, model: _Optional[str] = ..., kv: _Optional[_Union[KvSource, _Mapping]] = ..., prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[_types_pb2.ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[_types_pb2.SamplingParams, _Mapping]] = ..., continuation: _Optional[_Union[_types_pb2.Continuation, _Mapping]] = ..., reasoning_effort: _Optional[_Union[_types_pb2.ReasoningEffort, str]] = ...) -> None: ...
 
 class DecodeSummary(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "finish_reason", "kv_transfer", "kv_fetch_duration", "kv_fetch_bytes", "kv_load_duration", "prompt_eval_duration", "decode_duration", "time_to_first_token", "cached_prompt_tokens", "kept_prefix_tokens")

@@ -26,7 +26,7 @@ from disagg.v1 import types_pb2 as disagg_dot_v1_dot_types__pb2
 from google.protobuf import duration_pb2 as google_dot_protobuf_dot_duration__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x64isagg/v1/prefill.proto\x12\tdisagg.v1\x1a\x15\x64isagg/v1/types.proto\x1a\x1egoogle/protobuf/duration.proto\"5\n\x0f\x44\x65\x63odeCandidate\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\"\xec\x01\n\x0ePrefillRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12(\n\x08messages\x18\x03 \x03(\x0b\x32\x16.disagg.v1.ChatMessage\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.disagg.v1.SamplingParams\x12\x35\n\x11\x64\x65\x63ode_candidates\x18\x05 \x03(\x0b\x32\x1a.disagg.v1.DecodeCandidate\x12-\n\x0c\x63ontinuation\x18\x06 \x01(\x0b\x32\x17.disagg.v1.Continuation\"\x8a\x04\n\x0fPrefillResponse\x12\x11\n\tkv_handle\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\x05\x12\x15\n\rprompt_tokens\x18\x03 \x01(\x05\x12\x33\n\x10prefill_duration\x18\x04 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x15\n\rkv_size_bytes\x18\x05 \x01(\x03\x12-\n\x0b\x66ingerprint\x18\x06 \x01(\x0b\x32\x18.disagg.v1.KvFingerprint\x12)\n\x06kv_ttl\x18\x07 \x01(\x0b\x32\x19.google.protobuf.Duration\x12*\n\x0bkv_transfer\x18\x08 \x01(\x0e\x32\x15.disagg.v1.KvTransfer\x12\x18\n\x10\x66irst_token_text\x18\t \x01(\t\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\n \x01(\x05\x12\x14\n\x0c\x62lock_hashes\x18\x0b \x03(\x0c\x12\x18\n\x10kv_prefix_tokens\x18\x0c \x01(\x05\x12\x16\n\x0ekv_prefix_node\x18\r \x01(\t\x12\x16\n\x0ekv_state_bytes\x18\x0e \x01(\x03\x12\x17\n\x0freplayed_tokens\x18\x0f \x01(\x05\x12\x32\n\x0freplay_duration\x18\x10 \x01(\x0b\x32\x19.google.protobuf.Duration\"#\n\x0e\x46\x65tchKvRequest\x12\x11\n\tkv_handle\x18\x01 \x01(\t\"\x8e\x01\n\x0f\x46\x65tchKvResponse\x12\x14\n\x0coffset_bytes\x18\x01 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x18\n\x10total_size_bytes\x18\x03 \x01(\x03\x12\x0e\n\x06sha256\x18\x04 \x01(\t\x12-\n\x0b\x66ingerprint\x18\x05 \x01(\x0b\x32\x18.disagg.v1.KvFingerprint2\x96\x01\n\x0ePrefillService\x12@\n\x07Prefill\x12\x19.disagg.v1.PrefillRequest\x1a\x1a.disagg.v1.PrefillResponse\x12\x42\n\x07\x46\x65tchKv\x12\x19.disagg.v1.FetchKvRequest\x1a\x1a.disagg.v1.FetchKvResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x64isagg/v1/prefill.proto\x12\tdisagg.v1\x1a\x15\x64isagg/v1/types.proto\x1a\x1egoogle/protobuf/duration.proto\"5\n\x0f\x44\x65\x63odeCandidate\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\"\xa2\x02\n\x0ePrefillRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12(\n\x08messages\x18\x03 \x03(\x0b\x32\x16.disagg.v1.ChatMessage\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.disagg.v1.SamplingParams\x12\x35\n\x11\x64\x65\x63ode_candidates\x18\x05 \x03(\x0b\x32\x1a.disagg.v1.DecodeCandidate\x12-\n\x0c\x63ontinuation\x18\x06 \x01(\x0b\x32\x17.disagg.v1.Continuation\x12\x34\n\x10reasoning_effort\x18\x07 \x01(\x0e\x32\x1a.disagg.v1.ReasoningEffort\"\xaa\x04\n\x0fPrefillResponse\x12\x11\n\tkv_handle\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\x05\x12\x15\n\rprompt_tokens\x18\x03 \x01(\x05\x12\x33\n\x10prefill_duration\x18\x04 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x15\n\rkv_size_bytes\x18\x05 \x01(\x03\x12-\n\x0b\x66ingerprint\x18\x06 \x01(\x0b\x32\x18.disagg.v1.KvFingerprint\x12)\n\x06kv_ttl\x18\x07 \x01(\x0b\x32\x19.google.protobuf.Duration\x12*\n\x0bkv_transfer\x18\x08 \x01(\x0e\x32\x15.disagg.v1.KvTransfer\x12\x18\n\x10\x66irst_token_text\x18\t \x01(\t\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\n \x01(\x05\x12\x14\n\x0c\x62lock_hashes\x18\x0b \x03(\x0c\x12\x18\n\x10kv_prefix_tokens\x18\x0c \x01(\x05\x12\x16\n\x0ekv_prefix_node\x18\r \x01(\t\x12\x16\n\x0ekv_state_bytes\x18\x0e \x01(\x03\x12\x17\n\x0freplayed_tokens\x18\x0f \x01(\x05\x12\x32\n\x0freplay_duration\x18\x10 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x1e\n\x16open_message_token_ids\x18\x11 \x03(\x05\"#\n\x0e\x46\x65tchKvRequest\x12\x11\n\tkv_handle\x18\x01 \x01(\t\"\x8e\x01\n\x0f\x46\x65tchKvResponse\x12\x14\n\x0coffset_bytes\x18\x01 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x18\n\x10total_size_bytes\x18\x03 \x01(\x03\x12\x0e\n\x06sha256\x18\x04 \x01(\t\x12-\n\x0b\x66ingerprint\x18\x05 \x01(\x0b\x32\x18.disagg.v1.KvFingerprint2\x96\x01\n\x0ePrefillService\x12@\n\x07Prefill\x12\x19.disagg.v1.PrefillRequest\x1a\x1a.disagg.v1.PrefillResponse\x12\x42\n\x07\x46\x65tchKv\x12\x19.disagg.v1.FetchKvRequest\x1a\x1a.disagg.v1.FetchKvResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,13 +36,13 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DECODECANDIDATE']._serialized_start=93
   _globals['_DECODECANDIDATE']._serialized_end=146
   _globals['_PREFILLREQUEST']._serialized_start=149
-  _globals['_PREFILLREQUEST']._serialized_end=385
-  _globals['_PREFILLRESPONSE']._serialized_start=388
-  _globals['_PREFILLRESPONSE']._serialized_end=910
-  _globals['_FETCHKVREQUEST']._serialized_start=912
-  _globals['_FETCHKVREQUEST']._serialized_end=947
-  _globals['_FETCHKVRESPONSE']._serialized_start=950
-  _globals['_FETCHKVRESPONSE']._serialized_end=1092
-  _globals['_PREFILLSERVICE']._serialized_start=1095
-  _globals['_PREFILLSERVICE']._serialized_end=1245
+  _globals['_PREFILLREQUEST']._serialized_end=439
+  _globals['_PREFILLRESPONSE']._serialized_start=442
+  _globals['_PREFILLRESPONSE']._serialized_end=996
+  _globals['_FETCHKVREQUEST']._serialized_start=998
+  _globals['_FETCHKVREQUEST']._serialized_end=1033
+  _globals['_FETCHKVRESPONSE']._serialized_start=1036
+  _globals['_FETCHKVRESPONSE']._serialized_end=1178
+  _globals['_PREFILLSERVICE']._serialized_start=1181
+  _globals['_PREFILLSERVICE']._serialized_end=1331
 # @@protoc_insertion_point(module_scope)

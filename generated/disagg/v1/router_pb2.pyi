@@ -23,16 +23,18 @@ ROUTE_METHOD_DECODE_ONLY: RouteMethod
 ROUTE_METHOD_DIRECT_OLLAMA: RouteMethod
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("model", "prompt", "messages", "sampling")
+    __slots__ = ("model", "prompt", "messages", "sampling", "reasoning_effort")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    REASONING_EFFORT_FIELD_NUMBER: _ClassVar[int]
     model: str
     prompt: str
     messages: _containers.RepeatedCompositeFieldContainer[_types_pb2.ChatMessage]
     sampling: _types_pb2.SamplingParams
-    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[_types_pb2.ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[_types_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
+    reasoning_effort: _types_pb2.ReasoningEffort
+    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[_types_pb2.ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[_types_pb2.SamplingParams, _Mapping]] = ..., reasoning_effort: _Optional[_Union[_types_pb2.ReasoningEffort, str]] = ...) -> None: ...
 
 class FailedAttempt(_message.Message):
     __slots__ = ("method", "node", "code", "message", "duration")

@@ -7,6 +7,13 @@ from typing import ClassVar as _ClassVar, Optional as _Optional
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class ReasoningEffort(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    REASONING_EFFORT_UNSPECIFIED: _ClassVar[ReasoningEffort]
+    REASONING_EFFORT_LOW: _ClassVar[ReasoningEffort]
+    REASONING_EFFORT_MEDIUM: _ClassVar[ReasoningEffort]
+    REASONING_EFFORT_HIGH: _ClassVar[ReasoningEffort]
+
 class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
@@ -19,6 +26,10 @@ class KvTransfer(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     KV_TRANSFER_NONE: _ClassVar[KvTransfer]
     KV_TRANSFER_STATE: _ClassVar[KvTransfer]
     KV_TRANSFER_TOKEN_IDS: _ClassVar[KvTransfer]
+REASONING_EFFORT_UNSPECIFIED: ReasoningEffort
+REASONING_EFFORT_LOW: ReasoningEffort
+REASONING_EFFORT_MEDIUM: ReasoningEffort
+REASONING_EFFORT_HIGH: ReasoningEffort
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
@@ -72,12 +83,14 @@ class KvFingerprint(_message.Message):
     def __init__(self, model_sha256: _Optional[str] = ..., n_ctx_tokens: _Optional[int] = ..., engine_version: _Optional[str] = ..., type_k: _Optional[str] = ..., type_v: _Optional[str] = ..., flash_attn: _Optional[bool] = ..., kv_unified: _Optional[bool] = ..., swa_full: _Optional[bool] = ...) -> None: ...
 
 class TextDelta(_message.Message):
-    __slots__ = ("text", "token_ids")
+    __slots__ = ("text", "token_ids", "reasoning")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    REASONING_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    reasoning: str
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., reasoning: _Optional[str] = ...) -> None: ...
 
 class Continuation(_message.Message):
     __slots__ = ("generated_token_ids", "generated_text", "first_token_from_prefill", "raw_prompt", "generated_tokens", "prompt_cached_tokens")

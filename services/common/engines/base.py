@@ -49,6 +49,8 @@ class PrefillOutput:
     # seconds that took (part of `seconds`).
     replayed_tokens: int = 0
     replay_seconds: float = 0.0
+    # A harmony model's: the prompt's open message header (HarmonyParser.opening).
+    open_message: tuple[int, ...] = ()
 
 
 Generation = AsyncGenerator[TextChunk | GenerationEnd, None]

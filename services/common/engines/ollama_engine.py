@@ -211,6 +211,8 @@ class OllamaEngine:
                 turns = turns or [{"role": "user", "content": prompt.text}]
                 turns.append({"role": "assistant", "content": continuation.generated_text})
         request: Any
+        # gpt-oss's reasoning effort is Ollama's `think` level; unset, Ollama's default.
+        think: Any = prompt.reasoning_effort or None
         async with self._admitted():
             if turns:
                 request = self._client.chat(
@@ -219,6 +221,7 @@ class OllamaEngine:
                     options=options,
                     keep_alive=self.keep_alive,
                     stream=True,
+                    think=think,
                 )
             else:
                 request = self._client.generate(
@@ -238,9 +241,12 @@ class OllamaEngine:
             parts: AsyncIterator[Any] = await request
             try:
                 async for part in parts:
-                    text = part.response if hasattr(part, "response") else part.message.content
-                    if text:
-                        yield TextChunk(text=text)
+                    message = part if hasattr(part, "response") else part.message
+                    text = part.response if message is part else message.content
+                    # A thinking model's reasoning (gpt-oss), apart from the answer.
+                    thinking = message.thinking or ""
+                    if text or thinking:
+                        yield TextChunk(text=text or "", reasoning=thinking)
                     if part.done:
                         self._rates.add(part.prompt_eval_count or 0, part.eval_count or 0)
                         yield GenerationEnd(

@@ -22,7 +22,13 @@ from services.common.auth import configured_token
 from services.common.errors import InvalidArgument, MeshError
 from services.common.observability import metrics
 from services.common.observability.logging import REQUEST_ID_KEY, new_request_id
-from services.common.types import DEFAULT_TEMPERATURE, DEFAULT_TOP_P, Sampling, TextChunk
+from services.common.types import (
+    DEFAULT_TEMPERATURE,
+    DEFAULT_TOP_P,
+    REASONING_EFFORTS,
+    Sampling,
+    TextChunk,
+)
 from services.router.routing import RouteSummary
 
 log = structlog.get_logger("http")
@@ -231,9 +237,18 @@ async def first_event(events: Events) -> TextChunk | RouteSummary:
     return await anext(events)
 
 
-async def collect(events: Events) -> tuple[str, RouteSummary]:
-    """Text and summary of a whole generation (stream: false)."""
+@dataclass(frozen=True)
+class Collected:
+    """A whole generation (stream: false): its answer, its reasoning, its summary."""
+
+    text: str
+    reasoning: str
+    summary: RouteSummary
+
+
+async def collect(events: Events) -> Collected:
     parts: list[str] = []
+    reasoning: list[str] = []
     summary: RouteSummary | None = None
     async with aclosing(events) as stream:
         async for event in stream:
@@ -241,8 +256,20 @@ async def collect(events: Events) -> tuple[str, RouteSummary]:
                 summary = event
             else:
                 parts.append(event.text)
+                reasoning.append(event.reasoning)
     assert summary is not None, "a generation ends with its summary"
-    return "".join(parts), summary
+    return Collected("".join(parts), "".join(reasoning), summary)
+
+
+def reasoning_effort(value: object, field: str) -> str:
+    """A reasoning effort a request names ("low", "medium", "high"; None: "")."""
+    if value is None:
+        return ""
+    if value not in REASONING_EFFORTS:
+        raise InvalidArgument(
+            field, f"must be one of {', '.join(map(repr, REASONING_EFFORTS))}, got {value!r}"
+        )
+    return str(value)
 
 
 def mesh_fields(s: RouteSummary) -> dict[str, Any]:

@@ -5,7 +5,10 @@ under "disagg". Both generation endpoints go through `Router.generate`, as gRPC 
 Ollama's semantics kept: /api/generate applies the model's chat template unless `raw` is
 true (the prompt becomes a user turn, `system` a system turn); an empty prompt loads the
 model and answers done_reason "load"; `options.num_predict` -1 or -2 (or unset) generates
-until an end token or a full context, bounded by the mesh's max_tokens_limit.
+until an end token or a full context, bounded by the mesh's max_tokens_limit. A reasoning
+model's reasoning (gpt-oss) comes as `thinking` beside the answer; `think` is true, false or
+a level ("low", "medium", "high", gpt-oss's reasoning effort). gpt-oss reasons whatever
+`think` says (in Ollama too): false leaves its reasoning out of the reply.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from services.router.http.common import (
     first_event,
     json_body,
     mesh_fields,
+    reasoning_effort,
     sampling,
     scoped,
 )
@@ -97,6 +101,14 @@ class OllamaApi:
             max_tokens_field="options.num_predict",
         )
 
+    def _think(self, body: Fields) -> tuple[str, bool]:
+        """`think`: the reasoning effort it names ("" for the model's default), and whether
+        the reply carries the reasoning."""
+        think = body.body.get("think")
+        if think is None or isinstance(think, bool):
+            return "", think is not False
+        return reasoning_effort(think, "think"), True
+
     async def generate(self, request: web.Request) -> web.StreamResponse:
         body = Fields(await json_body(request))
         model = body.string("model", required=True) or ""
@@ -113,6 +125,7 @@ class OllamaApi:
         system = body.string("system")
         stream = body.boolean("stream", True)
         sampling_ = self._sampling(model, body)
+        effort, thinking = self._think(body)
         if not prompt_text and not system:
             self.router.n_ctx(model)  # NOT_FOUND for an unknown model, as Ollama
             return self._loaded(model, "response", stream)
@@ -122,9 +135,9 @@ class OllamaApi:
             turns = ([ChatTurn("system", system)] if system else []) + [
                 ChatTurn("user", prompt_text)
             ]
-            prompt = Prompt(messages=tuple(turns))
+            prompt = Prompt(messages=tuple(turns), reasoning_effort=effort)
         events = self.router.generate(model, prompt, sampling_, None)
-        return await self._answer(request, model, events, stream, "response")
+        return await self._answer(request, model, events, stream, "response", thinking)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         body = Fields(await json_body(request))
@@ -137,6 +150,7 @@ class OllamaApi:
         body.string("keep_alive")
         stream = body.boolean("stream", True)
         sampling_ = self._sampling(model, body)
+        effort, thinking = self._think(body)
         raw_messages = body.body.get("messages")
         if raw_messages is None or raw_messages == []:
             self.router.n_ctx(model)
@@ -150,10 +164,12 @@ class OllamaApi:
             fields = Fields(message, f"messages[{i}].")
             fields.refuse("images", "this mesh serves text models")
             fields.refuse("tool_calls", "tool calling is not implemented")
+            fields.string("thinking")  # an earlier turn's reasoning: harmony drops it
             role = fields.string("role", required=True) or ""
             turns.append(ChatTurn(role, fields.string("content") or ""))
-        events = self.router.generate(model, Prompt(messages=tuple(turns)), sampling_, None)
-        return await self._answer(request, model, events, stream, "message")
+        prompt = Prompt(messages=tuple(turns), reasoning_effort=effort)
+        events = self.router.generate(model, prompt, sampling_, None)
+        return await self._answer(request, model, events, stream, "message", thinking)
 
     def _loaded(self, model: str, field: str, stream: bool) -> web.Response:
         """Ollama's answer to a request without a prompt: the model is ready."""
@@ -169,12 +185,25 @@ class OllamaApi:
             return web.Response(text=_line(line), content_type=NDJSON)
         return web.json_response(line)
 
-    def _piece(self, model: str, field: str, text: str) -> dict[str, Any]:
-        content: Any = text if field == "response" else {"role": "assistant", "content": text}
-        return {"model": model, "created_at": now(), field: content, "done": False}
+    def _piece(self, model: str, field: str, text: str, thinking: str = "") -> dict[str, Any]:
+        """One line of the answer; `thinking` (reasoning) beside the text, as Ollama puts
+        it: in the message for /api/chat, at the top for /api/generate."""
+        line: dict[str, Any] = {"model": model, "created_at": now()}
+        if field == "response":
+            line["response"] = text
+            if thinking:
+                line["thinking"] = thinking
+        else:
+            line["message"] = {"role": "assistant", "content": text}
+            if thinking:
+                line["message"]["thinking"] = thinking
+        line["done"] = False
+        return line
 
-    def _final(self, model: str, field: str, text: str, s: RouteSummary) -> dict[str, Any]:
-        line = self._piece(model, field, text)
+    def _final(
+        self, model: str, field: str, text: str, s: RouteSummary, thinking: str = ""
+    ) -> dict[str, Any]:
+        line = self._piece(model, field, text, thinking)
         line.update(
             done=True,
             done_reason=s.finish_reason.value,
@@ -189,11 +218,18 @@ class OllamaApi:
         return line
 
     async def _answer(
-        self, request: web.Request, model: str, events: Events, stream: bool, field: str
+        self,
+        request: web.Request,
+        model: str,
+        events: Events,
+        stream: bool,
+        field: str,
+        thinking: bool,
     ) -> web.StreamResponse:
         if not stream:
-            text, summary = await collect(events)
-            return web.json_response(self._final(model, field, text, summary))
+            got = await collect(events)
+            reasoning = got.reasoning if thinking else ""
+            return web.json_response(self._final(model, field, got.text, got.summary, reasoning))
         async with aclosing(events):
             event = await first_event(events)  # errors before any text keep their status
             response = web.StreamResponse(headers={"Content-Type": NDJSON})
@@ -203,8 +239,10 @@ class OllamaApi:
                     if isinstance(event, RouteSummary):
                         await response.write(_line(self._final(model, field, "", event)).encode())
                         break
-                    if event.text:
-                        await response.write(_line(self._piece(model, field, event.text)).encode())
+                    reasoning = event.reasoning if thinking else ""
+                    if event.text or reasoning:
+                        line = self._piece(model, field, event.text, reasoning)
+                        await response.write(_line(line).encode())
                     event = await anext(events)
             except MeshError as exc:  # after text was sent: Ollama's error line ends the stream
                 await response.write(_line({"error": exc.message}).encode())

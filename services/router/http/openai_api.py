@@ -25,6 +25,7 @@ from services.router.http.common import (
     http_status,
     json_body,
     mesh_fields,
+    reasoning_effort,
     sampling,
     scoped,
 )
@@ -112,7 +113,9 @@ class OpenAiApi:
         if not isinstance(messages, list) or not messages:
             raise InvalidArgument("messages", "must be a non-empty list of messages")
         turns = [_turn(i, m) for i, m in enumerate(messages)]
-        events = self.router.generate(model, Prompt(messages=tuple(turns)), sampling_, None)
+        effort = reasoning_effort(body.body.get("reasoning_effort"), "reasoning_effort")
+        prompt = Prompt(messages=tuple(turns), reasoning_effort=effort)
+        events = self.router.generate(model, prompt, sampling_, None)
         return await self._answer(request, body, model, events, chat=True)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -135,16 +138,21 @@ class OpenAiApi:
         ident = f"{'chatcmpl' if chat else 'cmpl'}-{current_request_id() or ''}"
         obj = "chat.completion" if chat else "text_completion"
         if not body.boolean("stream", False):
-            text, s = await collect(events)
+            got = await collect(events)
+            s = got.summary
             choice: dict[str, Any] = {
                 "index": 0,
                 "finish_reason": s.finish_reason.value,
                 "logprobs": None,
             }
             if chat:
-                choice["message"] = {"role": "assistant", "content": text}
+                # reasoning_content: the reasoning beside the answer, as vLLM and DeepSeek
+                # return it (OpenAI's own API does not return reasoning).
+                choice["message"] = {"role": "assistant", "content": got.text}
+                if got.reasoning:
+                    choice["message"]["reasoning_content"] = got.reasoning
             else:
-                choice["text"] = text
+                choice["text"] = got.text
             return web.json_response(
                 {
                     "id": ident,
@@ -160,12 +168,16 @@ class OpenAiApi:
         chunk_obj = "chat.completion.chunk" if chat else "text_completion"
         created = int(time.time())
 
-        def chunk(text: str | None, finish: str | None, first: bool = False) -> dict[str, Any]:
+        def chunk(
+            text: str | None, finish: str | None, first: bool = False, reasoning: str = ""
+        ) -> dict[str, Any]:
             choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
             if chat:
                 delta: dict[str, Any] = {"role": "assistant"} if first else {}
                 if text is not None:
                     delta["content"] = text
+                if reasoning:
+                    delta["reasoning_content"] = reasoning
                 choice["delta"] = delta
             else:
                 choice["text"] = text or ""
@@ -195,8 +207,9 @@ class OpenAiApi:
                             usage.update(choices=[], usage=_usage(event))
                             await response.write(_event(usage))
                         break
-                    if event.text or first:
-                        await response.write(_event(chunk(event.text, None, first)))
+                    reasoning = event.reasoning if chat else ""
+                    if event.text or reasoning or first:
+                        await response.write(_event(chunk(event.text, None, first, reasoning)))
                         first = False
                     event = await anext(events)
             except MeshError as exc:  # after text was sent: an error event ends the stream

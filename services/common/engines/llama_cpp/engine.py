@@ -221,6 +221,7 @@ class LlamaCppEngine:
             output = await anext(events)
         assert isinstance(output, PrefillOutput)
         output.kv_prefix_node = holder
+        output.open_message = self._model.open_message(tokens)
         output.kv_sha256 = await asyncio.to_thread(_sha256, output.kv_state)
         return output
 
@@ -280,6 +281,7 @@ class LlamaCppEngine:
             prefix_tokens=prefix,
             replay=replay,
             first_token_from_prefill=continuation is None or continuation.first_token_from_prefill,
+            open_message=source.open_message,
         )
         async with aclosing(self._events(job)) as events:
             async for event in events:

@@ -7,6 +7,7 @@ same flags), so the mesh's output can be compared with single-process llama-cpp-
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,9 +17,14 @@ from llama_cpp import _internals, _logger
 from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
 from services.common.engines.base import Placement
+from services.common.engines.llama_cpp.harmony import (
+    HARMONY_TEMPLATE,
+    HarmonyParser,
+    HarmonyTokens,
+)
 from services.common.engines.llama_cpp.sampling import end_tokens
 from services.common.errors import FailedPrecondition, InvalidArgument, MeshError
-from services.common.types import Prompt
+from services.common.types import REASONING_EFFORTS, Prompt
 
 ENGINE_VERSION = (
     f"llama-cpp-python/{llama_cpp.__version__} "
@@ -114,8 +120,13 @@ class LlamaModel:
         self.end_tokens = end_tokens(self._model.vocab, self.n_vocab)
         self.metadata: dict[str, str] = self._model.metadata()
         self._bos: int = self._model.token_bos()
+        # gpt-oss's harmony control tokens, where the vocabulary has them.
+        self.harmony = HarmonyTokens.find(self._control_token)
         self._chat: Jinja2ChatFormatter | None = None
         template = self.metadata.get("tokenizer.chat_template")
+        if not template and self.harmony is not None:
+            # Ollama keeps gpt-oss's template outside the GGUF: harmony's own.
+            template = HARMONY_TEMPLATE
         if template:
             self._chat = Jinja2ChatFormatter(
                 template=template,
@@ -136,6 +147,31 @@ class LlamaModel:
         per_layer = n_head_kv * (k.size(head_k) + v.size(head_v))
         return int(n_layer * per_layer)
 
+    def _control_token(self, text: str) -> int | None:
+        """The special token this text is (e.g. "<|channel|>"), or None. llama.cpp marks
+        some of harmony's user-defined, not control, so that they always print."""
+        ids = self._tokenize(text.encode(), add_bos=False)
+        if len(ids) != 1:
+            return None
+        attr = llama_cpp.llama_vocab_get_attr(self._model.vocab, ids[0])
+        special = llama_cpp.LLAMA_TOKEN_ATTR_CONTROL | llama_cpp.LLAMA_TOKEN_ATTR_USER_DEFINED
+        return ids[0] if attr & special else None
+
+    def harmony_parser(self, opening: Sequence[int] = ()) -> HarmonyParser | None:
+        """A parser of this model's generated harmony (None: not a harmony model), placed
+        after `opening`: a prompt's tokens, or its `open_message`."""
+        if self.harmony is None:
+            return None
+        parser = HarmonyParser(self.harmony, self.piece)
+        parser.follow(opening)
+        return parser
+
+    def open_message(self, tokens: Sequence[int]) -> tuple[int, ...]:
+        """The few tokens of a prompt a harmony parser needs to place what follows it (its
+        last message's header, if still open); () for other models."""
+        parser = self.harmony_parser(tokens)
+        return () if parser is None else parser.opening()
+
     def _special_text(self, token: int) -> str:
         if token < 0:
             return ""
@@ -143,11 +179,19 @@ class LlamaModel:
 
     def tokenize(self, prompt: Prompt, n_ctx: int) -> list[int]:
         """The prompt's tokens; refused unless at least one token can still be generated."""
+        if prompt.reasoning_effort and prompt.reasoning_effort not in REASONING_EFFORTS:
+            raise InvalidArgument(
+                "reasoning_effort",
+                f"must be one of {', '.join(REASONING_EFFORTS)}, got {prompt.reasoning_effort!r}",
+            )
         if prompt.messages:
             if self._chat is None:
                 raise FailedPrecondition("this model has no chat template: send prompt text")
             turns: Any = [{"role": m.role, "content": m.content} for m in prompt.messages]
-            rendered = self._chat(messages=turns)
+            extra: dict[str, Any] = {}
+            if prompt.reasoning_effort:
+                extra["reasoning_effort"] = prompt.reasoning_effort
+            rendered = self._chat(messages=turns, **extra)
             tokens = self._tokenize(rendered.prompt.encode(), add_bos=False)
         else:
             # As Llama.create_completion does, so output matches single-process generation.

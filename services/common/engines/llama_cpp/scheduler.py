@@ -40,7 +40,7 @@ import itertools
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import structlog
@@ -114,6 +114,9 @@ class Job:
     # When it holds less, the positions before the origin were evaluated by an earlier
     # request in pieces nobody knows: the prompt is cut as a new one.
     piece_origin: int | None = None
+    # CONTINUE: the prompt's open harmony message (a gpt-oss prompt's last header), which
+    # the text stream follows to tell reasoning from answer.
+    open_message: tuple[int, ...] = ()
     # The prompt's block hashes (prefix_keys.block_hashes), the prefix cache's keys.
     hashes: tuple[bytes, ...] = ()
     # PREFILL: positions before this are left out of the exported state (a decode node
@@ -318,7 +321,7 @@ class Scheduler:
     def _start(self, slot: Slot) -> None:
         job = slot.job  # its sequence is empty: a freed slot's cells were parked
         if job.kind is JobKind.GENERATE:
-            slot.text = TextStream(job.sampling.max_tokens, job.sampling.stop)
+            slot.text = self._text_stream(job, job.tokens)
         if job.kind is not JobKind.CONTINUE:
             cache = self._cache
             entry, n = (None, 0) if cache is None else cache.lookup(job.hashes, len(job.tokens))
@@ -388,7 +391,7 @@ class Scheduler:
         slot.n_past = held
         slot.first_at = time.perf_counter()
         slot.kv_load_seconds = slot.first_at - slot.admitted_at
-        slot.text = TextStream(job.sampling.max_tokens, job.sampling.stop)
+        slot.text = self._text_stream(job, job.open_message)
         if not job.replay:
             self._accept(slot, job.first_token)
             return
@@ -399,6 +402,10 @@ class Scheduler:
             self._accept(slot, token, send=False)
             if self._slots[slot.index] is not slot:  # it ended there (max_tokens, a stop)
                 return
+
+    def _text_stream(self, job: Job, prompt: Sequence[int]) -> TextStream:
+        parser = self._model.harmony_parser(prompt)
+        return TextStream(job.sampling.max_tokens, job.sampling.stop, parser)
 
     def _reap_cancelled(self) -> None:
         for slot in self._slots:

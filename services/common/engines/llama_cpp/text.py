@@ -1,12 +1,13 @@
 """Turning generated tokens into text deltas: UTF-8 across token boundaries, stop strings,
-end tokens and token limits. Runs on the engine thread, one `TextStream` per slot; no
-protobuf here."""
+end tokens, token limits, and (gpt-oss) harmony's reasoning and answer. Runs on the engine
+thread, one `TextStream` per slot; no protobuf here."""
 
 from __future__ import annotations
 
 import codecs
 from dataclasses import dataclass
 
+from services.common.engines.llama_cpp.harmony import HarmonyParser, Part
 from services.common.types import FinishReason, GenerationEnd, TextChunk
 
 
@@ -39,6 +40,11 @@ class TextAssembler:
         hold = self._held_suffix(text)
         return self._emit(text[: len(text) - hold], keep=text[len(text) - hold :], final=False)
 
+    def take_ids(self) -> list[int]:
+        """The tokens fed since the last chunk, to travel with text that is not from here."""
+        ids, self._pending_ids = self._pending_ids, []
+        return ids
+
     def flush(self) -> TextChunk | None:
         if self.stopped:
             return None
@@ -70,10 +76,17 @@ class TextStream:
     `push` returns what a token produced; once the generation is over (end token, stop
     string, max_tokens) that list ends with the GenerationEnd and `done` is true. `end`
     closes a generation that stops for another reason (the context is full). The end
-    token is not counted."""
+    token is not counted.
 
-    def __init__(self, max_tokens: int, stop: tuple[str, ...]) -> None:
+    With a harmony parser (gpt-oss), the analysis channel's text is the chunks' `reasoning`,
+    headers and control tokens are neither, and stop strings apply to the answer only."""
+
+    def __init__(
+        self, max_tokens: int, stop: tuple[str, ...], harmony: HarmonyParser | None = None
+    ) -> None:
         self._assembler = TextAssembler(stop)
+        self._harmony = harmony
+        self._reasoning = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._max_tokens = max_tokens
         self.count = 0
         self.done = False
@@ -83,7 +96,10 @@ class TextStream:
         if token.is_end:
             return self.end(FinishReason.STOP)
         self.count += 1
-        chunk = self._assembler.feed(token.token_id, token.piece)
+        if self._harmony is None:
+            chunk = self._assembler.feed(token.token_id, token.piece)
+        else:
+            chunk = self._split(token.token_id, self._harmony.feed(token.token_id, token.piece))
         out: list[TextChunk | GenerationEnd] = [chunk] if chunk is not None else []
         if self._assembler.stopped:
             out += self.end(FinishReason.STOP)
@@ -91,7 +107,24 @@ class TextStream:
             out += self.end(FinishReason.LENGTH)
         return out
 
+    def _split(self, token_id: int, parts: list[tuple[Part, bytes]]) -> TextChunk | None:
+        answer = b"".join(piece for part, piece in parts if part is Part.ANSWER)
+        thought = b"".join(piece for part, piece in parts if part is Part.REASONING)
+        chunk = self._assembler.feed(token_id, answer)
+        reasoning = self._reasoning.decode(thought)
+        if reasoning and not self._assembler.stopped:
+            if chunk is None:
+                chunk = TextChunk(text="", token_ids=self._assembler.take_ids())
+            chunk.reasoning = reasoning
+        return chunk
+
     def end(self, finish: FinishReason) -> list[TextChunk | GenerationEnd]:
         self.done = True
+        out: list[TextChunk | GenerationEnd] = []
+        if self._harmony is not None and not self._assembler.stopped:
+            reasoning = self._reasoning.decode(b"", final=True)
+            if reasoning:
+                ids = self._assembler.take_ids()
+                out.append(TextChunk(text="", token_ids=ids, reasoning=reasoning))
         tail = self._assembler.flush()
-        return [*([tail] if tail is not None else []), GenerationEnd(self.count, finish)]
+        return [*out, *([tail] if tail is not None else []), GenerationEnd(self.count, finish)]

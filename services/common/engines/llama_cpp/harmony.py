@@ -1,0 +1,198 @@
+"""gpt-oss's harmony format: the chat template a gpt-oss file without one gets, and the parser
+that splits generated tokens into reasoning and answer.
+
+Harmony messages are `<|start|>{header}<|message|>{body}<|end|>`; an assistant header names
+its channel (`assistant<|channel|>analysis`), and the model ends its turn with `<|return|>`
+(or `<|call|>` for a tool). The analysis channel is the model's reasoning; final (and
+commentary, which this mesh has no tools for) is the answer. The control tokens are single
+tokens of o200k_harmony, so the parser works on token ids, never on text: a user's text that
+spells "<|channel|>" stays text.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+# The harmony chat template of a gpt-oss file that has none (Ollama keeps gpt-oss's template
+# outside its GGUF blob). Renders what openai-harmony's render_conversation_for_completion
+# renders (tests/test_harmony.py checks token for token): the system message with the knowledge
+# cutoff, today's date and the reasoning effort ("low", "medium" or "high"; default medium), a
+# system or developer turn as the developer's instructions, earlier assistant turns as final
+# messages (their reasoning dropped, as harmony drops it), then `<|start|>assistant`.
+HARMONY_TEMPLATE = """\
+{%- set effort = reasoning_effort if reasoning_effort is defined and reasoning_effort
+    else "medium" -%}
+{%- set identity = model_identity if model_identity is defined and model_identity
+    else "You are ChatGPT, a large language model trained by OpenAI." -%}
+<|start|>system<|message|>{{ identity }}
+Knowledge cutoff: 2024-06
+Current date: {{ strftime_now("%Y-%m-%d") }}
+
+Reasoning: {{ effort }}
+
+# Valid channels: analysis, commentary, final. Channel must be included for every message.<|end|>
+{%- set turns = messages -%}
+{%- if messages and messages[0].role in ("system", "developer") -%}
+<|start|>developer<|message|># Instructions
+
+{{ messages[0].content }}<|end|>
+{%- set turns = messages[1:] -%}
+{%- endif -%}
+{%- for turn in turns -%}
+{%- if turn.role == "assistant" -%}
+<|start|>assistant<|channel|>final<|message|>{{ turn.content }}<|end|>
+{%- elif turn.role in ("system", "developer") -%}
+<|start|>developer<|message|>{{ turn.content }}<|end|>
+{%- else -%}
+<|start|>{{ turn.role }}<|message|>{{ turn.content }}<|end|>
+{%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}<|start|>assistant{%- endif -%}
+"""
+
+# A header holding more tokens than this is not a header: a model (or a prompt) that does not
+# follow harmony; its generated text is the answer from there.
+MAX_HEADER_TOKENS = 32
+
+
+@dataclass(frozen=True)
+class HarmonyTokens:
+    """The ids of harmony's control tokens in a model's vocabulary."""
+
+    start: int
+    end: int
+    message: int
+    channel: int
+    return_: int
+    call: int
+    constrain: int | None
+
+    @classmethod
+    def find(cls, token_of: Callable[[str], int | None]) -> HarmonyTokens | None:
+        """This vocabulary's harmony tokens (token_of: the single control token a text is,
+        or None), or None when it lacks any of them: not a harmony model."""
+        names = ("start", "end", "message", "channel", "return", "call")
+        ids = {name: token_of(f"<|{name}|>") for name in names}
+        if any(i is None for i in ids.values()):
+            return None
+        return cls(
+            start=ids["start"] or 0,
+            end=ids["end"] or 0,
+            message=ids["message"] or 0,
+            channel=ids["channel"] or 0,
+            return_=ids["return"] or 0,
+            call=ids["call"] or 0,
+            constrain=token_of("<|constrain|>"),
+        )
+
+
+class Part(enum.Enum):
+    """Where a generated token's text goes."""
+
+    HIDDEN = "hidden"  # a control token, or a header (role, channel, recipient)
+    REASONING = "reasoning"
+    ANSWER = "answer"
+
+
+class HarmonyParser:
+    """Follows a token sequence (the prompt, then what is generated) through harmony's
+    messages; `feed` says where each token's text belongs.
+
+    Before any harmony token the text is the answer (a raw prompt that is not harmony). A
+    header runs from `<|start|>` (or the model's `<|channel|>` right after one) to
+    `<|message|>`; the body that follows belongs to its channel until `<|end|>`,
+    `<|return|>` or `<|call|>`. A header longer than MAX_HEADER_TOKENS is not one: its
+    generated text is the answer. A generation that ends inside a short header (max_tokens
+    right after `<|start|>assistant`) shows nothing of it."""
+
+    def __init__(self, tokens: HarmonyTokens, piece: Callable[[int], bytes]) -> None:
+        self._t = tokens
+        self._piece = piece
+        self._in_header = False
+        self._header: list[int] = []
+        self._body_header: list[int] = []
+        # The header's tokens that were generated (not from the prompt), and their text.
+        self._generated: list[tuple[int, bytes]] = []
+        self._part = Part.ANSWER
+
+    def follow(self, prompt: Iterable[int]) -> None:
+        """Take in tokens that were not generated here (a prompt, or a continuation's
+        tokens already delivered), so that the next generated token is placed right."""
+        for token in prompt:
+            self._step(token)
+        self._generated = []
+
+    def opening(self) -> tuple[int, ...]:
+        """Tokens that put a new parser where this one is (follow() them): the open
+        header, or the header of the message being written, or where messages end."""
+        t = self._t
+        if self._in_header:
+            return (t.start, *self._header)
+        if self._part is Part.HIDDEN:
+            return (t.end,)
+        if self._part is Part.REASONING:
+            return (t.start, *self._body_header, t.message)
+        return ()
+
+    def feed(self, token: int, piece: bytes) -> list[tuple[Part, bytes]]:
+        """Where this generated token's text goes: usually one (part, bytes); a header that
+        turns out not to be one releases its text as the answer."""
+        out = self._step(token, piece)
+        if self._in_header:
+            if token not in self._controls():
+                self._generated.append((token, piece))
+            if len(self._header) > MAX_HEADER_TOKENS:
+                out = self._release()
+                self._in_header = False
+                self._header = []
+                self._part = Part.ANSWER
+        else:
+            self._generated = []
+        return out
+
+    def _release(self) -> list[tuple[Part, bytes]]:
+        text = b"".join(piece for _, piece in self._generated)
+        self._generated = []
+        return [(Part.ANSWER, text)] if text else []
+
+    def _controls(self) -> tuple[int, ...]:
+        t = self._t
+        return (t.start, t.end, t.message, t.channel, t.return_, t.call)
+
+    def _step(self, token: int, piece: bytes | None = None) -> list[tuple[Part, bytes]]:
+        t = self._t
+        if token == t.start:
+            self._in_header, self._header = True, []
+            return []
+        if token == t.message and self._in_header:
+            self._in_header, self._body_header = False, self._header
+            self._part = self._channel_part()
+            return []
+        if token in (t.end, t.return_, t.call):
+            self._in_header, self._header = False, []
+            self._part = Part.HIDDEN  # between messages: nothing is text until the next
+            return []
+        if token == t.channel and not self._in_header:
+            # A model that starts its message with the channel (no <|start|> since the
+            # prompt's): a header from here.
+            self._in_header, self._header = True, []
+        if self._in_header:
+            self._header.append(token)
+            return []
+        if self._part is Part.HIDDEN:
+            # Text after <|end|> without a new header: not harmony, so the answer.
+            self._part = Part.ANSWER
+        if piece is None:
+            return []
+        return [(self._part, piece)] if piece else []
+
+    def _channel_part(self) -> Part:
+        """The channel of the header that just ended: analysis is reasoning."""
+        channel_at = [i for i, token in enumerate(self._header) if token == self._t.channel]
+        if not channel_at:
+            return Part.ANSWER
+        name = b"".join(self._piece(token) for token in self._header[channel_at[-1] + 1 :])
+        channel = name.split(b" ")[0].strip() if name.strip() else b""
+        return Part.REASONING if channel == b"analysis" else Part.ANSWER

