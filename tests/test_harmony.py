@@ -9,6 +9,7 @@ folder holding the copy inside the `bpe-openai` wheel (nothing is downloaded).
 from __future__ import annotations
 
 import gzip
+import json
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ from services.common.processes import MeshProcesses, free_port
 from services.common.types import ChatTurn, FinishReason, Prompt, TextChunk
 from tests.conftest import engine_node, route, router_node, running_mesh
 from tests.streams import collect, greedy
+from tests.test_client import disagg
 from tests.tiny_models import SCRIPTED_ANSWER, SCRIPTED_REASONING, write_gpt_oss
 
 EFFORTS = {
@@ -407,3 +409,15 @@ def test_openai_returns_reasoning_content_and_takes_reasoning_effort(
         client.chat.completions.create(
             model=SPLIT, messages=OPENAI_QUESTION, reasoning_effort="xhigh"
         )
+
+
+def test_the_cli_prints_the_answer_and_the_reasoning_apart(scripted: ScriptedMesh) -> None:
+    args = ("--router", scripted.router, "generate", "-m", SPLIT, "--temperature", "0")
+    streamed = disagg(*args, "--reasoning-effort", "high", "What is 2+2?")
+    assert streamed.returncode == 0, streamed.stderr
+    assert streamed.stdout == SCRIPTED_ANSWER + "\n"  # stdout: the answer alone
+    assert streamed.stderr.startswith(SCRIPTED_REASONING + "disaggregated via prefill")
+    whole = disagg(*args, "--chat", "--json", "What is 2+2?")
+    assert whole.returncode == 0, whole.stderr
+    data = json.loads(whole.stdout)
+    assert (data["text"], data["reasoning"]) == (SCRIPTED_ANSWER, SCRIPTED_REASONING)
