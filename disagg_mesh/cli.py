@@ -6,7 +6,8 @@
     disagg models                                                     # logical models, routes
     disagg doctor                              # can each prefill node hand KV to each decode node?
 
-The router's address: --router, else $DISAGG_ROUTER, else the router of --topology
+The routers' addresses (one, or several comma-separated: a call goes on through the next
+when one fails): --router, else $DISAGG_ROUTER, else every router of --topology
 (default topology/local.toml), else 127.0.0.1:50051.
 """
 
@@ -78,7 +79,9 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="disagg", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--router", help="router address host:port")
+    parser.add_argument(
+        "--router", help="router address host:port, or several comma-separated (failover)"
+    )
     parser.add_argument("--topology", default="topology/local.toml", help="topology TOML file")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per call")
     parser.add_argument("--token", default=os.environ.get("DISAGG_TOKEN"), help="bearer token")
@@ -147,7 +150,7 @@ def _router_address(args: argparse.Namespace) -> str:
     if os.environ.get("DISAGG_ROUTER"):
         return os.environ["DISAGG_ROUTER"]
     if Path(args.topology).is_file():
-        return str(_topology(args).router.address)
+        return str(_topology(args).router_addresses)
     return DEFAULT_ADDRESS
 
 
@@ -296,6 +299,8 @@ async def _check(node: Any, args: argparse.Namespace) -> NodeRow:
         notes = []
         if info.problem:
             notes.append(info.problem)
+        if info.restarts:
+            notes.append(f"restarted {info.restarts}x")
         if node.engine == "ollama":
             notes.append("model in memory" if info.model_loaded_in_memory else "model not loaded")
         if info.backend:

@@ -8,6 +8,8 @@ and returns their results in order; one failing request does not cancel the othe
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -112,9 +114,110 @@ class Result:
     reasoning: str = ""
 
 
+DEFAULT_COOLDOWN_S = 30.0
+
+
+def router_addresses(address: str | Sequence[str]) -> tuple[str, ...]:
+    """Router addresses from a list, or from one comma-separated string."""
+    parts = address.split(",") if isinstance(address, str) else list(address)
+    addresses = tuple(p.strip() for p in parts if p.strip())
+    if not addresses:
+        raise ValueError("no router address given")
+    return addresses
+
+
+class _Routers:
+    """The routers a client may call, in order, and those it sets aside for a while after a
+    failure (as the mesh does with its nodes)."""
+
+    def __init__(self, addresses: tuple[str, ...], cooldown_s: float) -> None:
+        self.addresses = addresses
+        self._cooldown_s = cooldown_s
+        self._down_until: dict[str, float] = {}
+
+    def order(self) -> list[str]:
+        """Routers not set aside first, in order; then the others, soonest back first."""
+        now = time.monotonic()
+        up = [a for a in self.addresses if self._down_until.get(a, 0.0) <= now]
+        down = sorted((a for a in self.addresses if a not in up), key=lambda a: self._down_until[a])
+        return up + down
+
+    def failed(self, address: str) -> None:
+        self._down_until[address] = time.monotonic() + self._cooldown_s
+
+    def succeeded(self, address: str) -> None:
+        self._down_until.pop(address, None)
+
+    def may_fail_over(self, attempts: int) -> bool:
+        return len(self.addresses) > 1 and attempts < 2 * len(self.addresses)
+
+
+def _fails_over(code: grpc.StatusCode) -> bool:
+    """A router that cannot be reached, or whose stream broke (a dead or restarting
+    router), is worth another router; any other error is the request's own."""
+    return code == grpc.StatusCode.UNAVAILABLE
+
+
+@dataclass
+class _Progress:
+    """What the caller has of one generation: enough to resume it through another router
+    (GenerateRequest.continuation) with nothing repeated and nothing lost."""
+
+    token_ids: list[int] = field(default_factory=list)
+    text: list[str] = field(default_factory=list)
+    tokens: int = 0
+    resume: router_pb2.ResumeInfo | None = None
+    failed_router: str = ""
+    failed_at: float = 0.0
+    # Each router failover: the failed router and the seconds until the next text.
+    failovers: list[tuple[str, float]] = field(default_factory=list)
+
+    def request(self, call: GenerateCall) -> router_pb2.GenerateRequest:
+        request = call.to_proto()
+        if self.tokens:
+            c = request.continuation
+            c.generated_token_ids.extend(self.token_ids)
+            c.generated_text = "".join(self.text)
+            c.generated_tokens = self.tokens
+            if self.resume is not None:
+                c.first_token_from_prefill = self.resume.first_token_from_prefill
+                if self.resume.HasField("prompt_cached_tokens"):
+                    c.prompt_cached_tokens = self.resume.prompt_cached_tokens
+            request.resumed_from_router = self.failed_router
+        return request
+
+    def failed(self, address: str) -> None:
+        self.failed_router, self.failed_at = address, time.monotonic()
+
+    def take(self, reply: router_pb2.GenerateResponse) -> None:
+        if reply.HasField("resume"):
+            self.resume = reply.resume
+        if reply.HasField("delta"):
+            if self.failed_at:
+                self.failovers.append((self.failed_router, time.monotonic() - self.failed_at))
+                self.failed_at = 0.0
+            ids = list(reply.delta.token_ids)
+            self.token_ids += ids
+            self.text.append(reply.delta.text)
+            self.tokens += len(ids) or 1
+
+    def metrics(self, summary: router_pb2.GenerateSummary) -> Metrics:
+        """The summary's metrics, each router failover's resume time measured here: from
+        the failure to the next text the caller got."""
+        metrics = Metrics.from_summary(summary)
+        seconds = dict(self.failovers)
+        migrations = tuple(
+            dataclasses.replace(m, resume_time=seconds[m.failed_node[len("router ") :]])
+            if m.failed_node.startswith("router ") and m.failed_node[len("router ") :] in seconds
+            else m
+            for m in metrics.migrations
+        )
+        return dataclasses.replace(metrics, migrations=migrations)
+
+
 @dataclass
 class _Settings:
-    address: str
+    addresses: tuple[str, ...]
     timeout: float
     tls: TlsFiles | None
     token: str | None
@@ -137,9 +240,12 @@ def _call(
     )
 
 
-def _items(reply: router_pb2.GenerateResponse, reasoning: bool) -> list[str | Metrics]:
+def _items(
+    reply: router_pb2.GenerateResponse, reasoning: bool, progress: _Progress
+) -> list[str | Metrics]:
+    progress.take(reply)
     if not reply.HasField("delta"):
-        return [Metrics.from_summary(reply.summary)]
+        return [progress.metrics(reply.summary)]
     thought = [Reasoning(reply.delta.reasoning)] if reasoning and reply.delta.reasoning else []
     if thought and not reply.delta.text:
         return list(thought)
@@ -169,24 +275,39 @@ class _Collector:
 
 
 class AsyncMeshClient:
-    """asyncio client. Use `async with AsyncMeshClient(...) as mesh:` or call close()."""
+    """asyncio client. Use `async with AsyncMeshClient(...) as mesh:` or call close().
+
+    address: one router, or several (a list, or one comma-separated string). A call that
+    cannot reach a router goes to the next; a stream that breaks after text was delivered
+    resumes through another router, which goes on as a migration does (nothing repeated,
+    nothing lost); a router that failed is set aside for `cooldown` seconds. idle_timeout:
+    a router that sends nothing for this many seconds once its stream has started is taken
+    for hung (SIGSTOP, a frozen machine) and left for another; before the first text, and
+    with None, the call's own deadline applies."""
 
     def __init__(
         self,
-        address: str = DEFAULT_ADDRESS,
+        address: str | Sequence[str] = DEFAULT_ADDRESS,
         *,
         timeout: float = DEFAULT_TIMEOUT_S,
         tls: TlsFiles | None = None,
         token: str | None = None,
+        idle_timeout: float | None = None,
+        cooldown: float = DEFAULT_COOLDOWN_S,
     ) -> None:
-        self._settings = _Settings(address, timeout, tls, token)
+        self._settings = _Settings(router_addresses(address), timeout, tls, token)
+        self._routers = _Routers(self._settings.addresses, cooldown)
+        self._idle_timeout = idle_timeout
+        self._channels = {a: self._open(a) for a in self._settings.addresses}
+        self._stubs: dict[str, Any] = {
+            a: router_pb2_grpc.RouterServiceStub(c) for a, c in self._channels.items()
+        }
+
+    def _open(self, address: str) -> grpc.aio.Channel:
+        tls = self._settings.tls
         if tls is not None:
-            self._channel = grpc.aio.secure_channel(
-                address, tls.credentials(), options=CHANNEL_OPTIONS
-            )
-        else:
-            self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
-        self._stub: Any = router_pb2_grpc.RouterServiceStub(self._channel)
+            return grpc.aio.secure_channel(address, tls.credentials(), options=CHANNEL_OPTIONS)
+        return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
 
     async def __aenter__(self) -> AsyncMeshClient:
         return self
@@ -195,7 +316,8 @@ class AsyncMeshClient:
         await self.close()
 
     async def close(self) -> None:
-        await self._channel.close()
+        for channel in self._channels.values():
+            await channel.close()
 
     async def stream(
         self, model: str | GenerateCall, prompt: str = "", reasoning: bool = False, **kwargs: Any
@@ -204,24 +326,57 @@ class AsyncMeshClient:
         too, as `Reasoning` pieces (a str subclass) before the answer's."""
         call = _call(model, prompt, kwargs)
         s = self._settings
-        rpc = self._stub.Generate(
-            call.to_proto(), timeout=call.timeout or s.timeout, metadata=s.metadata
-        )
+        deadline = time.monotonic() + (call.timeout or s.timeout)
+        progress = _Progress()
+        attempts = 0
+        while True:
+            address = self._routers.order()[0]
+            attempts += 1
+            rpc = self._stubs[address].Generate(
+                progress.request(call),
+                timeout=max(deadline - time.monotonic(), 0.001),
+                metadata=s.metadata,
+            )
+            try:
+                replies = 0
+                while True:
+                    reply = await self._next(rpc, address, bool(replies))
+                    if reply is None:
+                        break
+                    replies += 1
+                    for item in _items(reply, reasoning, progress):
+                        yield item
+                self._routers.succeeded(address)
+                return
+            except grpc.aio.AioRpcError as exc:
+                if not (_fails_over(exc.code()) and self._routers.may_fail_over(attempts)):
+                    raise from_rpc_error(exc, address) from None
+                self._routers.failed(address)
+                progress.failed(address)
+            finally:
+                rpc.cancel()
+
+    async def _next(
+        self, rpc: Any, address: str, started: bool
+    ) -> router_pb2.GenerateResponse | None:
+        """The stream's next reply (None at its end). Once a stream has started, a router
+        silent for longer than the idle timeout counts as unreachable; before its first
+        reply, only the call's deadline applies (evaluating a long prompt takes long)."""
         try:
-            async for reply in rpc:
-                for item in _items(reply, reasoning):
-                    yield item
-        except grpc.aio.AioRpcError as exc:
-            raise from_rpc_error(exc, s.address) from None
-        finally:
-            rpc.cancel()
+            idle = self._idle_timeout if started else None
+            reply = await asyncio.wait_for(rpc.read(), idle)
+        except TimeoutError:
+            raise _IdleRouter(address, self._idle_timeout or 0.0) from None
+        if reply is grpc.aio.EOF:
+            return None
+        return reply  # type: ignore[no-any-return]
 
     async def generate(self, model: str | GenerateCall, prompt: str = "", **kwargs: Any) -> Result:
         """The whole text and its metrics."""
         collector = _Collector()
         async for item in self.stream(model, prompt, reasoning=True, **kwargs):
             collector.add(item)
-        return collector.result(self._settings.address)
+        return collector.result(",".join(self._settings.addresses))
 
     async def gather(
         self, *calls: GenerateCall, cancel_on_error: bool = False
@@ -245,32 +400,46 @@ class AsyncMeshClient:
 
     async def list_models(self) -> list[router_pb2.ModelRoute]:
         s = self._settings
-        try:
-            reply = await self._stub.ListModels(
-                router_pb2.ListModelsRequest(), timeout=10, metadata=s.metadata
-            )
-        except grpc.aio.AioRpcError as exc:
-            raise from_rpc_error(exc, s.address) from None
-        return list(reply.models)
+        for attempt, address in enumerate(self._routers.order(), 1):
+            try:
+                reply = await self._stubs[address].ListModels(
+                    router_pb2.ListModelsRequest(), timeout=10, metadata=s.metadata
+                )
+            except grpc.aio.AioRpcError as exc:
+                if not _fails_over(exc.code()) or attempt == len(s.addresses):
+                    raise from_rpc_error(exc, address) from None
+                self._routers.failed(address)
+                continue
+            return list(reply.models)
+        raise AssertionError("unreachable: a client has at least one router")
 
 
 class MeshClient:
-    """Blocking client. Use `with MeshClient(...) as mesh:` or call close()."""
+    """Blocking client. Use `with MeshClient(...) as mesh:` or call close(). Several router
+    addresses fail over as with AsyncMeshClient (a hung router: at the call's deadline, as
+    the blocking stream has no idle timeout)."""
 
     def __init__(
         self,
-        address: str = DEFAULT_ADDRESS,
+        address: str | Sequence[str] = DEFAULT_ADDRESS,
         *,
         timeout: float = DEFAULT_TIMEOUT_S,
         tls: TlsFiles | None = None,
         token: str | None = None,
+        cooldown: float = DEFAULT_COOLDOWN_S,
     ) -> None:
-        self._settings = _Settings(address, timeout, tls, token)
+        self._settings = _Settings(router_addresses(address), timeout, tls, token)
+        self._routers = _Routers(self._settings.addresses, cooldown)
+        self._channels = {a: self._open(a) for a in self._settings.addresses}
+        self._stubs: dict[str, Any] = {
+            a: router_pb2_grpc.RouterServiceStub(c) for a, c in self._channels.items()
+        }
+
+    def _open(self, address: str) -> grpc.Channel:
+        tls = self._settings.tls
         if tls is not None:
-            self._channel = grpc.secure_channel(address, tls.credentials(), options=CHANNEL_OPTIONS)
-        else:
-            self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
-        self._stub: Any = router_pb2_grpc.RouterServiceStub(self._channel)
+            return grpc.secure_channel(address, tls.credentials(), options=CHANNEL_OPTIONS)
+        return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
 
     def __enter__(self) -> MeshClient:
         return self
@@ -279,7 +448,8 @@ class MeshClient:
         self.close()
 
     def close(self) -> None:
-        self._channel.close()
+        for channel in self._channels.values():
+            channel.close()
 
     def stream(
         self, model: str | GenerateCall, prompt: str = "", reasoning: bool = False, **kwargs: Any
@@ -288,23 +458,37 @@ class MeshClient:
         too, as `Reasoning` pieces (a str subclass) before the answer's."""
         call = _call(model, prompt, kwargs)
         s = self._settings
-        rpc = self._stub.Generate(
-            call.to_proto(), timeout=call.timeout or s.timeout, metadata=s.metadata
-        )
-        try:
-            for reply in rpc:
-                yield from _items(reply, reasoning)
-        except grpc.RpcError as exc:
-            raise from_rpc_error(exc, s.address) from None
-        finally:
-            rpc.cancel()
+        deadline = time.monotonic() + (call.timeout or s.timeout)
+        progress = _Progress()
+        attempts = 0
+        while True:
+            address = self._routers.order()[0]
+            attempts += 1
+            rpc = self._stubs[address].Generate(
+                progress.request(call),
+                timeout=max(deadline - time.monotonic(), 0.001),
+                metadata=s.metadata,
+            )
+            try:
+                for reply in rpc:
+                    yield from _items(reply, reasoning, progress)
+                self._routers.succeeded(address)
+                return
+            except grpc.RpcError as exc:
+                code: grpc.StatusCode = exc.code()
+                if not (_fails_over(code) and self._routers.may_fail_over(attempts)):
+                    raise from_rpc_error(exc, address) from None
+                self._routers.failed(address)
+                progress.failed(address)
+            finally:
+                rpc.cancel()
 
     def generate(self, model: str | GenerateCall, prompt: str = "", **kwargs: Any) -> Result:
         """The whole text and its metrics."""
         collector = _Collector()
         for item in self.stream(model, prompt, reasoning=True, **kwargs):
             collector.add(item)
-        return collector.result(self._settings.address)
+        return collector.result(",".join(self._settings.addresses))
 
     def gather(self, *calls: GenerateCall) -> list[Result | MeshError]:
         """Run calls at once on threads; results in order, a failed call's slot holds its
@@ -321,10 +505,28 @@ class MeshClient:
 
     def list_models(self) -> list[router_pb2.ModelRoute]:
         s = self._settings
-        try:
-            reply = self._stub.ListModels(
-                router_pb2.ListModelsRequest(), timeout=10, metadata=s.metadata
-            )
-        except grpc.RpcError as exc:
-            raise from_rpc_error(exc, s.address) from None
-        return list(reply.models)
+        for attempt, address in enumerate(self._routers.order(), 1):
+            try:
+                reply = self._stubs[address].ListModels(
+                    router_pb2.ListModelsRequest(), timeout=10, metadata=s.metadata
+                )
+            except grpc.RpcError as exc:
+                code: grpc.StatusCode = exc.code()
+                if not _fails_over(code) or attempt == len(s.addresses):
+                    raise from_rpc_error(exc, address) from None
+                self._routers.failed(address)
+                continue
+            return list(reply.models)
+        raise AssertionError("unreachable: a client has at least one router")
+
+
+class _IdleRouter(grpc.aio.AioRpcError):
+    """A router that sent nothing for longer than the client's idle timeout."""
+
+    def __init__(self, address: str, seconds: float) -> None:
+        super().__init__(
+            grpc.StatusCode.UNAVAILABLE,
+            grpc.aio.Metadata(),
+            grpc.aio.Metadata(),
+            details=f"router {address} sent nothing for {seconds:g} s (idle timeout)",
+        )

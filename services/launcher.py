@@ -1,5 +1,7 @@
 """`make run`: start every node of a topology on this machine, wait until all are SERVING,
 stream one example generation per logical model through the router, then serve until Ctrl-C.
+A node that exits without being asked to (a crash, the OOM killer, kill -9) is started again
+with backoff, and one line says which node, how it ended and that it was restarted.
 
     python -m services.launcher [--topology topology/local.toml] [--exit-after-examples]
 """
@@ -26,6 +28,13 @@ EXAMPLES = {
     "had a clear thesis but weak evidence.",
 }
 DEFAULT_EXAMPLE = "Say hello in one short sentence."
+# Restart backoff: 1 s, doubling to 30 s for a node that keeps dying; back to 1 s once a
+# node has run for a minute.
+BACKOFF_FIRST_S = 1.0
+BACKOFF_MAX_S = 30.0
+STABLE_AFTER_S = 60.0
+# What a restarted node is told of its restarts (GetNodeInfo.restarts, disagg status).
+RESTARTS_ENV = "DISAGG_RESTARTS"
 
 
 def say(line: str = "") -> None:
@@ -54,6 +63,59 @@ async def stream_example(
     say()
     assert metrics is not None  # the client raises if the stream ends without them
     return metrics
+
+
+def how_it_ended(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+class Supervisor:
+    """Starts again a node that exits without being asked to, with backoff."""
+
+    def __init__(self, mesh: MeshProcesses) -> None:
+        self.mesh = mesh
+        self.restarts: dict[str, int] = {}
+        self._started_at = {name: time.monotonic() for name in mesh.procs}
+        self._backoff: dict[str, float] = {}
+
+    async def run(self, stop: asyncio.Event, every_s: float = 0.5) -> None:
+        pending: set[asyncio.Task[None]] = set()
+        try:
+            while not stop.is_set():
+                for name, proc in list(self.mesh.procs.items()):
+                    code = proc.poll()
+                    if code is None:
+                        continue
+                    del self.mesh.procs[name]
+                    task = asyncio.create_task(self._restart(name, code))
+                    pending.add(task)
+                    task.add_done_callback(pending.discard)
+                try:
+                    await asyncio.wait_for(stop.wait(), every_s)
+                except TimeoutError:
+                    pass
+        finally:
+            for task in pending:
+                task.cancel()
+
+    async def _restart(self, name: str, code: int) -> None:
+        ran = time.monotonic() - self._started_at.get(name, 0.0)
+        delay = BACKOFF_FIRST_S if ran >= STABLE_AFTER_S else self._backoff.get(name, 0.0)
+        delay = min(max(delay, BACKOFF_FIRST_S), BACKOFF_MAX_S)
+        self._backoff[name] = delay * 2
+        count = self.restarts[name] = self.restarts.get(name, 0) + 1
+        say(
+            f">> node {name} exited ({how_it_ended(code)}); restarting it in {delay:g} s "
+            f"(restart {count}; log: {self.mesh.log_dir / (name + '.log')})"
+        )
+        await asyncio.sleep(delay)
+        self.mesh.start_node(self.mesh.topology.node(name), {RESTARTS_ENV: str(count)})
+        self._started_at[name] = time.monotonic()
 
 
 async def main_async(args: argparse.Namespace) -> int:
@@ -89,7 +151,9 @@ async def main_async(args: argparse.Namespace) -> int:
             say(f"   {metrics.one_line()}")
         if args.exit_after_examples:
             return 0
-        say(f"\n>> mesh serving; router at {router}. Ctrl-C stops every node.")
+        supervisor = asyncio.create_task(Supervisor(mesh).run(stop))
+        routers = topology.router_addresses.replace(",", ", ")
+        say(f"\n>> mesh serving; routers at {routers}. Ctrl-C stops every node.")
         r = topology.router
         if r.http_port is not None:
             scheme = "https" if paths else "http"
@@ -99,6 +163,7 @@ async def main_async(args: argparse.Namespace) -> int:
                 f"at {base}/v1"
             )
         await stop.wait()
+        await supervisor
         return 0
     except MeshStartError as exc:
         say(f"error: {exc}")

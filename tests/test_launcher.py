@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
-from tests.conftest import ROOT, write_test_topology
+from disagg_mesh import MeshClient
+from services.common.node_clients import health_status, open_channel
+from services.common.topology import load_topology
+from tests.conftest import ROOT, engine_node, route, router_node, write_test_topology
 
 
 def run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
@@ -60,3 +66,92 @@ def test_bad_topology_is_one_clear_line(tmp_path: Path) -> None:
     out = run("services.node", "--topology", str(bad), "--node", "x", timeout=60)
     assert out.returncode == 2
     assert str(bad) in out.stderr and "Traceback" not in out.stderr
+
+
+async def until_serving(address: str, timeout_s: float = 120) -> None:
+    channel = open_channel(address, None)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while (await health_status(channel, timeout_s=1.0))[0] != "SERVING":
+            assert time.monotonic() < deadline, f"{address} not SERVING after {timeout_s} s"
+            await asyncio.sleep(0.5)
+    finally:
+        await channel.close()
+
+
+def test_the_launcher_restarts_a_node_that_dies_and_the_next_request_uses_it(
+    tmp_path: Path,
+) -> None:
+    topology = tmp_path / "topology.toml"
+    topology.write_text(
+        "\n".join(
+            [
+                router_node(),
+                engine_node("prefill", "prefill"),
+                engine_node("decode", "decode"),
+                route("tiny", ["prefill"], ["decode"], chain=["disaggregated"]),
+            ]
+        )
+    )
+    launcher = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "services.launcher",
+            "--topology",
+            str(topology),
+            "--log-dir",
+            str(tmp_path / "logs"),
+            "--max-tokens",
+            "4",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    lines: list[str] = []
+
+    def read_until(marker: str, timeout_s: float = 240) -> str:
+        deadline = time.monotonic() + timeout_s
+        assert launcher.stdout is not None
+        while time.monotonic() < deadline:
+            line = launcher.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            if marker in line:
+                return line
+        raise AssertionError(f"no {marker!r} in:\n{''.join(lines)}")
+
+    try:
+        read_until(">> mesh serving")
+        ps = subprocess.run(["ps", "-ww", "-eo", "pid,args"], capture_output=True, text=True)
+        [pid] = [
+            int(row.split()[0])
+            for row in ps.stdout.splitlines()
+            if str(topology) in row and "--node decode" in row
+        ]
+        os.kill(pid, signal.SIGKILL)
+        line = read_until(">> node decode exited")
+        assert "killed by SIGKILL" in line and "restarting it in 1 s (restart 1;" in line
+        loaded = load_topology(topology)
+        asyncio.run(until_serving(loaded.node("decode").address))
+        router = loaded.router.address
+        status = subprocess.run(
+            [sys.executable, "-m", "disagg_mesh.cli", "--topology", str(topology), "status"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert "restarted 1x" in status.stdout, status.stdout + status.stderr
+        with MeshClient(router) as client:
+            result = client.generate("tiny", "Hello", max_tokens=4, temperature=0)
+        assert result.metrics.decode_server == loaded.node("decode").address
+    finally:
+        launcher.send_signal(signal.SIGINT)
+        launcher.wait(60)
+    assert launcher.returncode == 0, "".join(lines)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -120,6 +121,8 @@ class NodeServicer(node_pb2_grpc.NodeServiceServicer):
             backend=s.placement.backend,
             gpu_layers=s.placement.gpu_layers,
             model_layers=s.placement.layers,
+            # Set by the launcher when it starts a node again (services/launcher.py).
+            restarts=int(os.environ.get("DISAGG_RESTARTS", "0") or 0),
         )
 
 

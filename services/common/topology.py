@@ -260,8 +260,20 @@ class Topology(_Strict):
         return [m.name for m in self.models if node_name in (*m.prefill, *m.decode)]
 
     @property
+    def routers(self) -> list[Node]:
+        """Every router, in the topology's order. Each serves the whole topology: a client
+        given all their addresses goes on through another when one fails."""
+        return [n for n in self.nodes if n.role == "router"]
+
+    @property
     def router(self) -> Node:
-        return next(n for n in self.nodes if n.role == "router")
+        """The first router (the one a single address means)."""
+        return self.routers[0]
+
+    @property
+    def router_addresses(self) -> str:
+        """Every router's address, comma-separated (a client's or --router's form)."""
+        return ",".join(n.address for n in self.routers)
 
     @model_validator(mode="after")
     def _cross_references(self) -> Topology:
@@ -279,11 +291,8 @@ class Topology(_Strict):
             )
         if self.security.tls is not None and self.security.plaintext:
             raise ValueError("security: plaintext = true contradicts [security.tls]")
-        routers = [n for n in self.nodes if n.role == "router"]
-        if len(routers) != 1:
-            raise ValueError(
-                f"nodes: need exactly one node with role 'router', found {len(routers)}"
-            )
+        if not any(n.role == "router" for n in self.nodes):
+            raise ValueError("nodes: need at least one node with role 'router', found none")
         by_name = {n.name: n for n in self.nodes}
         seen: set[str] = set()
         for i, route in enumerate(self.models):

@@ -20,7 +20,13 @@ import structlog
 
 from services.common.engines.ollama_engine import OllamaEngine
 from services.common.engines.prefix_keys import PREFIX_BLOCK_TOKENS
-from services.common.errors import DeadlineExceeded, MeshError, NotFound, UpstreamError
+from services.common.errors import (
+    DeadlineExceeded,
+    MeshError,
+    NotFound,
+    Unavailable,
+    UpstreamError,
+)
 from services.common.node_clients import ChannelPool, DecodeClient, PrefillClient
 from services.common.observability import metrics
 from services.common.retries import call_with_retries, is_retryable
@@ -76,6 +82,16 @@ class RouteMethod(enum.Enum):
     DISAGGREGATED = "disaggregated"
     DECODE_ONLY = "decode_only"
     DIRECT_OLLAMA = "direct_ollama"
+
+
+@dataclass(frozen=True)
+class ResumeInfo:
+    """What a client needs to resume a generation through another router if this one fails
+    mid-stream (its Continuation's fields that only the router knows). Router.generate
+    yields it once, before the first chunk, when asked to."""
+
+    first_token_from_prefill: bool
+    prompt_cached_tokens: int | None
 
 
 @dataclass
@@ -195,9 +211,13 @@ class _Attempt:
     # The node being called when a failure happens, to blame it, and when that call began.
     current: Node | None = None
     started: float = 0.0
+    # A generation a client resumes here: the router that was serving it ("router h:p").
+    origin: str = ""
 
     @property
     def label(self) -> str:
+        if self.origin:
+            return self.origin
         if self.method == RouteMethod.DISAGGREGATED:
             prefill = self.prefill.name if self.prefill else "?"
             decode = self.decode.name if self.decode else "?"
@@ -237,9 +257,28 @@ class Router:
         self, model: str, prompt: Prompt, sampling: Sampling, time_remaining: float | None
     ) -> AsyncGenerator[TextChunk | RouteSummary, None]:
         """Text chunks as they are made, then one RouteSummary."""
+        items = self.generate_resumable(model, prompt, sampling, time_remaining)
+        async with aclosing(items) as stream:
+            async for item in stream:
+                if not isinstance(item, ResumeInfo):
+                    yield item
+
+    async def generate_resumable(
+        self,
+        model: str,
+        prompt: Prompt,
+        sampling: Sampling,
+        time_remaining: float | None,
+        resume: Continuation | None = None,
+        resumed_from: str = "",
+    ) -> AsyncGenerator[TextChunk | RouteSummary | ResumeInfo, None]:
+        """As generate, with a ResumeInfo before the first chunk, for a client that can
+        resume through another router (gRPC). resume: go on with a generation the router
+        `resumed_from` was streaming when it failed, as a migration does."""
         try:
-            async with aclosing(self._generate(model, prompt, sampling, time_remaining)) as items:
-                async for item in items:
+            items = self._generate(model, prompt, sampling, time_remaining, resume, resumed_from)
+            async with aclosing(items) as stream:
+                async for item in stream:
                     if isinstance(item, RouteSummary):
                         _count_served(model, item)
                     yield item
@@ -248,14 +287,26 @@ class Router:
             raise
 
     async def _generate(
-        self, model: str, prompt: Prompt, sampling: Sampling, time_remaining: float | None
-    ) -> AsyncGenerator[TextChunk | RouteSummary, None]:
+        self,
+        model: str,
+        prompt: Prompt,
+        sampling: Sampling,
+        time_remaining: float | None,
+        resume: Continuation | None,
+        resumed_from: str,
+    ) -> AsyncGenerator[TextChunk | RouteSummary | ResumeInfo, None]:
         clock = _Clock(time_remaining)
         route = self._route(model)
         validate_prompt(prompt)
         validate_sampling(sampling, self.topology.mesh.max_tokens_limit)
         data = prompt_bytes(prompt)
         blocks = text_blocks(route.name, data)
+        if resume is not None:
+            resumed = self._resume(route, prompt, sampling, clock, blocks, resume, resumed_from)
+            async with aclosing(resumed) as stream:
+                async for item in stream:
+                    yield item
+            return
         chain, reason = self._order(route, len(data), blocks)
         failed: list[FailedAttempt] = []
         last_error: MeshError | None = None
@@ -270,6 +321,7 @@ class Router:
                         async for chunk in stream:
                             if not sent.deltas:
                                 summary.time_to_first_token_seconds = clock.elapsed()
+                                yield _resume_info(attempt, summary)
                             sent.add(chunk)
                             yield chunk
                 except MeshError as exc:
@@ -301,6 +353,53 @@ class Router:
                 yield summary
                 return
         raise _exhausted(route, failed, last_error)
+
+    async def _resume(
+        self,
+        route: ModelRoute,
+        prompt: Prompt,
+        sampling: Sampling,
+        clock: _Clock,
+        blocks: list[bytes],
+        resume: Continuation,
+        resumed_from: str,
+    ) -> AsyncGenerator[TextChunk | RouteSummary | ResumeInfo, None]:
+        """A client resuming, through this router, a generation another router was serving
+        when it failed: the rest of it on a decode node, as a migration (the failed router
+        in the failed node's place)."""
+        disaggregated = resume.first_token_from_prefill
+        prefill = [self.topology.node(n) for n in route.prefill]
+        decode = [self.topology.node(n) for n in route.decode]
+        attempt = _Attempt(
+            RouteMethod.DISAGGREGATED if disaggregated and prefill else RouteMethod.DECODE_ONLY,
+            # The nodes that would have rendered the prompt, as the first router's did.
+            prefill=prefill[0] if prefill else None,
+            decode=decode[0] if decode else None,
+            origin=f"router {resumed_from or '(unnamed)'}",
+        )
+        summary = RouteSummary(
+            method=attempt.method,
+            route_reason=f"resumed after router {resumed_from or '(unnamed)'} failed mid-answer",
+            cached_prompt_tokens=resume.prompt_cached_tokens or 0,
+        )
+        ids = list(resume.generated_token_ids)
+        sent = _Delivered(
+            deltas=1,
+            tokens=max(resume.generated_tokens, len(ids)),
+            token_ids=ids,
+            ids_complete=bool(ids),
+            text=[resume.generated_text],
+        )
+        yield _resume_info(attempt, summary)
+        error = Unavailable(f"{attempt.origin} failed mid-answer")
+        events = self._migrate(
+            route, attempt, prompt, sampling, clock, summary, sent, error, blocks
+        )
+        async with aclosing(events) as stream:
+            async for chunk in stream:
+                yield chunk
+        summary.total_seconds = clock.elapsed()
+        yield summary
 
     def _route(self, model: str) -> ModelRoute:
         route = self.topology.route(model)
@@ -576,6 +675,7 @@ class Router:
         raw_prompt = not prompt.messages and renderer is not None and renderer.engine == "llama_cpp"
         # The prefill node that evaluated this prompt: its prefix cache holds it.
         prefilled = attempt.prefill.name if disaggregated and attempt.prefill else ""
+        info = _resume_info(attempt, summary)
         while True:
             sent.failed_nodes.add(failed_name)
             done = len(summary.migrations)
@@ -605,12 +705,10 @@ class Router:
                 # Without every id, a llama.cpp node tokenizes the text instead.
                 generated_token_ids=tuple(sent.token_ids) if sent.ids_complete else (),
                 generated_text="".join(sent.text),
-                first_token_from_prefill=disaggregated,
+                first_token_from_prefill=info.first_token_from_prefill,
                 raw_prompt=raw_prompt,
                 generated_tokens=sent.tokens,
-                # Where the prefill node's pieces of the prompt started (a decode_only
-                # node's cached count comes with its summary only: not known here).
-                prompt_cached_tokens=summary.cached_prompt_tokens if disaggregated else None,
+                prompt_cached_tokens=info.prompt_cached_tokens,
             )
             attempt.current = target if isinstance(target, Node) else None
             stats: DecodeStats | None = None
@@ -863,6 +961,16 @@ class Router:
     async def close(self) -> None:
         for engine in self._direct.values():
             await engine.close()
+
+
+def _resume_info(attempt: _Attempt, summary: RouteSummary) -> ResumeInfo:
+    """Where the prefill node's pieces of the prompt started: a decode_only node's cached
+    count comes with its summary only, so it is not known then."""
+    disaggregated = attempt.method == RouteMethod.DISAGGREGATED
+    return ResumeInfo(
+        first_token_from_prefill=disaggregated,
+        prompt_cached_tokens=summary.cached_prompt_tokens if disaggregated else None,
+    )
 
 
 def _kv_source(prefill: Node, result: PrefillResult) -> KvSource:

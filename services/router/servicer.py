@@ -11,7 +11,7 @@ import grpc
 from disagg.v1 import router_pb2, router_pb2_grpc
 from services.common import convert
 from services.common.topology import Node
-from services.router.routing import RouteMethod, Router, RouteSummary
+from services.router.routing import ResumeInfo, RouteMethod, Router, RouteSummary
 
 Context = grpc.aio.ServicerContext[Any, Any]
 
@@ -29,18 +29,32 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
     async def Generate(
         self, request: router_pb2.GenerateRequest, context: Context
     ) -> AsyncIterator[router_pb2.GenerateResponse]:
-        events = self._router.generate(
+        events = self._router.generate_resumable(
             request.model,
             convert.prompt_from_proto(request.prompt, request.messages, request.reasoning_effort),
             convert.sampling_from_proto(request.sampling, self._router.max_tokens_limit),
             context.time_remaining(),
+            resume=convert.continuation_from_proto(request.continuation)
+            if request.HasField("continuation")
+            else None,
+            resumed_from=request.resumed_from_router,
         )
+        resume: router_pb2.ResumeInfo | None = None
         async with aclosing(events) as stream:
             async for event in stream:
                 if isinstance(event, RouteSummary):
                     yield router_pb2.GenerateResponse(summary=summary_to_proto(event))
+                elif isinstance(event, ResumeInfo):  # goes out with the next delta
+                    resume = router_pb2.ResumeInfo(
+                        first_token_from_prefill=event.first_token_from_prefill,
+                        prompt_cached_tokens=event.prompt_cached_tokens,
+                    )
                 else:
-                    yield router_pb2.GenerateResponse(delta=convert.text_delta_to_proto(event))
+                    reply = router_pb2.GenerateResponse(delta=convert.text_delta_to_proto(event))
+                    if resume is not None:
+                        reply.resume.CopyFrom(resume)
+                        resume = None
+                    yield reply
 
     async def ListModels(
         self, request: router_pb2.ListModelsRequest, context: Context

@@ -23,18 +23,30 @@ ROUTE_METHOD_DECODE_ONLY: RouteMethod
 ROUTE_METHOD_DIRECT_OLLAMA: RouteMethod
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("model", "prompt", "messages", "sampling", "reasoning_effort")
+    __slots__ = ("model", "prompt", "messages", "sampling", "reasoning_effort", "continuation", "resumed_from_router")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     REASONING_EFFORT_FIELD_NUMBER: _ClassVar[int]
+    CONTINUATION_FIELD_NUMBER: _ClassVar[int]
+    RESUMED_FROM_ROUTER_FIELD_NUMBER: _ClassVar[int]
     model: str
     prompt: str
     messages: _containers.RepeatedCompositeFieldContainer[_types_pb2.ChatMessage]
     sampling: _types_pb2.SamplingParams
     reasoning_effort: _types_pb2.ReasoningEffort
-    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[_types_pb2.ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[_types_pb2.SamplingParams, _Mapping]] = ..., reasoning_effort: _Optional[_Union[_types_pb2.ReasoningEffort, str]] = ...) -> None: ...
+    continuation: _types_pb2.Continuation
+    resumed_from_router: str
+    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[_types_pb2.ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[_types_pb2.SamplingParams, _Mapping]] = ..., reasoning_effort: _Optional[_Union[_types_pb2.ReasoningEffort, str]] = ..., continuation: _Optional[_Union[_types_pb2.Continuation, _Mapping]] = ..., resumed_from_router: _Optional[str] = ...) -> None: ...
+
+class ResumeInfo(_message.Message):
+    __slots__ = ("first_token_from_prefill", "prompt_cached_tokens")
+    FIRST_TOKEN_FROM_PREFILL_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    first_token_from_prefill: bool
+    prompt_cached_tokens: int
+    def __init__(self, first_token_from_prefill: _Optional[bool] = ..., prompt_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class FailedAttempt(_message.Message):
     __slots__ = ("method", "node", "code", "message", "duration")
@@ -123,12 +135,14 @@ class GenerateSummary(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., finish_reason: _Optional[_Union[_types_pb2.FinishReason, str]] = ..., method: _Optional[_Union[RouteMethod, str]] = ..., kv_transfer: _Optional[_Union[_types_pb2.KvTransfer, str]] = ..., prefill_duration: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., prefill_tokens_per_second: _Optional[float] = ..., kv_transfer_duration: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., kv_transfer_bytes: _Optional[int] = ..., kv_load_duration: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., time_to_first_token: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., decode_duration: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., decode_tokens_per_second: _Optional[float] = ..., total_duration: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., prefill_node: _Optional[str] = ..., prefill_address: _Optional[str] = ..., decode_node: _Optional[str] = ..., decode_address: _Optional[str] = ..., failed_attempts: _Optional[_Iterable[_Union[FailedAttempt, _Mapping]]] = ..., decode_prompt_eval_duration: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., migrations: _Optional[_Iterable[_Union[Migration, _Mapping]]] = ..., cached_prompt_tokens: _Optional[int] = ..., decode_cached_prompt_tokens: _Optional[int] = ..., kv_state_bytes: _Optional[int] = ..., route_reason: _Optional[str] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("delta", "summary")
+    __slots__ = ("delta", "summary", "resume")
     DELTA_FIELD_NUMBER: _ClassVar[int]
     SUMMARY_FIELD_NUMBER: _ClassVar[int]
+    RESUME_FIELD_NUMBER: _ClassVar[int]
     delta: _types_pb2.TextDelta
     summary: GenerateSummary
-    def __init__(self, delta: _Optional[_Union[_types_pb2.TextDelta, _Mapping]] = ..., summary: _Optional[_Union[GenerateSummary, _Mapping]] = ...) -> None: ...
+    resume: ResumeInfo
+    def __init__(self, delta: _Optional[_Union[_types_pb2.TextDelta, _Mapping]] = ..., summary: _Optional[_Union[GenerateSummary, _Mapping]] = ..., resume: _Optional[_Union[ResumeInfo, _Mapping]] = ...) -> None: ...
 
 class ListModelsRequest(_message.Message):
     __slots__ = ()
