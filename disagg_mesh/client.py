@@ -215,6 +215,36 @@ class _Progress:
         return dataclasses.replace(metrics, migrations=migrations)
 
 
+def _open_generate(
+    settings: _Settings,
+    routers: _Routers,
+    stubs: dict[str, Any],
+    call: GenerateCall,
+    progress: _Progress,
+    deadline: float,
+) -> tuple[str, Any]:
+    """The next attempt of a call: the first router in order, the request with what the
+    caller already has, and the time left of the call's deadline."""
+    address = routers.order()[0]
+    rpc = stubs[address].Generate(
+        progress.request(call),
+        timeout=max(deadline - time.monotonic(), 0.001),
+        metadata=settings.metadata,
+    )
+    return address, rpc
+
+
+def _fail_over(
+    exc: grpc.RpcError, routers: _Routers, address: str, attempts: int, progress: _Progress
+) -> None:
+    """Set the router aside and go on through another, or raise the call's error."""
+    code: grpc.StatusCode = exc.code()
+    if not (_fails_over(code) and routers.may_fail_over(attempts)):
+        raise from_rpc_error(exc, address) from None
+    routers.failed(address)
+    progress.failed(address)
+
+
 @dataclass
 class _Settings:
     addresses: tuple[str, ...]
@@ -330,13 +360,8 @@ class AsyncMeshClient:
         progress = _Progress()
         attempts = 0
         while True:
-            address = self._routers.order()[0]
             attempts += 1
-            rpc = self._stubs[address].Generate(
-                progress.request(call),
-                timeout=max(deadline - time.monotonic(), 0.001),
-                metadata=s.metadata,
-            )
+            address, rpc = _open_generate(s, self._routers, self._stubs, call, progress, deadline)
             try:
                 replies = 0
                 while True:
@@ -349,10 +374,7 @@ class AsyncMeshClient:
                 self._routers.succeeded(address)
                 return
             except grpc.aio.AioRpcError as exc:
-                if not (_fails_over(exc.code()) and self._routers.may_fail_over(attempts)):
-                    raise from_rpc_error(exc, address) from None
-                self._routers.failed(address)
-                progress.failed(address)
+                _fail_over(exc, self._routers, address, attempts, progress)
             finally:
                 rpc.cancel()
 
@@ -462,24 +484,15 @@ class MeshClient:
         progress = _Progress()
         attempts = 0
         while True:
-            address = self._routers.order()[0]
             attempts += 1
-            rpc = self._stubs[address].Generate(
-                progress.request(call),
-                timeout=max(deadline - time.monotonic(), 0.001),
-                metadata=s.metadata,
-            )
+            address, rpc = _open_generate(s, self._routers, self._stubs, call, progress, deadline)
             try:
                 for reply in rpc:
                     yield from _items(reply, reasoning, progress)
                 self._routers.succeeded(address)
                 return
             except grpc.RpcError as exc:
-                code: grpc.StatusCode = exc.code()
-                if not (_fails_over(code) and self._routers.may_fail_over(attempts)):
-                    raise from_rpc_error(exc, address) from None
-                self._routers.failed(address)
-                progress.failed(address)
+                _fail_over(exc, self._routers, address, attempts, progress)
             finally:
                 rpc.cancel()
 

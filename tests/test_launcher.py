@@ -29,18 +29,21 @@ def run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_launcher_starts_the_mesh_streams_examples_and_stops_everything(tmp_path: Path) -> None:
-    topology = write_test_topology(tmp_path / "topology.toml", edge_cases=False)
-    out = run(
+def launcher_args(topology: Path, folder: Path, max_tokens: int) -> list[str]:
+    return [
         "services.launcher",
         "--topology",
         str(topology),
         "--log-dir",
-        str(tmp_path / "logs"),
+        str(folder / "logs"),
         "--max-tokens",
-        "12",
-        "--exit-after-examples",
-    )
+        str(max_tokens),
+    ]
+
+
+def test_launcher_starts_the_mesh_streams_examples_and_stops_everything(tmp_path: Path) -> None:
+    topology = write_test_topology(tmp_path / "topology.toml", edge_cases=False)
+    out = run(*launcher_args(topology, tmp_path, 12), "--exit-after-examples")
     assert out.returncode == 0, out.stdout + out.stderr
     text = out.stdout
     assert "all nodes SERVING" in text
@@ -94,17 +97,7 @@ def test_the_launcher_restarts_a_node_that_dies_and_the_next_request_uses_it(
         )
     )
     launcher = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "services.launcher",
-            "--topology",
-            str(topology),
-            "--log-dir",
-            str(tmp_path / "logs"),
-            "--max-tokens",
-            "4",
-        ],
+        [sys.executable, "-m", *launcher_args(topology, tmp_path, 4)],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
