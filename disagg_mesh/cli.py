@@ -5,6 +5,7 @@
     disagg status [--watch]                                           # every node's health
     disagg models                                                     # logical models, routes
     disagg doctor                              # can each prefill node hand KV to each decode node?
+    disagg service install --node dgx-spark-1  # a systemd unit / launchd agent for one node
 
 The routers' addresses (one, or several comma-separated: a call goes on through the next
 when one fails): --router, else $DISAGG_ROUTER, else every router of --topology
@@ -38,6 +39,7 @@ from disagg_mesh.client import (
 )
 from disagg_mesh.errors import MeshError
 from disagg_mesh.metrics import Metrics
+from disagg_mesh.service import ServiceSpec, this_os
 from services.common.node_clients import health_status
 
 HINTS = {
@@ -132,7 +134,64 @@ def _parser() -> argparse.ArgumentParser:
     )
     doctor.add_argument("--json", action="store_true")
     doctor.set_defaults(run=_doctor)
+
+    service = commands.add_parser(
+        "service", help="run a node under systemd (Linux) or launchd (macOS): boot, restarts"
+    )
+    actions = service.add_subparsers(required=True, metavar="ACTION")
+    for action, what in (("install", "write the unit"), ("uninstall", "remove the unit")):
+        sub = actions.add_parser(action, help=what)
+        sub.add_argument("--node", required=True, help="the node's name in --topology")
+        sub.add_argument(
+            "--os", choices=("linux", "macos"), help="for this OS (default: this machine's)"
+        )
+        sub.add_argument(
+            "--system", action="store_true", help="Linux: a system unit in /etc (root)"
+        )
+        sub.add_argument("--print", action="store_true", help="show it, change nothing")
+        sub.set_defaults(run=_service, action=action)
     return parser
+
+
+def _service(args: argparse.Namespace) -> int:
+    topology = _topology(args)
+    node = next((n for n in topology.nodes if n.name == args.node), None)
+    if node is None:
+        names = ", ".join(n.name for n in topology.nodes)
+        raise CliError(f"--node: no node named {args.node!r} in {args.topology}; nodes: {names}", 2)
+    spec = ServiceSpec(
+        node=node.name,
+        role=node.role,
+        topology=Path(args.topology).resolve(),
+        workdir=Path(__file__).resolve().parent.parent,
+        python=Path(sys.executable),
+        os=args.os or this_os(),
+        system=args.system,
+    )
+    home = Path.home()
+    path = spec.path(home)
+    if args.action == "uninstall":
+        if args.print:
+            print(f"would remove {path}; then: " + "; ".join(spec.disable_commands(home)))
+            return 0
+        if not path.exists():
+            raise CliError(f"{path} does not exist: nothing to uninstall")
+        path.unlink()
+        print(f"removed {path}")
+        print("stop it with: " + "; ".join(spec.disable_commands(home)))
+        return 0
+    text = spec.render(home)
+    if args.print:
+        print(f"# {path}")
+        print(text, end="")
+        return 0
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if spec.os == "macos":
+        spec.log_file(home).parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    print(f"wrote {path}")
+    print("start it now and at every boot with: " + "; ".join(spec.enable_commands(home)))
+    return 0
 
 
 def _topology(args: argparse.Namespace) -> Any:

@@ -1,14 +1,17 @@
 """Grade one submission with both models at once, as the AI homework grader does.
 
-    python examples/grade_submission.py [--router 127.0.0.1:50051] [submission.py]
+    python examples/grade_submission.py [--router HOST:PORT[,HOST:PORT...]] [submission.py]
 
 Code analysis goes to qwen3-coder:30b and written feedback to gpt-oss:120b, in parallel;
 the script prints both results and their timings. Exit code 1 if either call failed.
+Given several routers (one on each Mac Studio), a call goes on through another when one
+fails, mid-answer included; $DISAGG_ROUTER is the default.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -51,7 +54,11 @@ def main() -> int:
     parser.add_argument(
         "submission", nargs="?", type=Path, help="a source file (default: a sample)"
     )
-    parser.add_argument("--router", default="127.0.0.1:50051")
+    parser.add_argument(
+        "--router",
+        default=os.environ.get("DISAGG_ROUTER", "127.0.0.1:50051"),
+        help="router address, or several comma-separated (failover)",
+    )
     parser.add_argument("--max-tokens", type=int, default=200)
     args = parser.parse_args()
     code = args.submission.read_text() if args.submission else SAMPLE

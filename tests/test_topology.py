@@ -34,6 +34,12 @@ def test_seed_topology_is_the_users_four_machines() -> None:
         assert route.chain == ["disaggregated", "decode_only", "direct_ollama"]
     qwen = t.route("qwen3-coder:30b")
     assert qwen is not None and (qwen.prefill, qwen.decode) == (["dgx-spark-1"], ["mac-studio-2"])
+    # A router on each Mac Studio: losing one stops neither pipeline.
+    assert [(r.name, r.host) for r in t.routers] == [
+        ("router", "169.254.150.101"),
+        ("router-2", "169.254.150.102"),
+    ]
+    assert t.router_addresses == "169.254.150.101:50051,169.254.150.102:50051"
 
 
 def test_seed_ollama_topology_keeps_the_ollama_engine() -> None:
