@@ -32,7 +32,10 @@ repeated, median reported:
    their own);
 11. model families: row 1 for a sliding-window model (gemma-3-270m, window 512) on a
    ~2,000-token prompt, and the KV bytes a prompt token moves against its whole KV and
-   SmolLM2's (bench/families.py, meshes of their own).
+   SmolLM2's (bench/families.py, meshes of their own);
+12. router failover: the router serving an answer SIGKILLed mid-answer, the time until the
+   caller's next text through the other router, against the 5 s target
+   (bench/router_failover.py, a mesh of its own).
 
 Every answer is greedy with ignore_eos (end tokens never sampled), so both sides of a ratio
 generate the same number of tokens on any CPU. Each row records what each side did (prompt
@@ -75,6 +78,8 @@ from bench.grader import rows as grader_rows  # noqa: E402
 from bench.migration import measure as measure_migration  # noqa: E402
 from bench.migration import rows as migration_rows  # noqa: E402
 from bench.parallel_pipelines import measure as measure_parallel  # noqa: E402
+from bench.router_failover import measure as measure_router_failover  # noqa: E402
+from bench.router_failover import rows as router_failover_rows  # noqa: E402
 from bench.work import Work, failures, figure, record, total  # noqa: E402
 from disagg.v1 import (  # noqa: E402
     decode_pb2,
@@ -707,11 +712,17 @@ async def run_all(bench: Bench, args: argparse.Namespace) -> dict[str, Any]:
             "11. a sliding-window model's handoff (meshes of their own)",
             lambda: measure_families(args.family_tokens, bench.repeats),
         ),
+        (
+            "router_failover",
+            "12. resume after the serving router dies (a mesh of its own)",
+            lambda: measure_router_failover(args.kills, 200),
+        ),
     ]
     for key, title, step in steps:
         if args.only and key not in args.only:
             continue
-        if key in ("batching", "migration", "grader", "families") and args.running:
+        own_mesh = ("batching", "migration", "grader", "families", "router_failover")
+        if key in own_mesh and args.running:
             say(f">> {title}: skipped with --running (it starts a node on this machine)")
             continue
         say(f">> {title}")
@@ -818,6 +829,8 @@ def table(r: dict[str, Any]) -> str:
         rows += grader_rows(r["grader"])
     if "families" in r:
         rows += families_rows(r["families"])
+    if "router_failover" in r:
+        rows += router_failover_rows(r["router_failover"])
     width = [max(len(row[i]) for row in rows) for i in range(3)]
     header = ("measurement", "result", "goal")
     lines = ["  ".join(h.ljust(width[i]) for i, h in enumerate(header))]
@@ -850,9 +863,7 @@ def main() -> int:
     parser.add_argument(
         "--grader-requests", type=int, default=20, help="submissions sharing a rubric, row 10"
     )
-    parser.add_argument(
-        "--family-tokens", type=int, default=2000, help="prompt tokens, row 11"
-    )
+    parser.add_argument("--family-tokens", type=int, default=2000, help="prompt tokens, row 11")
     parser.add_argument(
         "--quick", action="store_true", help="1 repeat, smaller prompts (a smoke run)"
     )
@@ -870,6 +881,7 @@ def main() -> int:
             "migration",
             "grader",
             "families",
+            "router_failover",
         ],
         help="run only these measurements",
     )

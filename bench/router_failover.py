@@ -1,0 +1,142 @@
+"""Benchmark: time to resume when the router serving an answer dies (router failover).
+
+    python bench/router_failover.py [--kills 5] [--new-tokens 200]
+
+Starts a mesh of its own (two routers, a prefill node and a decode node, embedded, one
+thread each) and, for each kill: a greedy answer of `--new-tokens` tokens starts through
+`AsyncMeshClient` given both routers, the router serving it is SIGKILLed once the caller has
+5 deltas, and the client resumes the answer through the other router. Reported, median over
+the kills:
+
+12. resume time at the caller: from the kill to the next delta the caller got (the
+    client's failover `resume_time`), against the user's 5 s failover target; and whether
+    the text equals the uninterrupted answer.
+
+The killed router is restarted before the next kill. Writes JSON to bench/results/ when run
+alone; `make bench` (bench/run.py) runs it as row 12.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "generated")]
+
+from bench.migration import KILL_AFTER, MODEL, PROMPT, TARGET_S, median, say  # noqa: E402
+from disagg_mesh import AsyncMeshClient, GenerateCall, Metrics  # noqa: E402
+from services.common.processes import MeshProcesses, free_port  # noqa: E402
+from services.common.topology import load_topology  # noqa: E402
+
+ROUTERS = ("router-a", "router-b")
+
+
+def topology_text() -> str:
+    node = '[[nodes]]\nname = "{}"\nrole = "{}"\nhost = "127.0.0.1"\nport = {}\n'
+    engine = f'engine = "llama_cpp"\nmodel = "{MODEL}"\nn_ctx = 2048\nslots = 2\nn_threads = 1\n'
+    parts = [node.format(name, "router", free_port()) for name in ROUTERS]
+    parts += [
+        node.format("prefill", "prefill", free_port()) + engine,
+        node.format("decode", "decode", free_port()) + engine,
+        '[[models]]\nname = "m"\nchain = ["disaggregated"]\nprefill = ["prefill"]\n'
+        'decode = ["decode"]\n',
+    ]
+    return "\n".join(parts)
+
+
+async def answer(
+    addresses: list[str], new_tokens: int, kill: Any = None
+) -> tuple[str, Metrics | None]:
+    call = GenerateCall("m", prompt=PROMPT, max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    text, metrics, deltas = "", None, 0
+    async with AsyncMeshClient(addresses, timeout=300) as client:
+        async for item in client.stream(call):
+            if isinstance(item, Metrics):
+                metrics = item
+                continue
+            text += item
+            deltas += 1
+            if deltas == KILL_AFTER and kill is not None:
+                kill()
+    return text, metrics
+
+
+async def measure(kills: int, new_tokens: int) -> dict[str, Any]:
+    folder = Path(tempfile.mkdtemp(prefix="bench-router-failover-"))
+    path = folder / "topology.toml"
+    path.write_text(topology_text())
+    mesh = MeshProcesses(load_topology(path), folder / "logs")
+    mesh.start()
+    addresses = [mesh.topology.node(name).address for name in ROUTERS]
+    resume_s: list[float] = []
+    same: list[bool] = []
+    try:
+        await mesh.wait_serving(300)
+        alone, _ = await answer(addresses, new_tokens)
+        for k in range(kills):
+            pid = mesh.procs["router-a"].pid
+            text, metrics = await answer(
+                addresses, new_tokens, lambda pid=pid: os.kill(pid, signal.SIGKILL)
+            )
+            assert metrics is not None
+            (failover,) = [m for m in metrics.migrations if m.failed_node.startswith("router ")]
+            resume_s.append(failover.resume_time)
+            same.append(text == alone)
+            say(
+                f"   kill {k + 1}: router-a after {failover.tokens_delivered} tokens, resumed "
+                f"through router-b on {failover.resumed_on} in {resume_s[-1] * 1000:.0f} ms, "
+                f"same text: {same[-1]}"
+            )
+            mesh.procs["router-a"].wait()
+            mesh.start_node(mesh.topology.node("router-a"))
+            await mesh.wait_serving(300, names=["router-a"])
+    finally:
+        mesh.stop()
+    return {
+        "kills": kills,
+        "new_tokens": new_tokens,
+        "resume_s": resume_s,
+        "same_text": same,
+        "median_resume_s": median(resume_s),
+        "target_s": TARGET_S,
+    }
+
+
+def rows(m: dict[str, Any]) -> list[tuple[str, str, str]]:
+    return [
+        (
+            f"resume after the serving router dies, at the caller, median of {m['kills']} kills",
+            f"{m['median_resume_s'] * 1000:.0f} ms; same text "
+            f"{sum(m['same_text'])}/{len(m['same_text'])}",
+            f"< {TARGET_S:g} s",
+        )
+    ]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--kills", type=int, default=5)
+    parser.add_argument("--new-tokens", type=int, default=200)
+    parser.add_argument("--out", type=Path, default=ROOT / "bench/results")
+    args = parser.parse_args()
+    from bench.run import report_alone
+
+    started = time.perf_counter()
+    result = asyncio.run(measure(args.kills, args.new_tokens))
+    text = "\n".join("  ".join(row) for row in rows(result))
+    report_alone(args.out, "router_failover", args.kills, started, result, text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
