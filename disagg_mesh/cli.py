@@ -346,14 +346,18 @@ async def _check(node: Any, args: argparse.Namespace) -> NodeRow:
         row.latency_ms = (time.perf_counter() - started) * 1000
         row.health = status
         figures = await asyncio.to_thread(_headline_figures, node)
-        if node.role == "router":
-            row.note = figures
-            return row
         info_stub: Any = node_pb2_grpc.NodeServiceStub(channel)
         try:
             info = await info_stub.GetNodeInfo(node_pb2.GetNodeInfoRequest(), timeout=5.0)
         except grpc.aio.AioRpcError as exc:
-            row.note = f"node info: {exc.code().name}"
+            # A router from before NodeService was served on routers: its figures only.
+            unimplemented = exc.code() == grpc.StatusCode.UNIMPLEMENTED
+            row.note = figures if node.role == "router" and unimplemented else ""
+            row.note = row.note or f"node info: {exc.code().name}"
+            return row
+        if node.role == "router":
+            restarted = [f"restarted {info.restarts}x"] if info.restarts else []
+            row.note = "; ".join([*restarted, *([figures] if figures else [])])
             return row
         notes = []
         if info.problem:

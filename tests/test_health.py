@@ -37,12 +37,11 @@ def test_reflection_lists_our_services(mesh: Mesh, role: str) -> None:
     node = next(n for n in mesh.topology.nodes if n.role == role)
     listed = grpcurl("-plaintext", node.address, "list")
     assert listed.returncode == 0, listed.stderr
-    node_service = set() if role == "router" else {"disagg.v1.NodeService"}
     assert set(listed.stdout.split()) == {
         SERVICE_OF_ROLE[role],
+        "disagg.v1.NodeService",
         "grpc.health.v1.Health",
         "grpc.reflection.v1alpha.ServerReflection",
-        *node_service,
     }
     described = grpcurl("-plaintext", node.address, "describe", SERVICE_OF_ROLE[role])
     assert described.returncode == 0 and "rpc " in described.stdout, described.stderr
@@ -86,6 +85,15 @@ async def test_list_models_is_the_topology(
     assert [n.name for n in qwen.decode_nodes] == ["decode-qwen"]
     assert qwen.decode_nodes[0].address == mesh.address("decode-qwen")
     assert qwen.prefill_deadline.seconds == 60 and qwen.decode_deadline.seconds == 180
+
+
+async def test_node_info_of_the_router(mesh: Mesh) -> None:
+    async with grpc.aio.insecure_channel(mesh.router_address) as channel:
+        info = await node_pb2_grpc.NodeServiceStub(channel).GetNodeInfo(
+            node_pb2.GetNodeInfoRequest()
+        )
+    assert (info.role, info.engine, info.ready, info.restarts) == ("router", "", True, 0)
+    assert {"qwen3-coder:30b", "gpt-oss:120b"} <= set(info.models)
 
 
 async def test_node_info_of_a_prefill_node(mesh: Mesh) -> None:

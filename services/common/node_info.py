@@ -126,6 +126,16 @@ class NodeServicer(node_pb2_grpc.NodeServiceServicer):
         )
 
 
+def router_describer(topology: Topology, node: Node) -> Callable[[], Awaitable[NodeStatus]]:
+    """A router's NodeStatus: what it is and the models it routes (no engine of its own)."""
+
+    async def describe() -> NodeStatus:
+        models = [m.name for m in topology.models]
+        return NodeStatus(node.name, node.role, "", "", models=models, ready=True)
+
+    return describe
+
+
 def add_node_service(
     server: grpc.aio.Server, describe: Callable[[], Awaitable[NodeStatus]]
 ) -> None:

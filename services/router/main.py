@@ -8,6 +8,8 @@ import grpc
 
 from disagg.v1 import router_pb2, router_pb2_grpc
 from services.common.node_clients import ChannelPool
+from services.common.node_info import SERVICE_NAME as NODE_SERVICE_NAME
+from services.common.node_info import add_node_service, router_describer
 from services.common.server import metrics_address, serve
 from services.common.tls import tls_for, tls_paths
 from services.common.topology import Node, Topology
@@ -40,6 +42,8 @@ async def run(topology: Topology, node: Node) -> None:
 
     def register(server: grpc.aio.Server) -> None:
         router_pb2_grpc.add_RouterServiceServicer_to_server(RouterServicer(router), server)
+        # What it is and how often the launcher restarted it (disagg status).
+        add_node_service(server, router_describer(topology, node))
 
     async def load() -> None:
         background.add(asyncio.create_task(health.watch()))
@@ -56,7 +60,7 @@ async def run(topology: Topology, node: Node) -> None:
 
     await serve(
         bind_address=node.bind_address,
-        service_names=[SERVICE_NAME],
+        service_names=[SERVICE_NAME, NODE_SERVICE_NAME],
         register=register,
         load=load,
         close=close,

@@ -26,7 +26,8 @@ if _version_not_supported:
 
 
 class NodeServiceStub:
-    """Served by every prefill and decode node: what the node is and how it is doing.
+    """Served by every node: what the node is and how it is doing. A router answers with its
+    name, role "router", the models it routes, ready, and restarts; no engine fields.
     """
 
     def __init__(self, channel):
@@ -43,7 +44,8 @@ class NodeServiceStub:
 
 
 class NodeServiceServicer:
-    """Served by every prefill and decode node: what the node is and how it is doing.
+    """Served by every node: what the node is and how it is doing. A router answers with its
+    name, role "router", the models it routes, ready, and restarts; no engine fields.
     """
 
     def GetNodeInfo(self, request, context):
@@ -70,7 +72,8 @@ def add_NodeServiceServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class NodeService:
-    """Served by every prefill and decode node: what the node is and how it is doing.
+    """Served by every node: what the node is and how it is doing. A router answers with its
+    name, role "router", the models it routes, ready, and restarts; no engine fields.
     """
 
     @staticmethod

@@ -27,7 +27,9 @@ GRPC_GENERATED_VERSION: str
 GRPC_VERSION: str
 
 class NodeServiceStub:
-    """Served by every prefill and decode node: what the node is and how it is doing."""
+    """Served by every node: what the node is and how it is doing. A router answers with its
+    name, role "router", the models it routes, ready, and restarts; no engine fields.
+    """
 
     @_typing.overload
     def __new__(cls, channel: _grpc.Channel) -> _Self: ...
@@ -38,14 +40,18 @@ class NodeServiceStub:
 
 @_typing.type_check_only
 class NodeServiceAsyncStub(NodeServiceStub):
-    """Served by every prefill and decode node: what the node is and how it is doing."""
+    """Served by every node: what the node is and how it is doing. A router answers with its
+    name, role "router", the models it routes, ready, and restarts; no engine fields.
+    """
 
     def __init__(self, channel: _aio.Channel) -> None: ...
     GetNodeInfo: _aio.UnaryUnaryMultiCallable[_node_pb2.GetNodeInfoRequest, _node_pb2.GetNodeInfoResponse]  # type: ignore[assignment]
     """The node's engine, model and current state."""
 
 class NodeServiceServicer(metaclass=_abc_1.ABCMeta):
-    """Served by every prefill and decode node: what the node is and how it is doing."""
+    """Served by every node: what the node is and how it is doing. A router answers with its
+    name, role "router", the models it routes, ready, and restarts; no engine fields.
+    """
 
     @_abc_1.abstractmethod
     def GetNodeInfo(
