@@ -29,6 +29,7 @@ import signal
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -217,9 +218,16 @@ def rows(m: dict[str, Any]) -> list[tuple[str, str, str]]:
     return out
 
 
-def main() -> int:
+def run_alone(
+    doc: str | None,
+    key: str,
+    measure_kills: Callable[[int, int], Coroutine[Any, Any, dict[str, Any]]],
+    table_rows: Callable[[dict[str, Any]], list[tuple[str, str, str]]],
+) -> int:
+    """A kill benchmark run on its own (this one, router_failover.py): --kills and
+    --new-tokens, its record in bench/results/, its rows printed."""
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--kills", type=int, default=5)
     parser.add_argument("--new-tokens", type=int, default=200)
@@ -228,10 +236,14 @@ def main() -> int:
     from bench.run import report_alone
 
     started = time.perf_counter()
-    result = asyncio.run(measure(args.kills, args.new_tokens))
-    text = "\n".join("  ".join(row) for row in rows(result))
-    report_alone(args.out, "migration", args.kills, started, result, text)
+    result = asyncio.run(measure_kills(args.kills, args.new_tokens))
+    text = "\n".join("  ".join(row) for row in table_rows(result))
+    report_alone(args.out, key, args.kills, started, result, text)
     return 0
+
+
+def main() -> int:
+    return run_alone(__doc__, "migration", measure, rows)
 
 
 if __name__ == "__main__":

@@ -18,20 +18,25 @@ alone; `make bench` (bench/run.py) runs it as row 12.
 
 from __future__ import annotations
 
-import argparse
-import asyncio
 import os
 import signal
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "generated")]
 
-from bench.migration import KILL_AFTER, MODEL, PROMPT, TARGET_S, median, say  # noqa: E402
+from bench.migration import (  # noqa: E402
+    KILL_AFTER,
+    MODEL,
+    PROMPT,
+    TARGET_S,
+    median,
+    run_alone,
+    say,
+)
 from disagg_mesh import AsyncMeshClient, GenerateCall, Metrics  # noqa: E402
 from services.common.processes import MeshProcesses, free_port  # noqa: E402
 from services.common.topology import load_topology  # noqa: E402
@@ -122,20 +127,7 @@ def rows(m: dict[str, Any]) -> list[tuple[str, str, str]]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--kills", type=int, default=5)
-    parser.add_argument("--new-tokens", type=int, default=200)
-    parser.add_argument("--out", type=Path, default=ROOT / "bench/results")
-    args = parser.parse_args()
-    from bench.run import report_alone
-
-    started = time.perf_counter()
-    result = asyncio.run(measure(args.kills, args.new_tokens))
-    text = "\n".join("  ".join(row) for row in rows(result))
-    report_alone(args.out, "router_failover", args.kills, started, result, text)
-    return 0
+    return run_alone(__doc__, "router_failover", measure, rows)
 
 
 if __name__ == "__main__":
