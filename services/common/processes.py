@@ -11,15 +11,17 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import grpc
 
 from services.common.node_clients import health_status, open_channel
 from services.common.tls import tls_for
-from services.common.topology import Node, Topology
+from services.common.topology import Node, Topology, load_topology
 
 _ISSUED: set[int] = set()
 
@@ -151,3 +153,21 @@ class MeshProcesses:
                 codes[name] = proc.wait()
         self.procs.clear()
         return codes
+
+
+@asynccontextmanager
+async def serving_mesh(
+    topology_text: str, prefix: str, timeout_s: float = 300.0
+) -> AsyncIterator[MeshProcesses]:
+    """A topology written to a new temporary folder (its logs beside it), every node started
+    and SERVING; all stopped afterwards. For the benchmarks that start meshes of their own."""
+    folder = Path(tempfile.mkdtemp(prefix=prefix))
+    path = folder / "topology.toml"
+    path.write_text(topology_text)
+    mesh = MeshProcesses(load_topology(path), folder / "logs")
+    mesh.start()
+    try:
+        await mesh.wait_serving(timeout_s)
+        yield mesh
+    finally:
+        mesh.stop()
