@@ -12,16 +12,20 @@ then measures, each as a ratio within this one run:
 8. interference: 4 streams generating when a long decode_only prompt arrives on the same
    node; the streams' 99th-percentile inter-token latency while that prompt is evaluated,
    over the same streams' p99 without it (chunked prompt evaluation holds it near the node's
-   max_itl_slowdown).
+   max_itl_slowdown);
+13. structured output: 1 and 8 streams whose answers a JSON Schema constrains (llama.cpp's
+   grammar sampler), tokens per second over the same prompts unconstrained for as many
+   tokens each.
 
 The node and raw llama.cpp take turns, never run at once. Writes JSON to bench/results/ when
-run alone; `make bench` (bench/run.py) runs it as rows 7 and 8.
+run alone; `make bench` (bench/run.py) runs it as rows 7, 8 and 13.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import sys
 import tempfile
@@ -35,7 +39,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "generated")]
 import llama_cpp  # noqa: E402, I001  (before grpc: see services/node.py)
 import grpc  # noqa: E402
 
-from bench.work import Work, record, total  # noqa: E402
+from bench.work import Work, figure, record, total  # noqa: E402
 from disagg.v1 import decode_pb2, decode_pb2_grpc, types_pb2  # noqa: E402
 from services.common.engines.llama_cpp.sampling import SlotSampler, end_tokens  # noqa: E402
 from services.common.models import resolve_model_path  # noqa: E402
@@ -153,11 +157,23 @@ class Stream:
         self.summary: Any = None
 
 
-async def run_stream(stub: Any, prompt: str, max_tokens: int, stream: Stream) -> Stream:
+async def run_stream(
+    stub: Any,
+    prompt: str,
+    max_tokens: int,
+    stream: Stream,
+    fmt: types_pb2.ResponseFormat | None = None,
+) -> Stream:
+    """Greedy; ignore_eos, unless the answer is constrained (fmt: it ends with its JSON)."""
     request = decode_pb2.DecodeServiceGenerateRequest(
         model=LOGICAL,
         prompt=prompt,
-        sampling=types_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+        sampling=types_pb2.SamplingParams(
+            max_tokens=max_tokens,
+            temperature=0.0,
+            ignore_eos=fmt is None,
+            response_format=fmt,
+        ),
     )
     stream.call = stub.Generate(request, timeout=900)
     try:
@@ -179,10 +195,75 @@ async def node_tokens_per_second(stub: Any, streams: int, new_tokens: int) -> tu
     done = await asyncio.gather(
         *(run_stream(stub, counting(i), new_tokens, Stream()) for i in range(streams))
     )
+    return while_all_generate(done), total([Work.of(s.summary) for s in done])
+
+
+def while_all_generate(done: list[Stream]) -> float:
+    """Tokens per second of the streams together, from the last first delta to the first
+    last delta."""
     begin = max(s.at[0] for s in done)
     end = min(s.at[-1] for s in done)
     count = sum(n for s in done for t, n in zip(s.at, s.tokens, strict=True) if begin < t <= end)
-    return count / (end - begin), total([Work.of(s.summary) for s in done])
+    return count / (end - begin)
+
+
+# Structured output's row: the counting prompts' numbers as a JSON array, which the model
+# keeps going (llama.cpp's grammar sampler checks every token).
+NUMBERS = types_pb2.ResponseFormat(
+    type=types_pb2.RESPONSE_FORMAT_TYPE_JSON_SCHEMA,
+    json_schema=json.dumps(
+        {
+            "type": "object",
+            "properties": {"numbers": {"type": "array", "items": {"type": "integer"}}},
+            "required": ["numbers"],
+        }
+    ),
+)
+
+
+async def structured(
+    stub: Any, levels: list[int], new_tokens: int, repeats: int
+) -> list[dict[str, Any]]:
+    """13. Constrained streams' tokens per second over free ones', at each level: the
+    constrained ones first (up to new_tokens; a JSON that closes ends its stream), then the
+    same prompts free for as many tokens as each constrained one made (ignore_eos)."""
+    await asyncio.gather(  # every prompt in the prefix cache for both sides
+        *(run_stream(stub, counting(i), 2, Stream()) for i in range(max(levels)))
+    )
+    rows = []
+    for level in levels:
+        constrained, free = [], []
+        constrained_work, free_work = [], []
+        for _ in range(repeats):
+            done = await asyncio.gather(
+                *(
+                    run_stream(stub, counting(i), new_tokens, Stream(), NUMBERS)
+                    for i in range(level)
+                )
+            )
+            constrained.append(while_all_generate(done))
+            constrained_work.append(total([Work.of(s.summary) for s in done]))
+            made = [s.summary.completion_tokens for s in done]
+            same = await asyncio.gather(
+                *(run_stream(stub, counting(i), made[i], Stream()) for i in range(level))
+            )
+            free.append(while_all_generate(same))
+            free_work.append(total([Work.of(s.summary) for s in same]))
+        ratio = median(constrained) / median(free)
+        rows.append(
+            {
+                "streams": level,
+                "constrained_tokens_per_s": constrained,
+                "free_tokens_per_s": free,
+                "constrained_over_free": ratio,
+                "work": record(("constrained", "free"), total(constrained_work), total(free_work)),
+            }
+        )
+        say(
+            f"   {level:>2} streams: JSON-constrained {median(constrained):.0f} tok/s, free "
+            f"{median(free):.0f} tok/s -> {ratio:.2f}x"
+        )
+    return rows
 
 
 async def batched_decode(
@@ -327,13 +408,16 @@ async def measure(
             rows = await batched_decode(stub, raw, levels, new_tokens, repeats)
             say(">> 8. a long prompt arriving while streams generate")
             prompt = long_prompt(raw.llm, prompt_tokens)
+            # One run: its p99 is over thousands of gaps, and a run takes minutes here.
+            interfered = await interference(stub, prompt, prompt_tokens, repeats=1)
+            say(">> 13. structured output: JSON-constrained vs free decode")
             return {
                 "threads": threads,
                 "slots": SLOTS,
                 "new_tokens": new_tokens,
                 "batched_decode": rows,
-                # One run: its p99 is over thousands of gaps, and a run takes minutes here.
-                "interference": await interference(stub, prompt, prompt_tokens, repeats=1),
+                "interference": interfered,
+                "structured": await structured(stub, [1, 8], new_tokens, repeats),
             }
     finally:
         raw.close()
@@ -379,7 +463,20 @@ def table(r: dict[str, Any]) -> str:
         f"{i['prompt_tokens']}-token prompt while {i['streams']} stream: p99 inter-token / "
         f"idle: {i['p99_over_idle']:.2f}x"
     )
+    rows += [f"{name}: {value}" for name, value, _ in structured_rows(b)]
     return "\n".join(rows)
+
+
+def structured_rows(b: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """Row 13 for the tables: (measure, figure, goal)."""
+    return [
+        (
+            f"{row['streams']} JSON-constrained streams on one decode node: tok/s / free",
+            figure(f"{row['constrained_over_free']:.2f}x", row.get("work")),
+            "-",
+        )
+        for row in b.get("structured", [])
+    ]
 
 
 if __name__ == "__main__":

@@ -35,7 +35,9 @@ repeated, median reported:
    SmolLM2's (bench/families.py, meshes of their own);
 12. router failover: the router serving an answer SIGKILLed mid-answer, the time until the
    caller's next text through the other router, against the 5 s target
-   (bench/router_failover.py, a mesh of its own).
+   (bench/router_failover.py, a mesh of its own);
+13. structured output: JSON-Schema-constrained decode against free decode of as many tokens,
+   1 and 8 streams on one decode node (bench/batching.py, with rows 7 and 8).
 
 Every answer is greedy with ignore_eos (end tokens never sampled), so both sides of a ratio
 generate the same number of tokens on any CPU. Each row records what each side did (prompt
@@ -71,6 +73,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "generated")]
 import grpc  # noqa: E402
 
 from bench.batching import measure as measure_batching  # noqa: E402
+from bench.batching import structured_rows  # noqa: E402
 from bench.families import measure as measure_families  # noqa: E402
 from bench.families import rows as families_rows  # noqa: E402
 from bench.grader import measure as measure_grader  # noqa: E402
@@ -692,7 +695,7 @@ async def run_all(bench: Bench, args: argparse.Namespace) -> dict[str, Any]:
         ),
         (
             "batching",
-            "7. and 8. on a decode node of its own (this machine)",
+            "7., 8. and 13. on a decode node of its own (this machine)",
             lambda: measure_batching(
                 [1, 4, 8, 16], args.batch_tokens, bench.repeats, args.prompt_tokens, threads
             ),
@@ -823,6 +826,7 @@ def table(r: dict[str, Any]) -> str:
                 "<= 3x",
             )
         )
+        rows += structured_rows(b)
     if "migration" in r:
         rows += migration_rows(r["migration"])
     if "grader" in r:

@@ -106,6 +106,12 @@ def _parser() -> argparse.ArgumentParser:
         help="never sample an end token: the answer runs to --max-tokens (benchmarks)",
     )
     gen.add_argument(
+        "--format",
+        metavar="json|SCHEMA",
+        help='structured output: "json" (any JSON object), or a JSON Schema (the JSON '
+        "itself or a file holding it)",
+    )
+    gen.add_argument(
         "--chat",
         action="store_true",
         help="send the prompt as a user turn, rendered with the model's chat template",
@@ -235,6 +241,7 @@ def _generate(args: argparse.Namespace) -> int:
         ignore_eos=args.ignore_eos,
         seed=args.seed,
         stop=args.stop,
+        format=_format(args.format),
     )
     with _client(args) as mesh:
         if args.json:
@@ -256,6 +263,25 @@ def _generate(args: argparse.Namespace) -> int:
         if metrics is not None:
             print(metrics.one_line(), file=sys.stderr)
     return 0
+
+
+def _format(value: str | None) -> str | dict[str, Any] | None:
+    """--format: "json", a JSON Schema's text, or a file holding one."""
+    if value is None or value == "json":
+        return value
+    text = value
+    if not value.lstrip().startswith("{"):
+        try:
+            text = Path(value).read_text()
+        except OSError as exc:
+            raise CliError(f'--format: "json", a JSON Schema or a schema file; {exc}', 2) from None
+    try:
+        schema = json.loads(text)
+    except ValueError as exc:
+        raise CliError(f"--format: {value} is not valid JSON: {exc}", 2) from None
+    if not isinstance(schema, dict):
+        raise CliError(f"--format: a JSON Schema is an object, got {text[:60]!r}", 2)
+    return schema
 
 
 # -- models --------------------------------------------------------------------------------

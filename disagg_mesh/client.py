@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -66,12 +67,27 @@ class GenerateCall:
     timeout: float | None = None  # seconds; None: the client's
     # How hard a reasoning model (gpt-oss) thinks: "low", "medium" or "high"; None: its default.
     reasoning_effort: str | None = None
+    # Structured output, as Ollama's `format`: "json" (any JSON object) or a JSON Schema
+    # (a dict, e.g. a pydantic model's model_json_schema()); None: free text.
+    format: str | Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if (self.reasoning_effort or "") not in _EFFORTS:
             raise ValueError(
                 f"reasoning_effort must be 'low', 'medium' or 'high', got {self.reasoning_effort!r}"
             )
+        if not (self.format in (None, "json") or isinstance(self.format, Mapping)):
+            raise ValueError(f'format must be "json" or a JSON Schema dict, got {self.format!r}')
+
+    def _response_format(self) -> types_pb2.ResponseFormat | None:
+        if self.format is None:
+            return None
+        if isinstance(self.format, Mapping):
+            return types_pb2.ResponseFormat(
+                type=types_pb2.RESPONSE_FORMAT_TYPE_JSON_SCHEMA,
+                json_schema=json.dumps(self.format),
+            )
+        return types_pb2.ResponseFormat(type=types_pb2.RESPONSE_FORMAT_TYPE_JSON_OBJECT)
 
     def to_proto(self) -> router_pb2.GenerateRequest:
         return router_pb2.GenerateRequest(
@@ -87,6 +103,7 @@ class GenerateCall:
                 seed=self.seed,
                 stop=list(self.stop),
                 ignore_eos=self.ignore_eos or None,
+                response_format=self._response_format(),
             ),
             reasoning_effort=_EFFORTS[self.reasoning_effort or ""],
         )

@@ -9,6 +9,7 @@ engines/llama_cpp/context.py and the README's "Slots and batching")."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -144,6 +145,30 @@ async def test_eight_prompts_at_once_each_give_their_text_alone(
     assert watcher.most_busy >= 4, watcher.most_busy
     assert max(c.first_delta_at for c in together) < min(c.summary_at for c in together)
     assert (await wait_idle(mesh, "decode-qwen")).slots_busy == 0
+
+
+async def test_constrained_and_free_streams_at_once_each_give_their_text_alone(
+    mesh: Mesh, router: router_pb2_grpc.RouterServiceAsyncStub
+) -> None:
+    """Four streams under a JSON grammar and four free ones on one decode node: a slot's
+    grammar never touches another slot's tokens."""
+    json_object = types_pb2.ResponseFormat(type=types_pb2.RESPONSE_FORMAT_TYPE_JSON_OBJECT)
+    requests = [
+        request(MODEL, p, 96, response_format=json_object)
+        if i % 2
+        else request(MODEL, p, MAX_TOKENS, ignore_eos=True)
+        for i, p in enumerate(PROMPTS)
+    ]
+    alone = [await collect(router.Generate(r)) for r in requests]
+    async with BusyWatcher(mesh, "decode-qwen") as watcher:
+        together = await all_at_once(router, requests)
+    for i, (one, many) in enumerate(zip(alone, together, strict=True)):
+        assert many.token_ids == one.token_ids, PROMPTS[i]
+        if i % 2:  # a tiny model's JSON may run long: what closed is an object
+            assert many.text.startswith("{")
+            if many.summary.finish_reason == types_pb2.FINISH_REASON_STOP:
+                assert isinstance(json.loads(many.text), dict)
+    assert watcher.most_busy >= 4, watcher.most_busy
 
 
 async def test_seeded_sampling_gives_the_same_text_alone_and_in_a_batch(

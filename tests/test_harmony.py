@@ -339,6 +339,27 @@ async def test_grpc_streams_reasoning_apart_from_the_answer(
     assert split == (model == SPLIT)
 
 
+@pytest.mark.parametrize("model", [SPLIT, ALONE])
+async def test_structured_output_constrains_the_final_channel_only(
+    scripted: ScriptedMesh, model: str
+) -> None:
+    """gpt-oss reasons freely, then its final message is the schema's JSON (the grammar
+    refers to harmony's control tokens by id, as llama.cpp's gpt-oss grammar does)."""
+    schema = {
+        "type": "object",
+        "properties": {"greeting": {"enum": ["Hello world", "Hi"]}},
+        "required": ["greeting"],
+    }
+    async with AsyncMeshClient(scripted.router) as mesh:
+        call = GenerateCall(
+            model=model, messages=QUESTION, temperature=0, max_tokens=64, format=schema
+        )
+        result = await mesh.generate(call)
+    assert result.reasoning == SCRIPTED_REASONING
+    assert json.loads(result.text)["greeting"] in ("Hello world", "Hi")
+    assert result.metrics.finish_reason == "stop"
+
+
 async def test_the_client_returns_reasoning_and_streams_it_on_request(
     scripted: ScriptedMesh,
 ) -> None:

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import os
 import signal
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 import pytest
@@ -314,6 +316,7 @@ async def stream(
     model: str = "m",
     seed: int | None = None,
     ignore_eos: bool = True,
+    fmt: types_pb2.ResponseFormat | None = None,
 ) -> Streamed:
     """A generation through the router, greedy (or, with a seed, at temperature 0.9);
     action() runs once the caller has received each number of deltas in `at`. ignore_eos
@@ -330,7 +333,8 @@ async def stream(
                 temperature=0.0 if seed is None else 0.9,
                 seed=seed,
                 stop=list(stop),
-                ignore_eos=ignore_eos,
+                ignore_eos=ignore_eos and fmt is None,
+                response_format=fmt,
             ),
         )
         try:
@@ -390,16 +394,18 @@ async def interrupted(
     model: str = "m",
     seed: int | None = None,
     also: tuple[str, ...] = (),
+    fmt: types_pb2.ResponseFormat | None = None,
 ) -> AsyncIterator[tuple[Streamed, Streamed, list[str]]]:
     """The same request uninterrupted, then with the generating decode node (and the nodes
     in `also`) killed or stopped after each number of deltas in `at`; the nodes are
     restarted afterwards."""
-    alone = await stream(mesh.router, max_tokens, stop=stop, model=model, seed=seed)
+    args: dict[str, Any] = {"stop": stop, "model": model, "seed": seed, "fmt": fmt}
+    alone = await stream(mesh.router, max_tokens, **args)
     assert alone.error is None and alone.summary is not None and not alone.summary.migrations
     killed: list[str] = []
     try:
         action = kill_serving(mesh, how, killed, also)
-        got = await stream(mesh.router, max_tokens, at, action, stop=stop, model=model, seed=seed)
+        got = await stream(mesh.router, max_tokens, at, action, **args)
         yield alone, got, killed
     finally:
         await mesh.restart(*killed)
@@ -464,6 +470,42 @@ async def test_max_tokens_and_stop_strings_hold_across_a_migration(
     assert stop[0] not in "".join(got.deltas) and summary.completion_tokens <= 60
     assert summary.finish_reason == types_pb2.FINISH_REASON_STOP
     assert len(summary.migrations) == 1
+
+
+# Twelve number words at most: the JSON closes well within LONG tokens.
+NUMBERS = types_pb2.ResponseFormat(
+    type=types_pb2.RESPONSE_FORMAT_TYPE_JSON_SCHEMA,
+    json_schema=json.dumps(
+        {
+            "type": "object",
+            "properties": {
+                "numbers": {
+                    "type": "array",
+                    "items": {"type": "string", "maxLength": 10},
+                    "minItems": 6,
+                    "maxItems": 12,
+                }
+            },
+            "required": ["numbers"],
+        }
+    ),
+)
+
+
+@pytest.mark.parametrize(("model", "seed"), [("m", None), (VIA_DECODE, None), ("m", 11)])
+async def test_a_constrained_answer_stays_constrained_across_a_migration(
+    migration_mesh: MigrationMesh, model: str, seed: int | None
+) -> None:
+    """The node taking over rebuilds the grammar's state from the delivered tokens (the
+    prefill node's first token, the replayed ones): the same JSON as uninterrupted."""
+    async with interrupted(
+        migration_mesh, signal.SIGKILL, frozenset({5}), model=model, seed=seed, fmt=NUMBERS
+    ) as (alone, got, _):
+        summary = same_answer(alone, got)
+    assert len(summary.migrations) == 1
+    assert summary.finish_reason == types_pb2.FINISH_REASON_STOP
+    numbers = json.loads("".join(got.deltas))["numbers"]
+    assert 6 <= len(numbers) <= 12 and all(len(n) <= 10 for n in numbers)
 
 
 @pytest.fixture(scope="module")

@@ -4,6 +4,7 @@ fallback chain, against an Ollama HTTP API server inside the tests (tests/fake_o
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -184,6 +185,31 @@ async def test_ignore_eos_is_refused_by_ollama_naming_the_field(
             await collect(router.Generate(ollama_request(model, ignore_eos=True)))
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, model
         assert "sampling.ignore_eos" in (info.value.details() or ""), info.value.details()
+
+
+async def test_response_format_reaches_ollama_as_its_format(
+    router: router_pb2_grpc.RouterServiceAsyncStub, ollama_mesh: OllamaMesh
+) -> None:
+    """Ollama's own `format` ("json" or the schema); a constrained generation is never
+    split over Ollama nodes (Ollama would start its grammar again at the decode node)."""
+    schema = {"type": "object", "properties": {"a": {"type": "string"}}}
+    formats = [
+        (types_pb2.ResponseFormat(type=types_pb2.RESPONSE_FORMAT_TYPE_JSON_OBJECT), "json"),
+        (
+            types_pb2.ResponseFormat(
+                type=types_pb2.RESPONSE_FORMAT_TYPE_JSON_SCHEMA, json_schema=json.dumps(schema)
+            ),
+            schema,
+        ),
+    ]
+    for fmt, sent in formats:
+        got = await collect(router.Generate(ollama_request(MODEL, 4, response_format=fmt)))
+        assert got.summary.method == router_pb2.ROUTE_METHOD_DECODE_ONLY
+        [failure] = got.summary.failed_attempts
+        assert failure.code == "FAILED_PRECONDITION" and "grammar" in failure.message
+        assert ollama_mesh.nodes_ollama.last("/api/generate")["format"] == sent
+        await collect(router.Generate(ollama_request("ollama/direct", 4, response_format=fmt)))
+        assert ollama_mesh.direct_ollama.last("/api/generate")["format"] == sent
 
 
 async def test_ollama_500_on_the_nodes_falls_back_to_direct_ollama(

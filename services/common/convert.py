@@ -21,6 +21,7 @@ from services.common.types import (
     FinishReason,
     KvTransferKind,
     Prompt,
+    ResponseFormat,
     Sampling,
     TextChunk,
 )
@@ -36,6 +37,31 @@ def sampling_from_proto(msg: types_pb2.SamplingParams, max_tokens_limit: int) ->
         seed=msg.seed if msg.HasField("seed") else None,
         stop=tuple(msg.stop),
         ignore_eos=msg.ignore_eos,
+        response_format=response_format_from_proto(msg.response_format),
+    )
+
+
+def response_format_from_proto(msg: types_pb2.ResponseFormat) -> ResponseFormat | None:
+    if msg.type == types_pb2.RESPONSE_FORMAT_TYPE_UNSPECIFIED:
+        if msg.json_schema:
+            raise InvalidArgument(
+                "sampling.response_format.type", "is unset, but json_schema is given"
+            )
+        return None
+    if msg.type == types_pb2.RESPONSE_FORMAT_TYPE_JSON_OBJECT:
+        return ResponseFormat()
+    if msg.type == types_pb2.RESPONSE_FORMAT_TYPE_JSON_SCHEMA:
+        return ResponseFormat(json_schema=msg.json_schema)
+    raise InvalidArgument("sampling.response_format.type", f"unknown value {msg.type}")
+
+
+def response_format_to_proto(fmt: ResponseFormat | None) -> types_pb2.ResponseFormat | None:
+    if fmt is None:
+        return None
+    if fmt.json_schema is None:
+        return types_pb2.ResponseFormat(type=types_pb2.RESPONSE_FORMAT_TYPE_JSON_OBJECT)
+    return types_pb2.ResponseFormat(
+        type=types_pb2.RESPONSE_FORMAT_TYPE_JSON_SCHEMA, json_schema=fmt.json_schema
     )
 
 
@@ -47,6 +73,7 @@ def sampling_to_proto(sampling: Sampling) -> types_pb2.SamplingParams:
         seed=sampling.seed,
         stop=list(sampling.stop),
         ignore_eos=sampling.ignore_eos or None,
+        response_format=response_format_to_proto(sampling.response_format),
     )
 
 

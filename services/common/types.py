@@ -12,6 +12,14 @@ REASONING_EFFORTS = ("low", "medium", "high")
 
 
 @dataclass(frozen=True)
+class ResponseFormat:
+    """Structured output: the answer is JSON, constrained by a grammar where tokens are
+    sampled. json_schema None: any JSON object; else a JSON Schema, as JSON text."""
+
+    json_schema: str | None = None
+
+
+@dataclass(frozen=True)
 class Sampling:
     """How tokens are chosen. temperature 0 is greedy and deterministic."""
 
@@ -22,6 +30,8 @@ class Sampling:
     stop: tuple[str, ...] = ()
     # End tokens are never sampled: the answer runs to max_tokens (or a stop string).
     ignore_eos: bool = False
+    # None: free text.
+    response_format: ResponseFormat | None = None
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from services.common.engines.llama_cpp.grammar import check as check_response_format
 from services.common.errors import InvalidArgument, NotFound
 from services.common.types import Prompt, Sampling
 
@@ -42,6 +43,14 @@ def validate_sampling(sampling: Sampling, max_tokens_limit: int) -> None:
         )
     if any(not s for s in sampling.stop):
         raise InvalidArgument("sampling.stop", "stop strings must not be empty")
+    if sampling.response_format is not None:
+        if sampling.ignore_eos:
+            raise InvalidArgument(
+                "sampling.ignore_eos",
+                "cannot be combined with response_format: the answer must end when its JSON "
+                "does",
+            )
+        check_response_format(sampling.response_format, "sampling.response_format.json_schema")
 
 
 def check_served(model: str, node_name: str, served: list[str]) -> None:

@@ -19,6 +19,7 @@ What Ollama's HTTP API can and cannot do for disaggregation:
 from __future__ import annotations
 
 import hashlib
+import json
 import sys
 import time
 from array import array
@@ -54,6 +55,7 @@ from services.common.types import (
     KvSource,
     KvTransferKind,
     Prompt,
+    ResponseFormat,
     Sampling,
     TextChunk,
 )
@@ -67,6 +69,11 @@ _NO_STATE_CONTINUATION = (
     "an Ollama node cannot take a continuation with a KV state (continuation with kv, or "
     "PrefillRequest.continuation): Ollama moves token ids, not KV; give the decode node "
     "the continuation with the prompt instead"
+)
+_NO_CONSTRAINED_HANDOFF = (
+    "an Ollama node cannot go on with a structured-output (response_format) generation "
+    "another node started: Ollama would start its grammar again from the handed-over text; "
+    "the generation runs whole on one node (decode_only, direct_ollama)"
 )
 
 
@@ -127,6 +134,8 @@ class OllamaEngine:
         """Ollama exposes no KV cache: its token ids always move whole (candidates unused)."""
         if continuation is not None:
             raise FailedPrecondition(_NO_STATE_CONTINUATION)
+        if sampling.response_format is not None:
+            raise FailedPrecondition(_NO_CONSTRAINED_HANDOFF)
         if prompt.messages:
             raise FailedPrecondition(
                 "an Ollama prefill node cannot hand over chat messages: Ollama's chat API "
@@ -196,6 +205,8 @@ class OllamaEngine:
         chat template, else /api/chat with the generated text as an open assistant turn
         (Ollama's template renders the turns as for the original request and leaves the
         last assistant turn open, so the model continues it)."""
+        if continuation is not None and sampling.response_format is not None:
+            raise FailedPrecondition(_NO_CONSTRAINED_HANDOFF)
         already = 0 if continuation is None else continuation.generated_tokens
         left = sampling.max_tokens - already
         if left <= 0:
@@ -213,6 +224,7 @@ class OllamaEngine:
         request: Any
         # gpt-oss's reasoning effort is Ollama's `think` level; unset, Ollama's default.
         think: Any = prompt.reasoning_effort or None
+        fmt = ollama_format(sampling.response_format)
         async with self._admitted():
             if turns:
                 request = self._client.chat(
@@ -222,6 +234,7 @@ class OllamaEngine:
                     keep_alive=self.keep_alive,
                     stream=True,
                     think=think,
+                    format=fmt,
                 )
             else:
                 request = self._client.generate(
@@ -231,6 +244,7 @@ class OllamaEngine:
                     options=options,
                     keep_alive=self.keep_alive,
                     stream=True,
+                    format=fmt,
                 )
             async for item in self._stream(request, already=already):
                 yield item
@@ -359,3 +373,10 @@ def _bytes_to_ids(data: memoryview) -> list[int]:
     if sys.byteorder == "big":
         packed.byteswap()
     return packed.tolist()
+
+
+def ollama_format(fmt: ResponseFormat | None) -> Any:
+    """Ollama's `format`: "json" for any JSON object, the schema itself for a schema."""
+    if fmt is None:
+        return None
+    return "json" if fmt.json_schema is None else json.loads(fmt.json_schema)

@@ -26,6 +26,7 @@ from services.common.types import (
     DEFAULT_TEMPERATURE,
     DEFAULT_TOP_P,
     REASONING_EFFORTS,
+    ResponseFormat,
     Sampling,
     TextChunk,
 )
@@ -207,6 +208,7 @@ def sampling(
     stop: tuple[str, ...],
     max_tokens_field: str,
     ignore_eos: bool = False,
+    response_format: ResponseFormat | None = None,
 ) -> Sampling:
     """A Sampling from an HTTP request; unset max_tokens (or Ollama's -1/-2) means until an
     end token or a full context, bounded by the mesh's max_tokens_limit."""
@@ -225,6 +227,7 @@ def sampling(
         seed=seed,
         stop=stop,
         ignore_eos=ignore_eos,
+        response_format=response_format,
     )
 
 

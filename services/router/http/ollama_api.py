@@ -20,8 +20,9 @@ from typing import Any
 
 from aiohttp import web
 
+from services.common.engines.llama_cpp.grammar import check as check_response_format
 from services.common.errors import InvalidArgument, MeshError, NotFound
-from services.common.types import ChatTurn, Prompt, Sampling
+from services.common.types import ChatTurn, Prompt, ResponseFormat, Sampling
 from services.router.http.common import (
     Events,
     Fields,
@@ -57,6 +58,19 @@ def now() -> str:
 
 def ns(seconds: float) -> int:
     return round(max(seconds, 0.0) * 1e9)
+
+
+def _format(value: object) -> ResponseFormat | None:
+    """Ollama's `format`: "json" (any JSON object) or a JSON Schema object."""
+    if value is None or value == "":
+        return None
+    if value == "json":
+        return ResponseFormat()
+    if not isinstance(value, dict):
+        raise InvalidArgument("format", f'must be "json" or a JSON Schema object, got {value!r}')
+    fmt = ResponseFormat(json_schema=json.dumps(value))
+    check_response_format(fmt, "format")
+    return fmt
 
 
 class OllamaApi:
@@ -99,6 +113,7 @@ class OllamaApi:
             seed=seed,
             stop=options.strings("stop"),
             max_tokens_field="options.num_predict",
+            response_format=_format(body.body.get("format")),
         )
 
     def _think(self, body: Fields) -> tuple[str, bool]:
@@ -115,7 +130,6 @@ class OllamaApi:
         for key, why in (
             ("images", "this mesh serves text models"),
             ("context", "send the conversation as messages to /api/chat instead"),
-            ("format", "structured output is not implemented"),
             ("suffix", "fill-in-the-middle is not implemented"),
             ("template", "the model's own chat template is used"),
         ):
@@ -144,7 +158,6 @@ class OllamaApi:
         model = body.string("model", required=True) or ""
         for key, why in (
             ("tools", "tool calling is not implemented"),
-            ("format", "structured output is not implemented"),
         ):
             body.refuse(key, why)
         body.string("keep_alive")

@@ -14,9 +14,10 @@ from typing import Any
 import grpc
 from aiohttp import web
 
+from services.common.engines.llama_cpp.grammar import check as check_response_format
 from services.common.errors import InvalidArgument, MeshError
 from services.common.observability.logging import current_request_id
-from services.common.types import ChatTurn, Prompt, Sampling
+from services.common.types import ChatTurn, Prompt, ResponseFormat, Sampling
 from services.router.http.common import (
     Events,
     Fields,
@@ -61,6 +62,36 @@ def _status(exc: MeshError) -> int:
 api = scoped("openai", error_body, _status)
 
 
+def _response_format(fields: Fields) -> ResponseFormat | None:
+    """OpenAI's response_format: {"type": "text"}, {"type": "json_object"}, or
+    {"type": "json_schema", "json_schema": {"name", "schema", "strict", ...}}."""
+    if not fields.body:
+        return None
+    kind = fields.string("type", required=True)
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return ResponseFormat()
+    if kind != "json_schema":
+        raise InvalidArgument(
+            "response_format.type",
+            f'must be "text", "json_object" or "json_schema", got {kind!r}',
+        )
+    spec = fields.mapping("json_schema")
+    spec.string("name", required=True)
+    spec.boolean("strict", False)  # the grammar enforces the schema either way
+    schema = spec.body.get("schema")
+    if schema is None:  # OpenAI's default: any JSON object
+        return ResponseFormat()
+    if not isinstance(schema, dict):
+        raise InvalidArgument(
+            "response_format.json_schema.schema", f"must be an object, got {schema!r}"
+        )
+    fmt = ResponseFormat(json_schema=json.dumps(schema))
+    check_response_format(fmt, "response_format.json_schema.schema")
+    return fmt
+
+
 class OpenAiApi:
     def __init__(self, router: Router) -> None:
         self.router = router
@@ -80,7 +111,6 @@ class OpenAiApi:
         for key, why in (
             ("tools", "tool calling is not implemented"),
             ("functions", "function calling is not implemented"),
-            ("response_format", "structured output is not implemented"),
             ("logprobs", "log probabilities are not returned"),
         ):
             body.refuse(key, why)
@@ -103,6 +133,7 @@ class OpenAiApi:
             max_tokens_field=field,
             # vLLM's extra parameter (the openai client's extra_body): fixed-length answers.
             ignore_eos=body.boolean("ignore_eos", False),
+            response_format=_response_format(body.mapping("response_format")),
         )
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:

@@ -107,6 +107,7 @@ class LlamaModel:
         except ValueError as exc:
             raise ModelLoadError(f"llama.cpp cannot load {path}: {exc}") from None
         self.ptr = self._model.model
+        self.vocab = self._model.vocab
         layers = int(llama_cpp.llama_model_n_layer(self.ptr)) + 1
         self.placement = Placement(
             backend=backend if backend is not None and n_gpu_layers > 0 else "CPU",

@@ -1,5 +1,10 @@
 """One sampler chain per request, so each slot samples with its own settings and its own
-random generator: a seeded request gives the same text alone and in a batch."""
+random generator: a seeded request gives the same text alone and in a batch.
+
+Structured output adds a grammar sampler of the slot's own, applied before the chain
+(every token the grammar forbids gets -inf) and told of every token the stream takes,
+sampled here or elsewhere (a prefill node's first token, a migration's replayed tokens):
+so a stream continued on another node is constrained exactly as it would have been."""
 
 from __future__ import annotations
 
@@ -8,9 +13,15 @@ import math
 from typing import Any
 
 import llama_cpp
+import numpy as np
 
+from services.common.engines.llama_cpp.grammar import HARMONY_ROOT, grammar, harmony_rules
+from services.common.engines.llama_cpp.harmony import HarmonyTokens
+from services.common.errors import FailedPrecondition, InvalidArgument
 from services.common.types import Sampling
 
+# llama_token_data, as numpy sees it.
+TOKEN_DATA = np.dtype([("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])
 # Llama._init_sampler's defaults, so sampling behaves as in single-process llama-cpp-python.
 TOP_K = 40
 MIN_P = 0.05
@@ -30,14 +41,31 @@ class SlotSampler:
         seed_offset: int = 0,
         end_tokens: tuple[int, ...] = (),
         n_vocab: int = 0,
+        vocab: Any = None,
+        harmony: HarmonyTokens | None = None,
     ) -> None:
         """end_tokens: the model's end-of-generation ids (of n_vocab), suppressed when
-        sampling.ignore_eos (a -inf logit bias first in the chain, as llama-server does)."""
+        sampling.ignore_eos (a -inf logit bias first in the chain, as llama-server does).
+        vocab: the model's vocabulary, for a response format's grammar; harmony: its
+        harmony tokens (gpt-oss), whose grammar constrains the final channel only."""
         chain: Any = llama_cpp.llama_sampler_chain_init(
             llama_cpp.llama_sampler_chain_default_params()
         )
         self._chain = chain
         self._greedy = sampling.temperature == 0.0
+        self._n_vocab = n_vocab
+        self._grammar: Any = None
+        if sampling.response_format is not None:
+            rules, root = grammar(sampling.response_format), "root"
+            if harmony is not None:
+                rules, root = rules + "\n" + harmony_rules(harmony), HARMONY_ROOT
+            self._grammar = llama_cpp.llama_sampler_init_grammar(
+                vocab, rules.encode(), root.encode()
+            )
+            if not self._grammar:
+                raise InvalidArgument(
+                    "sampling.response_format", "llama.cpp could not parse its grammar"
+                )
         # skip()'s one candidate: any id the bias leaves alone.
         self._skip_id = 0
         if sampling.ignore_eos and end_tokens:
@@ -64,7 +92,61 @@ class SlotSampler:
     def sample(self, ctx: Any, row: int) -> int:
         """Sample from the logits of batch row `row` (which must have asked for logits);
         the token is accepted into the chain's state."""
-        return int(llama_cpp.llama_sampler_sample(self._chain, ctx, row))
+        if self._grammar is None:
+            return int(llama_cpp.llama_sampler_sample(self._chain, ctx, row))
+        logits = np.ctypeslib.as_array(
+            llama_cpp.llama_get_logits_ith(ctx, row), shape=(self._n_vocab,)
+        )
+        if self._greedy:
+            # The most likely token, when the grammar allows it, is what greedy sampling of
+            # the constrained logits picks: the grammar then looks at one candidate, not all.
+            best = int(np.argmax(logits))
+            if self.allows(best):
+                self._accept(best)
+                return best
+        candidates = np.empty(self._n_vocab, dtype=TOKEN_DATA)
+        candidates["id"] = np.arange(self._n_vocab, dtype=np.int32)
+        candidates["logit"] = logits
+        candidates["p"] = 0.0
+        array = llama_cpp.llama_token_data_array(
+            data=candidates.ctypes.data_as(ctypes.POINTER(llama_cpp.llama_token_data)),
+            size=self._n_vocab,
+            selected=-1,
+            sorted=False,
+        )
+        llama_cpp.llama_sampler_apply(self._grammar, ctypes.byref(array))
+        llama_cpp.llama_sampler_apply(self._chain, ctypes.byref(array))
+        token = int(array.data[array.selected].id)
+        self._accept(token)
+        return token
+
+    def allows(self, token: int) -> bool:
+        """Whether the response format's grammar allows `token` next (True without one)."""
+        if self._grammar is None:
+            return True
+        candidate = llama_cpp.llama_token_data(id=token, logit=0.0, p=0.0)
+        array = llama_cpp.llama_token_data_array(
+            data=ctypes.pointer(candidate), size=1, selected=-1, sorted=False
+        )
+        llama_cpp.llama_sampler_apply(self._grammar, ctypes.byref(array))
+        return bool(math.isfinite(candidate.logit))
+
+    def take(self, token: int) -> None:
+        """A token this stream takes that this sampler did not draw (a prefill node's first
+        token, a replayed one): the grammar moves past it. FailedPrecondition when the
+        grammar forbids it (llama.cpp would abort on it)."""
+        if self._grammar is None:
+            return
+        if not self.allows(token):
+            raise FailedPrecondition(
+                f"token {token} of the generation so far is not allowed by the response "
+                "format's grammar (the stream was not constrained the same way before)"
+            )
+        llama_cpp.llama_sampler_accept(self._grammar, token)
+
+    def _accept(self, token: int) -> None:
+        llama_cpp.llama_sampler_accept(self._grammar, token)
+        llama_cpp.llama_sampler_accept(self._chain, token)
 
     def skip(self, draws: int) -> None:
         """Advance the random generator as `draws` samples would, without logits: a decode
@@ -86,6 +168,9 @@ class SlotSampler:
         if self._chain is not None:
             llama_cpp.llama_sampler_free(self._chain)
             self._chain = None
+        if self._grammar is not None:
+            llama_cpp.llama_sampler_free(self._grammar)
+            self._grammar = None
 
 
 def _end_token_bias(end_tokens: tuple[int, ...], n_vocab: int) -> Any:

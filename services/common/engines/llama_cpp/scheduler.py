@@ -303,13 +303,23 @@ class Scheduler:
             job = self._pending.popleft()
             if job.cancelled:
                 continue
+            try:
+                sampler = SlotSampler(
+                    job.sampling,
+                    job.seed_offset,
+                    self._model.end_tokens,
+                    self._model.n_vocab,
+                    self._model.vocab,
+                    self._model.harmony,
+                )
+            except MeshError as exc:
+                _emit(job, exc)
+                continue
             index = next(free)
             slot = Slot(
                 index=index,
                 job=job,
-                sampler=SlotSampler(
-                    job.sampling, job.seed_offset, self._model.end_tokens, self._model.n_vocab
-                ),
+                sampler=sampler,
                 order=next(self._order),
                 admitted_at=time.perf_counter(),
             )
@@ -393,12 +403,15 @@ class Scheduler:
         slot.kv_load_seconds = slot.first_at - slot.admitted_at
         slot.text = self._text_stream(job, job.open_message)
         if not job.replay:
-            self._accept(slot, job.first_token)
+            if self._take(slot, job.first_token):
+                self._accept(slot, job.first_token)
             return
         # A generation a prefill node replayed: its tokens are this stream's own, unsent.
         slot.sampler.skip(len(job.replay) - job.seed_offset)
         slot.replayed = len(job.replay)
         for token in job.replay:
+            if not self._take(slot, token):
+                return
             self._accept(slot, token, send=False)
             if self._slots[slot.index] is not slot:  # it ended there (max_tokens, a stop)
                 return
@@ -434,11 +447,11 @@ class Scheduler:
             if slot.job.kind is JobKind.PREFILL:
                 self._replay_for_prefill(slot)
                 continue
-            token = slot.sampler.sample(self._ctx.ptr, i)
             if slot.replayed < len(slot.job.replay):
-                self._accept_replayed(slot)  # the draw above keeps a seeded sampler in step
+                slot.sampler.skip(1)  # keeps a seeded sampler's generator in step
+                self._accept_replayed(slot)
             else:
-                self._accept(slot, token)
+                self._accept(slot, slot.sampler.sample(self._ctx.ptr, i))
         prompt_tokens = sum(self._prompt_pass(slot, end) for slot, end in pieces)
         elapsed = time.perf_counter() - started
         self._rates.add(prompt_tokens, len(decoded))
@@ -497,7 +510,7 @@ class Scheduler:
                 return len(rows)
             if slot.job.replay:
                 if not slot.job.first_token_from_prefill:
-                    slot.sampler.sample(self._ctx.ptr, len(rows) - 1)  # drawn, not used
+                    slot.sampler.skip(1)  # the draw that made the first token
                 self._accept_replayed(slot)
                 return len(rows)
             token = slot.sampler.sample(self._ctx.ptr, len(rows) - 1)
@@ -555,7 +568,19 @@ class Scheduler:
         that its UTF-8, stop-string and token-count state is where it was, but its text is
         not sent again (the caller has it). The next step evaluates it."""
         slot.replayed += 1
-        self._accept(slot, slot.job.replay[slot.replayed - 1], send=False)
+        token = slot.job.replay[slot.replayed - 1]
+        if self._take(slot, token):
+            self._accept(slot, token, send=False)
+
+    def _take(self, slot: Slot, token: int) -> bool:
+        """A token this slot's sampler did not draw, into its grammar; False (the slot
+        failed) when the grammar forbids it."""
+        try:
+            slot.sampler.take(token)
+        except MeshError as exc:
+            self._fail(slot, exc)
+            return False
+        return True
 
     def _replay_for_prefill(self, slot: Slot) -> None:
         """A prefill continuing an interrupted generation, its prompt evaluated: its next
