@@ -12,17 +12,20 @@ import signal
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import grpc
+import ollama
+import openai
 import pytest
 import pytest_asyncio
+from pydantic import BaseModel, Field
 
 from disagg.v1 import node_pb2, node_pb2_grpc, router_pb2, router_pb2_grpc, types_pb2
 from services.common.engines.base import Generation, PrefillOutput
 from services.common.engines.llama_cpp import LlamaCppEngine
 from services.common.errors import FailedPrecondition, InvalidArgument
-from services.common.processes import MeshProcesses
+from services.common.processes import MeshProcesses, free_port
 from services.common.types import (
     Continuation,
     GenerationEnd,
@@ -269,7 +272,7 @@ def migration_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Migrati
     folder = tmp_path_factory.mktemp("migration")
     parts = [
         "[mesh]\ncooldown_s = 0.5\nhealth_check_every_s = 0.5\n",
-        router_node(),
+        router_node(http_port=free_port()),
         engine_node("prefill-m", "prefill", 1, slots=2),
         engine_node("decode-a", "decode", 1, slots=2),
         engine_node("decode-b", "decode", 1, slots=2),
@@ -506,6 +509,56 @@ async def test_a_constrained_answer_stays_constrained_across_a_migration(
     assert summary.finish_reason == types_pb2.FINISH_REASON_STOP
     numbers = json.loads("".join(got.deltas))["numbers"]
     assert 6 <= len(numbers) <= 12 and all(len(n) <= 10 for n in numbers)
+
+
+class Verdict(BaseModel):
+    verdict: Literal["correct", "wrong"]
+    reasons: list[str] = Field(min_length=2, max_length=3)
+
+
+async def test_the_ollama_and_openai_clients_get_valid_json_across_a_migration(
+    migration_mesh: MigrationMesh,
+) -> None:
+    """The grader's own clients, streaming a pydantic-schema'd answer while the decode node
+    serving it is killed: the answer goes on elsewhere, the same as uninterrupted."""
+    router = migration_mesh.processes.topology.router
+    host = f"http://{router.host}:{router.http_port}"
+    messages: Any = [{"role": "user", "content": "Is 2 + 2 = 5? Give reasons."}]
+    options = {"temperature": 0, "num_predict": 200}
+    client = ollama.AsyncClient(host=host)
+    schema = Verdict.model_json_schema()
+    alone = await client.chat(model="m", messages=messages, format=schema, options=options)
+    killed: list[str] = []
+    kill = kill_serving(migration_mesh, signal.SIGKILL, killed)
+    parts = []
+    try:
+        stream = await client.chat(
+            model="m", messages=messages, format=schema, options=options, stream=True
+        )
+        async for part in stream:
+            parts.append(part.message.content or "")
+            if len(parts) == 4:
+                await kill()
+        assert killed and "".join(parts) == alone.message.content
+        Verdict.model_validate_json("".join(parts))
+
+        oa = openai.AsyncOpenAI(base_url=f"{host}/v1", api_key="x", max_retries=0)
+        args: Any = {"model": "m", "messages": messages, "temperature": 0, "max_tokens": 200}
+        whole = await oa.chat.completions.parse(response_format=Verdict, **args)
+        await migration_mesh.restart(*killed)
+        async with oa.chat.completions.stream(response_format=Verdict, **args) as events:
+            seen = 0
+            async for event in events:
+                if event.type == "content.delta":
+                    seen += 1
+                    if seen == 4:
+                        await kill()
+            final = await events.get_final_completion()
+        assert len(killed) == 2
+        assert final.choices[0].message.parsed == whole.choices[0].message.parsed
+        assert isinstance(final.choices[0].message.parsed, Verdict)
+    finally:
+        await migration_mesh.restart(*killed)
 
 
 @pytest.fixture(scope="module")
