@@ -37,7 +37,10 @@ repeated, median reported:
    caller's next text through the other router, against the 5 s target
    (bench/router_failover.py, a mesh of its own);
 13. structured output: JSON-Schema-constrained decode against free decode of as many tokens,
-   1 and 8 streams on one decode node (bench/batching.py, with rows 7 and 8).
+   1 and 8 streams on one decode node (bench/batching.py, with rows 7 and 8);
+14. shared cores: a router, a prefill and a decode node on this machine with default
+   settings, 8 prompts at once against one after another (bench/shared_cores.py, a mesh of
+   its own).
 
 Every answer is greedy with ignore_eos (end tokens never sampled), so both sides of a ratio
 generate the same number of tokens on any CPU. Each row records what each side did (prompt
@@ -83,6 +86,8 @@ from bench.migration import rows as migration_rows  # noqa: E402
 from bench.parallel_pipelines import measure as measure_parallel  # noqa: E402
 from bench.router_failover import measure as measure_router_failover  # noqa: E402
 from bench.router_failover import rows as router_failover_rows  # noqa: E402
+from bench.shared_cores import measure as measure_shared_cores  # noqa: E402
+from bench.shared_cores import rows as shared_cores_rows  # noqa: E402
 from bench.work import Work, failures, figure, record, total  # noqa: E402
 from disagg.v1 import (  # noqa: E402
     decode_pb2,
@@ -720,11 +725,23 @@ async def run_all(bench: Bench, args: argparse.Namespace) -> dict[str, Any]:
             "12. resume after the serving router dies (a mesh of its own)",
             lambda: measure_router_failover(args.kills, 200),
         ),
+        (
+            "shared_cores",
+            "14. engine nodes sharing this machine's cores (a mesh of its own)",
+            lambda: measure_shared_cores(8, 64, bench.repeats),
+        ),
     ]
     for key, title, step in steps:
         if args.only and key not in args.only:
             continue
-        own_mesh = ("batching", "migration", "grader", "families", "router_failover")
+        own_mesh = (
+            "batching",
+            "migration",
+            "grader",
+            "families",
+            "router_failover",
+            "shared_cores",
+        )
         if key in own_mesh and args.running:
             say(f">> {title}: skipped with --running (it starts a node on this machine)")
             continue
@@ -835,6 +852,8 @@ def table(r: dict[str, Any]) -> str:
         rows += families_rows(r["families"])
     if "router_failover" in r:
         rows += router_failover_rows(r["router_failover"])
+    if "shared_cores" in r:
+        rows += shared_cores_rows(r["shared_cores"])
     width = [max(len(row[i]) for row in rows) for i in range(3)]
     header = ("measurement", "result", "goal")
     lines = ["  ".join(h.ljust(width[i]) for i, h in enumerate(header))]
@@ -886,6 +905,7 @@ def main() -> int:
             "grader",
             "families",
             "router_failover",
+            "shared_cores",
         ],
         help="run only these measurements",
     )
