@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from services.common.topology import TopologyError, load_topology
+from services.common.engines.llama_cpp.host_threads import HostThreads
+from services.common.topology import TopologyError, host_cores, load_topology
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -124,3 +125,24 @@ def test_bad_topology_names_file_key_and_problem(
 def test_missing_file(tmp_path: Path) -> None:
     with pytest.raises(TopologyError, match="no such topology file"):
         load_topology(tmp_path / "nope.toml")
+
+
+def test_engine_nodes_of_one_host_share_its_cores(tmp_path: Path) -> None:
+    """The local mesh's four engine nodes set no n_threads: each may use every core, and
+    they share them at run time; a node with n_threads of its own keeps it."""
+    topology = load_topology(ROOT / "topology/local.toml")
+    engines = [n for n in topology.nodes if n.role != "router"]
+    assert {topology.threads_for(n) for n in engines} == {host_cores()}
+    assert all(topology.host_peers(n) == tuple(e.name for e in engines) for n in engines)
+    fixed = engines[0].model_copy(update={"n_threads": 1})
+    assert (topology.threads_for(fixed), topology.host_peers(fixed)) == (1, ())
+    # The budget itself: a busy node takes the cores over the busy nodes.
+    a, b = (HostThreads(["a", "b"], name, 4, folder=tmp_path) for name in "ab")
+    assert a.path == b.path and a.threads() == 4
+    b.set_busy(True)
+    assert a.threads() == 2 and b.threads() == 4  # a counts itself busy, b sees a idle
+    a.set_busy(True)
+    assert b.threads() == 2
+    b.close()
+    assert a.threads() == 4
+    a.close()

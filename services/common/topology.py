@@ -27,6 +27,13 @@ KvCacheTypeName = Literal["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl"
 DEFAULT_SLOTS = {"prefill": 4, "decode": 8}
 
 
+
+def host_cores() -> int:
+    """The cores this process may run on."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return max(1, os.cpu_count() or 1)
+
 class TopologyError(Exception):
     """The topology file cannot be used; the message says where and why."""
 
@@ -246,15 +253,28 @@ class Topology(_Strict):
         return next((m for m in self.models if m.name == model), None)
 
     def threads_for(self, node: Node) -> int:
-        """n_threads when the topology sets none: this machine's cores, shared by the
-        pipelines whose engine nodes live on the same host (a pipeline's prefill and decode
-        nodes take turns, so two engine nodes count as one busy engine). One node per
-        machine gets every core; the local mesh's 4 nodes on 2 cores get 1 thread each, as
-        llama.cpp's spinning threads slow down badly when cores are oversubscribed."""
+        """n_threads when the topology sets none: every core of this machine. Engine nodes
+        sharing a host with no n_threads of their own then share its cores at run time
+        (`host_peers`, engines/llama_cpp/host_threads.py): a busy node takes the cores
+        divided by the busy nodes, so a request alone uses every core and many at once do
+        not oversubscribe them."""
         if node.n_threads:
             return node.n_threads
-        engines_here = sum(1 for n in self.nodes if n.role != "router" and n.host == node.host)
-        return max(1, (os.cpu_count() or 1) // max(1, engines_here // 2))
+        return host_cores()
+
+    def host_peers(self, node: Node) -> tuple[str, ...]:
+        """The embedded engine nodes on this node's host that share its cores at run time
+        (no n_threads of their own), this one included; () when the node sets n_threads."""
+        if node.n_threads:
+            return ()
+        return tuple(
+            n.name
+            for n in self.nodes
+            if n.role != "router"
+            and n.engine == "llama_cpp"
+            and n.host == node.host
+            and not n.n_threads
+        )
 
     def models_served_by(self, node_name: str) -> list[str]:
         return [m.name for m in self.models if node_name in (*m.prefill, *m.decode)]

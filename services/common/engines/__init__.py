@@ -35,6 +35,7 @@ async def open_engine(topology: Topology, node: Node) -> Engine:
         settings = EngineSettings(
             n_ctx=node.n_ctx,
             n_threads=topology.threads_for(node),
+            host_peers=topology.host_peers(node),
             max_queue=node.max_queue,
             slots=node.slots,
             default_slots=node.default_slots,

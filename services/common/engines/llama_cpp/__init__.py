@@ -9,6 +9,7 @@ thread runs a step loop over them (continuous batching, as llama.cpp's own serve
 - `text.py`       tokens to text: UTF-8, stop strings, limits
 - `scheduler.py`  the step loop: admission, batching, sampling, freeing slots
 - `prompt_share.py` prompt tokens a step may take while streams generate
+- `host_threads.py` the cores of a machine shared by the engine nodes on it
 - `prefix_cache.py` prompt prefixes kept resident for later prompts (keys: ../prefix_keys.py)
 - `engine.py`     the asynchronous `Engine` nodes use
 """

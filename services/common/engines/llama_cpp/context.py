@@ -112,6 +112,7 @@ class SlotContext:
         self._mem: Any = llama_cpp.llama_get_memory(ctx)
         self._batch: Any = llama_cpp.llama_batch_init(settings.n_batch, 0, 1)
         self.settings = settings
+        self._threads = settings.n_threads
         self.slots = settings.slots
         self._parked = settings.slots
         self.cache_seqs = range(settings.slots + 1, settings.slots + 1 + settings.prefix_cache_seqs)
@@ -121,6 +122,12 @@ class SlotContext:
     @property
     def ptr(self) -> Any:
         return self._ctx
+
+    def set_threads(self, n: int) -> None:
+        """The threads of the next passes (decode and prompt alike)."""
+        if n != self._threads:
+            llama_cpp.llama_set_n_threads(self._ctx, n, n)
+            self._threads = n
 
     def check_slot(self, slot: int) -> None:
         if not 0 <= slot < self.slots:

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from services.common.engines.base import EngineLoad, Generation, PrefillOutput
 from services.common.engines.llama_cpp.context import ContextSettings, SlotContext
+from services.common.engines.llama_cpp.host_threads import HostThreads
 from services.common.engines.llama_cpp.model import (
     ENGINE_VERSION,
     LlamaModel,
@@ -78,6 +79,9 @@ class EngineSettings:
     n_gpu_layers: int | None = None
     type_k: str = "f16"
     type_v: str = "f16"
+    # The engine nodes sharing this host's cores at run time (host_threads.py), this one
+    # included; fewer than two: n_threads is fixed.
+    host_peers: tuple[str, ...] = ()
     swa_full: bool = False
     # Prompt tokens the prefix cache may hold (0: no cache), on top of slots * n_ctx.
     prefix_cache_tokens: int = 0
@@ -185,6 +189,9 @@ class LlamaCppEngine:
             cache = PrefixCache(
                 context, context.cache_seqs, settings.prefix_cache_tokens, window=model.window
             )
+        threads = None
+        if len(settings.host_peers) > 1:
+            threads = HostThreads(list(settings.host_peers), name, settings.n_threads)
         scheduler = Scheduler(
             name,
             model,
@@ -192,6 +199,7 @@ class LlamaCppEngine:
             SchedulerSettings(settings.max_queue, settings.max_itl_slowdown),
             kv_bytes_per_token=bytes_per_token,
             prefix_cache=cache,
+            threads=threads,
         )
         scheduler.start()
         return cls(model, context, scheduler, fingerprint)

@@ -47,6 +47,7 @@ import structlog
 
 from services.common.engines.base import EngineLoad, PrefillOutput, TokenRates
 from services.common.engines.llama_cpp.context import Row, SlotContext
+from services.common.engines.llama_cpp.host_threads import HostThreads
 from services.common.engines.llama_cpp.model import LlamaModel, attended_from
 from services.common.engines.llama_cpp.prefix_cache import Entry, PrefixCache
 from services.common.engines.llama_cpp.prompt_share import prompt_pieces
@@ -185,8 +186,12 @@ class Scheduler:
         settings: SchedulerSettings,
         kv_bytes_per_token: int = 0,
         prefix_cache: PrefixCache | None = None,
+        threads: HostThreads | None = None,
     ) -> None:
+        """threads: this host's core budget, shared with the other engine nodes on it (None:
+        the context's n_threads, fixed)."""
         self.name = name
+        self._threads = threads
         self._model = model
         self._ctx = context
         self._settings = settings
@@ -268,6 +273,8 @@ class Scheduler:
         try:
             while True:
                 with self._cv:
+                    if self._threads is not None and not self._pending and not self._busy:
+                        self._threads.set_busy(False)  # idle: the other nodes' cores
                     while not self._stopping and not self._pending and not self._busy:
                         self._cv.wait()
                     if self._stopping:
@@ -277,6 +284,9 @@ class Scheduler:
                     self._start(slot)
                 self._reap_cancelled()
                 if any(self._slots):
+                    if self._threads is not None:
+                        self._threads.set_busy(True)
+                        self._ctx.set_threads(self._threads.threads())
                     self._step()
                 if self._parked_cells and not any(self._slots):
                     self._free_parked()
@@ -287,6 +297,8 @@ class Scheduler:
             self.problem = f"the engine loop failed: {type(exc).__name__}: {exc}"
             log.exception("engine loop failed", node=self.name)
         finally:
+            if self._threads is not None:
+                self._threads.close()
             reason = self.problem or f"engine {self.name} stopped"
             for slot in [s for s in self._slots if s is not None]:
                 self._fail(slot, Unavailable(reason))
