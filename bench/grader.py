@@ -18,7 +18,6 @@ Writes JSON to bench/results/ when run alone; `make bench` (bench/run.py) runs i
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import statistics
 import sys
@@ -33,6 +32,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "generated")]
 import llama_cpp  # noqa: E402, I001  (before grpc: see services/node.py)
 import grpc  # noqa: E402
 
+from bench.migration import run_alone  # noqa: E402
 from bench.work import Work, figure, record, total  # noqa: E402
 from disagg.v1 import router_pb2, router_pb2_grpc, types_pb2  # noqa: E402
 from services.common.models import resolve_model_path  # noqa: E402
@@ -217,21 +217,8 @@ def rows(g: dict[str, Any]) -> list[tuple[str, str, str]]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--requests", type=int, default=20)
-    parser.add_argument("--rubric-tokens", type=int, default=1500)
-    parser.add_argument("--submission-tokens", type=int, default=200)
-    parser.add_argument("--out", type=Path, default=ROOT / "bench/results")
-    args = parser.parse_args()
-    from bench.run import report_alone
-
-    started = time.perf_counter()
-    result = asyncio.run(measure(args.requests, args.rubric_tokens, args.submission_tokens))
-    text = "\n".join("  ".join(r) for r in rows(result))
-    report_alone(args.out, "grader", 1, started, result, text)
-    return 0
+    options = {"requests": 20, "rubric_tokens": 1500, "submission_tokens": 200}
+    return run_alone(__doc__, "grader", measure, rows, options, repeats=None)
 
 
 if __name__ == "__main__":

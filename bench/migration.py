@@ -213,24 +213,29 @@ def rows(m: dict[str, Any]) -> list[tuple[str, str, str]]:
 def run_alone(
     doc: str | None,
     key: str,
-    measure_kills: Callable[[int, int], Coroutine[Any, Any, dict[str, Any]]],
+    measure: Callable[..., Coroutine[Any, Any, dict[str, Any]]],
     table_rows: Callable[[dict[str, Any]], list[tuple[str, str, str]]],
+    options: dict[str, int] | None = None,
+    repeats: str | None = "kills",
 ) -> int:
-    """A kill benchmark run on its own (this one, router_failover.py): --kills and
-    --new-tokens, its record in bench/results/, its rows printed."""
+    """A benchmark run on its own (this one, router_failover.py, grader.py,
+    shared_cores.py): its integer options (default --kills and --new-tokens) given to
+    measure() in order, its record in bench/results/ (`repeats`: the option that counts
+    repetitions, if any), its rows printed."""
+    options = options or {"kills": 5, "new_tokens": 200}
     parser = argparse.ArgumentParser(
         description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--kills", type=int, default=5)
-    parser.add_argument("--new-tokens", type=int, default=200)
+    for name, default in options.items():
+        parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=default)
     parser.add_argument("--out", type=Path, default=ROOT / "bench/results")
     args = parser.parse_args()
     from bench.run import report_alone
 
     started = time.perf_counter()
-    result = asyncio.run(measure_kills(args.kills, args.new_tokens))
+    result = asyncio.run(measure(*(getattr(args, name) for name in options)))
     text = "\n".join("  ".join(row) for row in table_rows(result))
-    report_alone(args.out, key, args.kills, started, result, text)
+    report_alone(args.out, key, getattr(args, repeats) if repeats else 1, started, result, text)
     return 0
 
 

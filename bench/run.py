@@ -108,6 +108,18 @@ from services.common.types import Sampling  # noqa: E402
 MiB = 1 << 20
 
 
+# The rows measured on the topology's mesh, and those that start nodes of their own.
+ON_THE_MESH = (
+    "handoff_vs_reprefill",
+    "overhead",
+    "relay",
+    "kv_throughput",
+    "concurrency",
+    "parallel_pipelines",
+)
+OWN_MESH = ("batching", "migration", "grader", "families", "router_failover", "shared_cores")
+
+
 def say(line: str = "") -> None:
     print(line, flush=True)
 
@@ -734,15 +746,7 @@ async def run_all(bench: Bench, args: argparse.Namespace) -> dict[str, Any]:
     for key, title, step in steps:
         if args.only and key not in args.only:
             continue
-        own_mesh = (
-            "batching",
-            "migration",
-            "grader",
-            "families",
-            "router_failover",
-            "shared_cores",
-        )
-        if key in own_mesh and args.running:
+        if key in OWN_MESH and args.running:
             say(f">> {title}: skipped with --running (it starts a node on this machine)")
             continue
         say(f">> {title}")
@@ -893,20 +897,7 @@ def main() -> int:
     parser.add_argument(
         "--only",
         nargs="+",
-        choices=[
-            "handoff_vs_reprefill",
-            "overhead",
-            "relay",
-            "kv_throughput",
-            "concurrency",
-            "parallel_pipelines",
-            "batching",
-            "migration",
-            "grader",
-            "families",
-            "router_failover",
-            "shared_cores",
-        ],
+        choices=[*ON_THE_MESH, *OWN_MESH],
         help="run only these measurements",
     )
     parser.add_argument("--out", type=Path, default=ROOT / "bench/results")

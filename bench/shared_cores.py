@@ -16,7 +16,6 @@ Writes JSON to bench/results/ when run alone; `make bench` (bench/run.py) runs i
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import sys
 import time
@@ -28,21 +27,22 @@ sys.path[:0] = [str(ROOT), str(ROOT / "generated")]
 
 import grpc  # noqa: E402
 
-from bench.migration import MODEL, median, say  # noqa: E402
+from bench.migration import MODEL, median, run_alone, say  # noqa: E402
 from bench.work import Work, figure, record, total  # noqa: E402
 from disagg.v1 import router_pb2, router_pb2_grpc, types_pb2  # noqa: E402
 from services.common.processes import free_port, serving_mesh  # noqa: E402
 
 GOAL = 1.0
+# Eight different prompts, none a prefix of another.
 PROMPTS = [
-    "def fibonacci(n):",
-    "The capital of France is",
-    "Count from one to ten:",
-    "Write a haiku about rain.",
-    "Explain recursion briefly.",
-    "import numpy as np\narr =",
-    "Name three prime numbers:",
-    "SELECT name FROM users WHERE",
+    "def merge_sort(items):",
+    "The longest river in Europe is",
+    "List the planets of the solar system:",
+    "Write a limerick about a cat.",
+    "Explain what a hash table is.",
+    "import pandas as pd\ndf =",
+    "Name three noble gases:",
+    "UPDATE accounts SET balance =",
 ]
 
 
@@ -129,21 +129,8 @@ def rows(m: dict[str, Any]) -> list[tuple[str, str, str]]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--prompts", type=int, default=8)
-    parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--out", type=Path, default=ROOT / "bench/results")
-    args = parser.parse_args()
-    from bench.run import report_alone
-
-    started = time.perf_counter()
-    result = asyncio.run(measure(args.prompts, args.new_tokens, args.repeats))
-    text = "\n".join("  ".join(row) for row in rows(result))
-    report_alone(args.out, "shared_cores", args.repeats, started, result, text)
-    return 0
+    options = {"prompts": 8, "new_tokens": 64, "repeats": 3}
+    return run_alone(__doc__, "shared_cores", measure, rows, options, repeats="repeats")
 
 
 if __name__ == "__main__":
