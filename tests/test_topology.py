@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from services.common.engines.llama_cpp.host_threads import HostThreads
-from services.common.topology import TopologyError, host_cores, load_topology
+from services.common.topology import Node, TopologyError, host_cores, load_topology
+from services.common.types import Fingerprint
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -146,3 +147,13 @@ def test_engine_nodes_of_one_host_share_its_cores(tmp_path: Path) -> None:
     b.close()
     assert a.threads() == 4
     a.close()
+
+
+def test_the_kv_settings_a_topology_checks_are_the_fingerprints() -> None:
+    """One list: what a model's nodes must agree on in the topology is the part of the KV
+    fingerprint a node's settings make (the rest comes from the model file and the build)."""
+    settings = Fingerprint("sha", 4096, "v").settings()
+    assert set(Fingerprint.TOPOLOGY_KEYS) <= set(settings)
+    assert set(Fingerprint.TOPOLOGY_KEYS) <= set(Node.model_fields)
+    # The rest is not a node's to set.
+    assert not (set(settings) - set(Fingerprint.TOPOLOGY_KEYS)) & set(Node.model_fields)

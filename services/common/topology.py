@@ -14,6 +14,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from services.common.types import Fingerprint
+
 Role = Literal["router", "prefill", "decode"]
 EngineName = Literal["llama_cpp", "ollama"]
 Step = Literal["disaggregated", "decode_only", "direct_ollama"]
@@ -27,12 +29,12 @@ KvCacheTypeName = Literal["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl"
 DEFAULT_SLOTS = {"prefill": 4, "decode": 8}
 
 
-
 def host_cores() -> int:
     """The cores this process may run on."""
     if hasattr(os, "sched_getaffinity"):
         return max(1, len(os.sched_getaffinity(0)))
     return max(1, os.cpu_count() or 1)
+
 
 class TopologyError(Exception):
     """The topology file cannot be used; the message says where and why."""
@@ -335,7 +337,7 @@ class Topology(_Strict):
 def _check_kv_compatible(index: int, nodes: list[Node]) -> None:
     """A model's embedded prefill and decode nodes must write and read the same KV layout."""
     embedded = [n for n in nodes if n.engine == "llama_cpp"]
-    for key in ("n_ctx", "flash_attn", "type_k", "type_v", "swa_full"):
+    for key in Fingerprint.TOPOLOGY_KEYS:
         values = {getattr(n, key) for n in embedded}
         if len(values) > 1:
             listed = ", ".join(f"{n.name} has {getattr(n, key)}" for n in embedded)

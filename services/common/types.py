@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 DEFAULT_TEMPERATURE = 0.8
 DEFAULT_TOP_P = 0.95
@@ -69,6 +70,17 @@ class Fingerprint:
     kv_unified: bool = True
     # Full-size cache for sliding-window layers, or only the window.
     swa_full: bool = False
+
+    # The settings() a topology sets per node (topology.Node's fields of the same names),
+    # which a model's prefill and decode nodes must therefore agree on; the others come
+    # from the model file and the build.
+    TOPOLOGY_KEYS: ClassVar[tuple[str, ...]] = (
+        "n_ctx",
+        "flash_attn",
+        "type_k",
+        "type_v",
+        "swa_full",
+    )
 
     def settings(self) -> dict[str, object]:
         return {
