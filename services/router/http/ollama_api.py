@@ -20,7 +20,6 @@ from typing import Any
 
 from aiohttp import web
 
-from services.common.engines.llama_cpp.grammar import check as check_response_format
 from services.common.errors import InvalidArgument, MeshError, NotFound
 from services.common.types import ChatTurn, Prompt, ResponseFormat, Sampling
 from services.router.http.common import (
@@ -32,6 +31,7 @@ from services.router.http.common import (
     mesh_fields,
     reasoning_effort,
     sampling,
+    schema_format,
     scoped,
 )
 from services.router.routing import Router, RouteSummary
@@ -68,9 +68,7 @@ def _format(value: object) -> ResponseFormat | None:
         return ResponseFormat()
     if not isinstance(value, dict):
         raise InvalidArgument("format", f'must be "json" or a JSON Schema object, got {value!r}')
-    fmt = ResponseFormat(json_schema=json.dumps(value))
-    check_response_format(fmt, "format")
-    return fmt
+    return schema_format(value, "format")
 
 
 class OllamaApi:
@@ -156,9 +154,7 @@ class OllamaApi:
     async def chat(self, request: web.Request) -> web.StreamResponse:
         body = Fields(await json_body(request))
         model = body.string("model", required=True) or ""
-        for key, why in (
-            ("tools", "tool calling is not implemented"),
-        ):
+        for key, why in (("tools", "tool calling is not implemented"),):
             body.refuse(key, why)
         body.string("keep_alive")
         stream = body.boolean("stream", True)

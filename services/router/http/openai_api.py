@@ -14,7 +14,6 @@ from typing import Any
 import grpc
 from aiohttp import web
 
-from services.common.engines.llama_cpp.grammar import check as check_response_format
 from services.common.errors import InvalidArgument, MeshError
 from services.common.observability.logging import current_request_id
 from services.common.types import ChatTurn, Prompt, ResponseFormat, Sampling
@@ -28,6 +27,7 @@ from services.router.http.common import (
     mesh_fields,
     reasoning_effort,
     sampling,
+    schema_format,
     scoped,
 )
 from services.router.routing import Router, RouteSummary
@@ -87,9 +87,7 @@ def _response_format(fields: Fields) -> ResponseFormat | None:
         raise InvalidArgument(
             "response_format.json_schema.schema", f"must be an object, got {schema!r}"
         )
-    fmt = ResponseFormat(json_schema=json.dumps(schema))
-    check_response_format(fmt, "response_format.json_schema.schema")
-    return fmt
+    return schema_format(schema, "response_format.json_schema.schema")
 
 
 class OpenAiApi:

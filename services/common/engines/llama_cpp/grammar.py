@@ -72,18 +72,25 @@ HARMONY_ROOT = "harmony-answer"
 MAX_INTEGER_RANGE = 1024
 
 
+class _Refused(Exception):
+    """Why a schema cannot be enforced (the caller names the field)."""
+
+
 def check(fmt: ResponseFormat, field: str) -> None:
     """InvalidArgument naming `field` (and the keyword and where it is) unless the format
     converts to a grammar that enforces all of it."""
-    if fmt.json_schema is not None:
-        _grammar_for_schema(fmt.json_schema, field)
+    grammar(fmt, field)
 
 
-def grammar(fmt: ResponseFormat) -> str:
-    """The GBNF grammar of a response format (root rule "root"); a checked format."""
+def grammar(fmt: ResponseFormat, field: str = "sampling.response_format.json_schema") -> str:
+    """The GBNF grammar of a response format (root rule "root"); InvalidArgument naming
+    `field` when it cannot be enforced."""
     if fmt.json_schema is None:
         return JSON_GBNF  # llama.cpp's grammars/json.gbnf: root is an object
-    return _grammar_for_schema(fmt.json_schema, "sampling.response_format.json_schema")
+    try:
+        return _grammar_for_schema(fmt.json_schema)
+    except _Refused as exc:
+        raise InvalidArgument(field, str(exc)) from None
 
 
 def harmony_rules(tokens: HarmonyTokens) -> str:
@@ -102,86 +109,82 @@ def harmony_rules(tokens: HarmonyTokens) -> str:
 
 
 @functools.lru_cache(maxsize=64)
-def _grammar_for_schema(text: str, field: str) -> str:
+def _grammar_for_schema(text: str) -> str:
+    """Converted once per schema and process (the door, the router's checks and each node's
+    samplers ask for the same one)."""
     try:
         schema = json.loads(text)
     except ValueError as exc:
-        raise InvalidArgument(field, f"is not valid JSON: {exc}") from None
+        raise _Refused(f"is not valid JSON: {exc}") from None
     if not isinstance(schema, dict):
-        raise InvalidArgument(field, f"must be a JSON Schema object, got {text[:60]!r}")
-    schema = _checked(schema, field, "")
+        raise _Refused(f"must be a JSON Schema object, got {text[:60]!r}")
+    schema = _checked(schema, "")
     try:
         rules = str(json_schema_to_gbnf(json.dumps(schema)))
     except (AssertionError, ValueError, KeyError, TypeError, RecursionError) as exc:
-        raise InvalidArgument(
-            field, f"llama.cpp's JSON-schema-to-grammar converter refused it: {exc}"
-        ) from None
+        raise _Refused(f"llama.cpp's JSON-schema-to-grammar converter refused it: {exc}") from None
     # The port's string characters include control characters, which JSON forbids inside
     # strings (a raw newline there fails json.loads); llama.cpp's own rule leaves them out.
     return re.sub(r"(?m)^char ::= .*$", lambda _: CHAR_RULE, rules)
 
 
-def _checked(schema: Any, field: str, where: str) -> Any:
-    """The schema with integer ranges as enums; InvalidArgument for what the converter
-    would not enforce."""
+def _checked(schema: Any, where: str) -> Any:
+    """The schema with integer ranges as enums; _Refused for what the converter would not
+    enforce."""
     if isinstance(schema, bool):
         if schema:
             return {}
-        raise InvalidArgument(field, f"the schema `false`{_at(where)} accepts nothing")
+        raise _Refused(f"the schema `false`{_at(where)} accepts nothing")
     if not isinstance(schema, dict):
-        raise InvalidArgument(field, f"expected a schema object{_at(where)}, got {schema!r}")
+        raise _Refused(f"expected a schema object{_at(where)}, got {schema!r}")
     out = dict(schema)
     if any(k in schema for k in BOUNDS):
-        out = _integer_range(schema, field, where)
+        out = _integer_range(schema, where)
     for key, value in schema.items():
         if key in ANNOTATIONS or key in BOUNDS:
             continue
         if key not in ENFORCED:
-            raise InvalidArgument(
-                field,
+            raise _Refused(
                 f"keyword {key!r}{_at(where)} is not supported: llama.cpp's "
                 "JSON-schema-to-grammar converter would not enforce it",
             )
         path = f"{where}.{key}" if where else key
         if key in ("properties", "$defs", "definitions"):
             if not isinstance(value, dict):
-                raise InvalidArgument(field, f"{path} must be an object")
-            out[key] = {k: _checked(v, field, f"{path}.{k}") for k, v in value.items()}
+                raise _Refused(f"{path} must be an object")
+            out[key] = {k: _checked(v, f"{path}.{k}") for k, v in value.items()}
         elif key in ("anyOf", "oneOf", "allOf", "prefixItems") or (
             key == "items" and isinstance(value, list)
         ):
             if not isinstance(value, list):
-                raise InvalidArgument(field, f"{path} must be a list of schemas")
-            out[key] = [_checked(v, field, f"{path}[{i}]") for i, v in enumerate(value)]
+                raise _Refused(f"{path} must be a list of schemas")
+            out[key] = [_checked(v, f"{path}[{i}]") for i, v in enumerate(value)]
         elif key == "items" or (key == "additionalProperties" and not isinstance(value, bool)):
-            out[key] = _checked(value, field, path)
+            out[key] = _checked(value, path)
         elif key == "type":
             types = value if isinstance(value, list) else [value]
             unknown = [t for t in types if t not in TYPES]
             if unknown:
-                raise InvalidArgument(field, f"type {unknown[0]!r}{_at(where)} is not a JSON type")
+                raise _Refused(f"type {unknown[0]!r}{_at(where)} is not a JSON type")
         elif key == "format" and value not in FORMATS:
-            raise InvalidArgument(
-                field,
+            raise _Refused(
                 f"format {value!r}{_at(where)} is not supported (supported: "
                 f"{', '.join(sorted(FORMATS))})",
             )
     return out
 
 
-def _integer_range(schema: dict[str, Any], field: str, where: str) -> dict[str, Any]:
+def _integer_range(schema: dict[str, Any], where: str) -> dict[str, Any]:
     bound = next(k for k in BOUNDS if k in schema)
     if schema.get("type") != "integer":
-        raise InvalidArgument(
-            field,
+        raise _Refused(
             f"keyword {bound!r}{_at(where)} is supported on integers only (as the enum of "
             "the values it allows)",
         )
     low = _bound(schema, "minimum", "exclusiveMinimum", 1)
     high = _bound(schema, "maximum", "exclusiveMaximum", -1)
     if low is None or high is None or not 0 <= high - low < MAX_INTEGER_RANGE:
-        raise InvalidArgument(
-            field,
+        raise _Refused(
             f"keyword {bound!r}{_at(where)}: an integer range is supported when both ends are "
             f"set and it holds 1 to {MAX_INTEGER_RANGE} values",
         )

@@ -415,17 +415,15 @@ class Scheduler:
         slot.kv_load_seconds = slot.first_at - slot.admitted_at
         slot.text = self._text_stream(job, job.open_message)
         if not job.replay:
-            if self._take(slot, job.first_token):
-                self._accept(slot, job.first_token)
+            self._take(slot, job.first_token)
             return
         # A generation a prefill node replayed: its tokens are this stream's own, unsent.
         slot.sampler.skip(len(job.replay) - job.seed_offset)
         slot.replayed = len(job.replay)
         for token in job.replay:
-            if not self._take(slot, token):
-                return
-            self._accept(slot, token, send=False)
-            if self._slots[slot.index] is not slot:  # it ended there (max_tokens, a stop)
+            self._take(slot, token, send=False)
+            # It ended there: max_tokens, a stop string, or a token its grammar forbids.
+            if self._slots[slot.index] is not slot:
                 return
 
     def _text_stream(self, job: Job, prompt: Sequence[int]) -> TextStream:
@@ -580,19 +578,17 @@ class Scheduler:
         that its UTF-8, stop-string and token-count state is where it was, but its text is
         not sent again (the caller has it). The next step evaluates it."""
         slot.replayed += 1
-        token = slot.job.replay[slot.replayed - 1]
-        if self._take(slot, token):
-            self._accept(slot, token, send=False)
+        self._take(slot, slot.job.replay[slot.replayed - 1], send=False)
 
-    def _take(self, slot: Slot, token: int) -> bool:
-        """A token this slot's sampler did not draw, into its grammar; False (the slot
-        failed) when the grammar forbids it."""
+    def _take(self, slot: Slot, token: int, send: bool = True) -> None:
+        """A token this slot's sampler did not draw (a prefill node's, a replayed one): into
+        its grammar, then as _accept; the slot fails when its grammar forbids the token."""
         try:
             slot.sampler.take(token)
         except MeshError as exc:
             self._fail(slot, exc)
-            return False
-        return True
+            return
+        self._accept(slot, token, send)
 
     def _replay_for_prefill(self, slot: Slot) -> None:
         """A prefill continuing an interrupted generation, its prompt evaluated: its next
