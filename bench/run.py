@@ -40,7 +40,10 @@ repeated, median reported:
    1 and 8 streams on one decode node (bench/batching.py, with rows 7 and 8);
 14. shared cores: a router, a prefill and a decode node on this machine with default
    settings, 8 prompts at once against one after another (bench/shared_cores.py, a mesh of
-   its own).
+   its own);
+15. batch jobs: the grader workload (a ~1,500-token rubric, 20 submissions x 2 models) as
+   one `disagg batch` against the same 40 requests sent all at once in file order: wall
+   time (bench/batch.py, a mesh of its own).
 
 Every answer is greedy with ignore_eos (end tokens never sampled), so both sides of a ratio
 generate the same number of tokens on any CPU. Each row records what each side did (prompt
@@ -75,6 +78,8 @@ sys.path[:0] = [str(ROOT), str(ROOT / "generated")]
 
 import grpc  # noqa: E402
 
+from bench.batch import measure as measure_batch  # noqa: E402
+from bench.batch import rows as batch_rows  # noqa: E402
 from bench.batching import measure as measure_batching  # noqa: E402
 from bench.batching import structured_rows  # noqa: E402
 from bench.families import measure as measure_families  # noqa: E402
@@ -117,7 +122,15 @@ ON_THE_MESH = (
     "concurrency",
     "parallel_pipelines",
 )
-OWN_MESH = ("batching", "migration", "grader", "families", "router_failover", "shared_cores")
+OWN_MESH = (
+    "batching",
+    "migration",
+    "grader",
+    "families",
+    "router_failover",
+    "shared_cores",
+    "batch",
+)
 
 
 def say(line: str = "") -> None:
@@ -742,6 +755,11 @@ async def run_all(bench: Bench, args: argparse.Namespace) -> dict[str, Any]:
             "14. engine nodes sharing this machine's cores (a mesh of its own)",
             lambda: measure_shared_cores(8, 64, bench.repeats),
         ),
+        (
+            "batch",
+            "15. the grader as one batch against all at once (a mesh of its own)",
+            lambda: measure_batch(args.grader_requests, 1500, 200),
+        ),
     ]
     for key, title, step in steps:
         if args.only and key not in args.only:
@@ -858,6 +876,8 @@ def table(r: dict[str, Any]) -> str:
         rows += router_failover_rows(r["router_failover"])
     if "shared_cores" in r:
         rows += shared_cores_rows(r["shared_cores"])
+    if "batch" in r:
+        rows += batch_rows(r["batch"])
     width = [max(len(row[i]) for row in rows) for i in range(3)]
     header = ("measurement", "result", "goal")
     lines = ["  ".join(h.ljust(width[i]) for i, h in enumerate(header))]
@@ -888,7 +908,10 @@ def main() -> int:
     )
     parser.add_argument("--kills", type=int, default=5, help="decode nodes killed, row 9")
     parser.add_argument(
-        "--grader-requests", type=int, default=20, help="submissions sharing a rubric, row 10"
+        "--grader-requests",
+        type=int,
+        default=20,
+        help="submissions sharing a rubric, rows 10 and 15",
     )
     parser.add_argument("--family-tokens", type=int, default=2000, help="prompt tokens, row 11")
     parser.add_argument(

@@ -2,6 +2,7 @@
 
     disagg generate --model qwen3-coder:30b "Review this code: ..."   # streams, then metrics
     echo "prompt" | disagg generate --model gpt-oss:120b -            # prompt from stdin
+    disagg batch class.jsonl -o graded.jsonl    # OpenAI's batch format; run again to resume
     disagg status [--watch]                                           # every node's health
     disagg models                                                     # logical models, routes
     disagg doctor                              # can each prefill node hand KV to each decode node?
@@ -29,9 +30,12 @@ import grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from disagg.v1 import node_pb2, node_pb2_grpc
+from disagg_mesh.batch import BatchInputError, BatchRequest, ResultsFile, read_requests
+from disagg_mesh.batch.progress import Display, Tally, summary_rows
 from disagg_mesh.client import (
     CHANNEL_OPTIONS,
     DEFAULT_ADDRESS,
+    AsyncMeshClient,
     GenerateCall,
     MeshClient,
     Reasoning,
@@ -126,6 +130,37 @@ def _parser() -> argparse.ArgumentParser:
     )
     gen.set_defaults(run=_generate)
 
+    batch = commands.add_parser(
+        "batch",
+        help="run a JSONL file of requests (OpenAI's batch format); run again to resume",
+        description="Each line: {custom_id, method: POST, url, body}, url one of "
+        "/v1/chat/completions, /v1/completions, /api/chat, /api/generate. Each result is "
+        "appended to OUTPUT as it completes (OpenAI's batch output format); running the "
+        "same command again skips every custom_id already there.",
+    )
+    batch.add_argument("input", type=Path, help="the requests, one JSON object per line")
+    batch.add_argument("-o", "--output", type=Path, required=True, help="results file (JSONL)")
+    batch.add_argument(
+        "--concurrency",
+        type=int,
+        help="requests at once (default: the free slots of the models' decode nodes)",
+    )
+    batch.add_argument(
+        "--retry-failed",
+        action="store_true",
+        help="run again the requests whose results in OUTPUT are failures",
+    )
+    batch.add_argument(
+        "--dry-run", action="store_true", help="check every line with a router, run nothing"
+    )
+    batch.add_argument(
+        "--file-order",
+        action="store_true",
+        help="send lines in file order (default: lines sharing a prompt prefix together, "
+        "the first of each group ahead of the rest, so the prefix cache serves the others)",
+    )
+    batch.set_defaults(run=_batch)
+
     status = commands.add_parser("status", help="health of every node of the topology")
     status.add_argument("--watch", nargs="?", type=float, const=2.0, metavar="SECONDS")
     status.add_argument("--json", action="store_true")
@@ -219,9 +254,12 @@ def _router_address(args: argparse.Namespace) -> str:
     return DEFAULT_ADDRESS
 
 
+def _tls(args: argparse.Namespace) -> TlsFiles | None:
+    return TlsFiles(args.ca, args.cert, args.key) if args.ca else None
+
+
 def _client(args: argparse.Namespace) -> MeshClient:
-    tls = TlsFiles(args.ca, args.cert, args.key) if args.ca else None
-    return MeshClient(_router_address(args), timeout=args.timeout, tls=tls, token=args.token)
+    return MeshClient(_router_address(args), timeout=args.timeout, tls=_tls(args), token=args.token)
 
 
 # -- generate ------------------------------------------------------------------------------
@@ -282,6 +320,99 @@ def _format(value: str | None) -> str | dict[str, Any] | None:
     if not isinstance(schema, dict):
         raise CliError(f"--format: a JSON Schema is an object, got {text[:60]!r}", 2)
     return schema
+
+
+# -- batch ---------------------------------------------------------------------------------
+
+
+def _batch(args: argparse.Namespace) -> int:
+    if args.concurrency is not None and args.concurrency < 1:
+        raise CliError(f"--concurrency: must be at least 1, got {args.concurrency}", 2)
+    try:
+        requests = read_requests(args.input)
+    except BatchInputError as exc:
+        raise CliError(f"{args.input}: nothing was run:\n{exc}", 2) from None
+    try:
+        results = ResultsFile(args.output)
+    except ValueError as exc:
+        raise CliError(str(exc), 2) from None
+    try:
+        return asyncio.run(_run_batch(args, requests, results))
+    except KeyboardInterrupt:
+        done = sum(r.custom_id in results.done for r in requests)
+        print(
+            f"\ninterrupted: {done} of {len(requests)} results are in {args.output}; run the "
+            "same command again to go on with the rest",
+            file=sys.stderr,
+        )
+        return 130
+    finally:
+        results.close()
+
+
+async def _run_batch(
+    args: argparse.Namespace, requests: list[BatchRequest], results: ResultsFile
+) -> int:
+    out = sys.stdout
+    async with AsyncMeshClient(
+        _router_address(args), timeout=args.timeout, tls=_tls(args), token=args.token
+    ) as mesh:
+        print(f"checking {len(requests)} requests with the router", file=out, flush=True)
+        try:
+            # Every line checked by a router, the done ones too, before anything runs.
+            await (await mesh.batch_run(requests, concurrency=1)).validate()
+        except BatchInputError as exc:
+            raise CliError(f"{args.input}: nothing was run:\n{exc}", 2) from None
+        failed_before = len(results.failed)
+        if args.retry_failed:
+            results.forget_failed()
+        todo = [r for r in requests if r.custom_id not in results.done]
+        kept = len(requests) - len(todo)
+        if args.dry_run:
+            print(
+                f"{len(requests)} requests valid; {kept} already in {args.output}, "
+                f"{len(todo)} to run",
+                file=out,
+            )
+            return 0
+        failed_kept = 0 if args.retry_failed else failed_before
+        if kept:
+            note = f" ({failed_kept} failed: --retry-failed runs them again)" if failed_kept else ""
+            print(f"{kept} of {len(requests)} already in {args.output}{note}", file=out)
+        if not todo:
+            return 1 if failed_kept else 0
+        run = await mesh.batch_run(
+            todo, concurrency=args.concurrency, group_prefixes=not args.file_order
+        )
+        at_once = min(run.concurrency, len(todo))
+        print(f"running {len(todo)} requests, {at_once} at once", file=out, flush=True)
+        tally = Tally(len(todo))
+        with Display(tally, out) as display:
+
+            async def tick() -> None:
+                while True:
+                    display.show(run.in_flight)
+                    await asyncio.sleep(0.25)
+
+            ticker = asyncio.create_task(tick())
+            try:
+                async for result in run.results():
+                    results.append(result)
+                    tally.add(result)
+                    display.show(run.in_flight)
+            finally:
+                ticker.cancel()
+    print(_table(summary_rows(tally.results)), file=out)
+    failed = tally.failed + failed_kept
+    if failed:
+        print(
+            f"{failed} failed (their errors are in {args.output}); `--retry-failed` runs "
+            "them again",
+            file=out,
+        )
+        return 1
+    print(f"all {len(requests)} results are in {args.output}", file=out)
+    return 0
 
 
 # -- models --------------------------------------------------------------------------------

@@ -10,8 +10,11 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import queue
+import ssl
+import threading
 import time
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,9 +22,11 @@ from typing import Any
 
 import grpc
 
-from disagg.v1 import router_pb2, router_pb2_grpc, types_pb2
-from disagg_mesh.errors import MeshError, from_rpc_error
+from disagg.v1 import node_pb2, node_pb2_grpc, router_pb2, router_pb2_grpc, types_pb2
+from disagg_mesh.batch import BatchRequest, BatchResult, BatchRun, requests_from
+from disagg_mesh.errors import MeshError, Unavailable, from_rpc_error
 from disagg_mesh.metrics import Metrics
+from disagg_mesh.routers import Routers
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 DEFAULT_TIMEOUT_S = 300.0
@@ -49,6 +54,13 @@ class TlsFiles:
             private_key=read(self.key_file),
             certificate_chain=read(self.cert_file),
         )
+
+    def ssl_context(self) -> ssl.SSLContext:
+        """The same files for HTTPS (the routers' HTTP doors)."""
+        context = ssl.create_default_context(cafile=str(self.ca_file))
+        if self.cert_file is not None:
+            context.load_cert_chain(self.cert_file, self.key_file)
+        return context
 
 
 @dataclass(frozen=True)
@@ -132,6 +144,8 @@ class Result:
 
 
 DEFAULT_COOLDOWN_S = 30.0
+# Requests a batch keeps in flight when the decode nodes' free slots cannot be read.
+DEFAULT_BATCH_CONCURRENCY = 8
 
 
 def router_addresses(address: str | Sequence[str]) -> tuple[str, ...]:
@@ -141,32 +155,6 @@ def router_addresses(address: str | Sequence[str]) -> tuple[str, ...]:
     if not addresses:
         raise ValueError("no router address given")
     return addresses
-
-
-class _Routers:
-    """The routers a client may call, in order, and those it sets aside for a while after a
-    failure (as the mesh does with its nodes)."""
-
-    def __init__(self, addresses: tuple[str, ...], cooldown_s: float) -> None:
-        self.addresses = addresses
-        self._cooldown_s = cooldown_s
-        self._down_until: dict[str, float] = {}
-
-    def order(self) -> list[str]:
-        """Routers not set aside first, in order; then the others, soonest back first."""
-        now = time.monotonic()
-        up = [a for a in self.addresses if self._down_until.get(a, 0.0) <= now]
-        down = sorted((a for a in self.addresses if a not in up), key=lambda a: self._down_until[a])
-        return up + down
-
-    def failed(self, address: str) -> None:
-        self._down_until[address] = time.monotonic() + self._cooldown_s
-
-    def succeeded(self, address: str) -> None:
-        self._down_until.pop(address, None)
-
-    def may_fail_over(self, attempts: int) -> bool:
-        return len(self.addresses) > 1 and attempts < 2 * len(self.addresses)
 
 
 def _fails_over(code: grpc.StatusCode) -> bool:
@@ -234,7 +222,7 @@ class _Progress:
 
 def _open_generate(
     settings: _Settings,
-    routers: _Routers,
+    routers: Routers,
     stubs: dict[str, Any],
     call: GenerateCall,
     progress: _Progress,
@@ -252,7 +240,7 @@ def _open_generate(
 
 
 def _fail_over(
-    exc: grpc.RpcError, routers: _Routers, address: str, attempts: int, progress: _Progress
+    exc: grpc.RpcError, routers: Routers, address: str, attempts: int, progress: _Progress
 ) -> None:
     """Set the router aside and go on through another, or raise the call's error."""
     code: grpc.StatusCode = exc.code()
@@ -343,7 +331,7 @@ class AsyncMeshClient:
         cooldown: float = DEFAULT_COOLDOWN_S,
     ) -> None:
         self._settings = _Settings(router_addresses(address), timeout, tls, token)
-        self._routers = _Routers(self._settings.addresses, cooldown)
+        self._routers = Routers(self._settings.addresses, cooldown)
         self._idle_timeout = idle_timeout
         self._channels = {a: self._open(a) for a in self._settings.addresses}
         self._stubs: dict[str, Any] = {
@@ -437,6 +425,100 @@ class AsyncMeshClient:
             out.append(r)
         return out
 
+    async def batch(
+        self,
+        requests: Iterable[BatchRequest | Mapping[str, Any]],
+        *,
+        concurrency: int | None = None,
+        validate: bool = True,
+    ) -> AsyncIterator[BatchResult]:
+        """Run many requests, each result as it completes (BatchResult: its custom_id, HTTP
+        status and the endpoint's whole answer). requests: BatchRequest, or dicts shaped as
+        OpenAI's batch lines ({"custom_id", "url", "body"}; see disagg_mesh.batch).
+        validate: a router checks every request before any runs (BatchInputError lists
+        those it refused). concurrency: requests at once; None fills the free slots of the
+        decode nodes serving the batch's models."""
+        run = await self.batch_run(requests, concurrency=concurrency)
+        if validate:
+            await run.validate()
+        async for result in run.results():
+            yield result
+
+    async def batch_run(
+        self,
+        requests: Iterable[BatchRequest | Mapping[str, Any]],
+        *,
+        concurrency: int | None = None,
+        group_prefixes: bool = True,
+    ) -> BatchRun:
+        """A batch ready to run through the routers' HTTP doors (as `batch`, for a caller
+        that shows its progress: BatchRun.in_flight, BatchRun.results())."""
+        items = requests_from(requests)
+        doors, decode_nodes = await self._batch_doors()
+        if concurrency is None:
+            wanted = {a for r in items for a in decode_nodes.get(r.model, ())}
+            concurrency = await self._free_slots(sorted(wanted)) or DEFAULT_BATCH_CONCURRENCY
+        s = self._settings
+        return BatchRun(
+            items,
+            Routers(tuple(doors), self._routers.cooldown_s),
+            concurrency,
+            headers={k.title(): v for k, v in s.metadata},
+            ssl_context=s.tls.ssl_context() if s.tls else None,
+            timeout_s=s.timeout,
+            group_prefixes=group_prefixes,
+        )
+
+    async def _batch_doors(self) -> tuple[list[str], dict[str, list[str]]]:
+        """Each reachable router's HTTP door, in order, and each model's decode nodes."""
+        doors: list[str] = []
+        decode_nodes: dict[str, list[str]] = {}
+        unreachable: list[str] = []
+        for address in self._routers.order():
+            try:
+                reply = await self._stubs[address].ListModels(
+                    router_pb2.ListModelsRequest(), timeout=10, metadata=self._settings.metadata
+                )
+            except grpc.aio.AioRpcError as exc:
+                if not _fails_over(exc.code()):
+                    raise from_rpc_error(exc, address) from None
+                unreachable.append(address)
+                continue
+            if reply.http_url:
+                doors.append(reply.http_url)
+            for m in reply.models:
+                decode_nodes.setdefault(m.model, [n.address for n in m.decode_nodes])
+        if not doors:
+            why = (
+                f"no router reachable ({', '.join(unreachable)})"
+                if len(unreachable) == len(self._settings.addresses)
+                else "no router serves an HTTP door: set http_port on the router in the topology"
+            )
+            raise Unavailable(grpc.StatusCode.UNAVAILABLE, why, ",".join(self._settings.addresses))
+        return doors, decode_nodes
+
+    async def _free_slots(self, addresses: Sequence[str]) -> int:
+        """Free slots of these nodes now (GetNodeInfo), those that answer; 0 if none do."""
+
+        async def free(address: str) -> int:
+            tls = self._settings.tls
+            channel = (
+                grpc.aio.secure_channel(address, tls.credentials(), options=CHANNEL_OPTIONS)
+                if tls is not None
+                else grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            )
+            async with channel:
+                stub: Any = node_pb2_grpc.NodeServiceStub(channel)
+                try:
+                    info = await stub.GetNodeInfo(
+                        node_pb2.GetNodeInfoRequest(), timeout=5, metadata=self._settings.metadata
+                    )
+                except grpc.aio.AioRpcError:
+                    return 0
+                return max(int(info.slots) - int(info.slots_busy), 0)
+
+        return sum(await asyncio.gather(*(free(a) for a in addresses)))
+
     async def list_models(self) -> list[router_pb2.ModelRoute]:
         s = self._settings
         for attempt, address in enumerate(self._routers.order(), 1):
@@ -468,7 +550,7 @@ class MeshClient:
         cooldown: float = DEFAULT_COOLDOWN_S,
     ) -> None:
         self._settings = _Settings(router_addresses(address), timeout, tls, token)
-        self._routers = _Routers(self._settings.addresses, cooldown)
+        self._routers = Routers(self._settings.addresses, cooldown)
         self._channels = {a: self._open(a) for a in self._settings.addresses}
         self._stubs: dict[str, Any] = {
             a: router_pb2_grpc.RouterServiceStub(c) for a, c in self._channels.items()
@@ -532,6 +614,58 @@ class MeshClient:
 
         with ThreadPoolExecutor(max_workers=max(len(calls), 1)) as pool:
             return list(pool.map(one, calls))
+
+    def batch(
+        self,
+        requests: Iterable[BatchRequest | Mapping[str, Any]],
+        *,
+        concurrency: int | None = None,
+        validate: bool = True,
+    ) -> Iterator[BatchResult]:
+        """As AsyncMeshClient.batch, each result as it completes (the batch runs on a thread
+        of its own; leaving the loop early cancels what is in flight)."""
+        s = self._settings
+        items: queue.Queue[BatchResult | BaseException | None] = queue.Queue()
+        loop = asyncio.new_event_loop()
+
+        async def run() -> None:
+            async with AsyncMeshClient(
+                s.addresses,
+                timeout=s.timeout,
+                tls=s.tls,
+                token=s.token,
+                cooldown=self._routers.cooldown_s,
+            ) as mesh:
+                async for result in mesh.batch(
+                    requests, concurrency=concurrency, validate=validate
+                ):
+                    items.put(result)
+
+        task = loop.create_task(run())
+
+        def worker() -> None:
+            try:
+                loop.run_until_complete(task)
+                items.put(None)
+            except BaseException as exc:  # handed to the caller's thread
+                items.put(exc)
+            finally:
+                loop.close()
+
+        thread = threading.Thread(target=worker, name="disagg-batch", daemon=True)
+        thread.start()
+        try:
+            while (item := items.get()) is not None:
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            if thread.is_alive():
+                try:
+                    loop.call_soon_threadsafe(task.cancel)
+                except RuntimeError:  # the loop had just finished
+                    pass
+                thread.join()
 
     def list_models(self) -> list[router_pb2.ModelRoute]:
         s = self._settings

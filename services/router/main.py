@@ -41,7 +41,8 @@ async def run(topology: Topology, node: Node) -> None:
     )
 
     def register(server: grpc.aio.Server) -> None:
-        router_pb2_grpc.add_RouterServiceServicer_to_server(RouterServicer(router), server)
+        servicer = RouterServicer(router, http.public_url(node.host) if http else "")
+        router_pb2_grpc.add_RouterServiceServicer_to_server(servicer, server)
         # What it is and how often the launcher restarted it (disagg status).
         add_node_service(server, router_describer(topology, node))
 

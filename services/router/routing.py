@@ -253,6 +253,14 @@ class Router:
             (m, [t.node(n) for n in m.prefill], [t.node(n) for n in m.decode]) for m in t.models
         ]
 
+    def check(self, model: str, prompt: Prompt, sampling: Sampling) -> ModelRoute:
+        """What a generation checks before it runs (NOT_FOUND for a model not served here,
+        INVALID_ARGUMENT naming the field): the route it would take."""
+        route = self._route(model)
+        validate_prompt(prompt)
+        validate_sampling(sampling, self.topology.mesh.max_tokens_limit)
+        return route
+
     async def generate(
         self, model: str, prompt: Prompt, sampling: Sampling, time_remaining: float | None
     ) -> AsyncGenerator[TextChunk | RouteSummary, None]:
@@ -296,9 +304,7 @@ class Router:
         resumed_from: str,
     ) -> AsyncGenerator[TextChunk | RouteSummary | ResumeInfo, None]:
         clock = _Clock(time_remaining)
-        route = self._route(model)
-        validate_prompt(prompt)
-        validate_sampling(sampling, self.topology.mesh.max_tokens_limit)
+        route = self.check(model, prompt, sampling)
         data = prompt_bytes(prompt)
         blocks = text_blocks(route.name, data)
         if resume is not None:

@@ -23,8 +23,9 @@ ROUTE_METHOD_TO_PROTO = {
 
 
 class RouterServicer(router_pb2_grpc.RouterServiceServicer):
-    def __init__(self, router: Router) -> None:
+    def __init__(self, router: Router, http_url: str = "") -> None:
         self._router = router
+        self._http_url = http_url
 
     async def Generate(
         self, request: router_pb2.GenerateRequest, context: Context
@@ -69,7 +70,8 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                     decode_deadline=convert.duration(route.decode_deadline_s),
                 )
                 for route, prefill, decode in self._router.routes()
-            ]
+            ],
+            http_url=self._http_url,
         )
 
 

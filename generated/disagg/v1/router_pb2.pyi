@@ -175,7 +175,9 @@ class ModelRoute(_message.Message):
     def __init__(self, model: _Optional[str] = ..., prefill_nodes: _Optional[_Iterable[_Union[NodeInfo, _Mapping]]] = ..., decode_nodes: _Optional[_Iterable[_Union[NodeInfo, _Mapping]]] = ..., prefill_deadline: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., decode_deadline: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
 
 class ListModelsResponse(_message.Message):
-    __slots__ = ("models",)
+    __slots__ = ("models", "http_url")
     MODELS_FIELD_NUMBER: _ClassVar[int]
+    HTTP_URL_FIELD_NUMBER: _ClassVar[int]
     models: _containers.RepeatedCompositeFieldContainer[ModelRoute]
-    def __init__(self, models: _Optional[_Iterable[_Union[ModelRoute, _Mapping]]] = ...) -> None: ...
+    http_url: str
+    def __init__(self, models: _Optional[_Iterable[_Union[ModelRoute, _Mapping]]] = ..., http_url: _Optional[str] = ...) -> None: ...

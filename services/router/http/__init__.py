@@ -38,7 +38,12 @@ class HttpFrontDoor:
 
     @property
     def url(self) -> str:
-        return f"{'https' if self._ssl else 'http'}://{self._host}:{self._port}"
+        return self.public_url(self._host)
+
+    def public_url(self, host: str) -> str:
+        """The door's URL as callers reach it through `host` (the topology's, which a
+        listen_host of 0.0.0.0 is not)."""
+        return f"{'https' if self._ssl else 'http'}://{host}:{self._port}"
 
     async def start(self) -> None:
         await self._runner.setup()

@@ -27,11 +27,12 @@ from services.common.types import (
     DEFAULT_TEMPERATURE,
     DEFAULT_TOP_P,
     REASONING_EFFORTS,
+    Prompt,
     ResponseFormat,
     Sampling,
     TextChunk,
 )
-from services.router.routing import RouteSummary
+from services.router.routing import Router, RouteSummary
 
 log = structlog.get_logger("http")
 
@@ -50,6 +51,11 @@ HTTP_STATUS = {
     grpc.StatusCode.DEADLINE_EXCEEDED: 504,
     grpc.StatusCode.UNAVAILABLE: 503,
 }
+
+# A generation request with this header set to 1 or true is read and checked as it would be
+# served (its fields, the model, the prompt, the sampling) and answered {"valid": true}
+# without running: how `disagg batch` checks a whole file before it starts.
+DRY_RUN_HEADER = "X-Disagg-Dry-Run"
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 ErrorBody = Callable[[MeshError, int], dict[str, Any]]
@@ -235,6 +241,17 @@ def sampling(
 Events = AsyncGenerator[TextChunk | RouteSummary, None]
 
 
+def dry_run(
+    request: web.Request, router: Router, model: str, prompt: Prompt, sampling: Sampling
+) -> web.Response | None:
+    """With DRY_RUN_HEADER: the router's own checks (NOT_FOUND for an unknown model,
+    INVALID_ARGUMENT naming the field), then {"valid": true}; None: run the request."""
+    if request.headers.get(DRY_RUN_HEADER, "").lower() not in ("1", "true"):
+        return None
+    router.check(model, prompt, sampling)
+    return web.json_response({"valid": True, "model": model})
+
+
 async def first_event(events: Events) -> TextChunk | RouteSummary:
     """The first event: errors before any text surface here, so they still get their own
     HTTP status (the response has not started yet)."""
@@ -291,6 +308,7 @@ def mesh_fields(s: RouteSummary) -> dict[str, Any]:
         "prefill_node": s.prefill_node,
         "decode_node": s.decode_node,
         "kv_transfer": s.kv_transfer.value,
+        "cached_prompt_tokens": s.cached_prompt_tokens,
         "kv_transfer_bytes": s.kv_transfer_bytes,
         "kv_transfer_seconds": s.kv_transfer_seconds,
         "kv_load_seconds": s.kv_load_seconds,

@@ -26,6 +26,7 @@ from services.router.http.common import (
     Events,
     Fields,
     collect,
+    dry_run,
     first_event,
     json_body,
     mesh_fields,
@@ -148,6 +149,9 @@ class OllamaApi:
                 ChatTurn("user", prompt_text)
             ]
             prompt = Prompt(messages=tuple(turns), reasoning_effort=effort)
+        checked = dry_run(request, self.router, model, prompt, sampling_)
+        if checked is not None:
+            return checked
         events = self.router.generate(model, prompt, sampling_, None)
         return await self._answer(request, model, events, stream, "response", thinking)
 
@@ -177,6 +181,9 @@ class OllamaApi:
             role = fields.string("role", required=True) or ""
             turns.append(ChatTurn(role, fields.string("content") or ""))
         prompt = Prompt(messages=tuple(turns), reasoning_effort=effort)
+        checked = dry_run(request, self.router, model, prompt, sampling_)
+        if checked is not None:
+            return checked
         events = self.router.generate(model, prompt, sampling_, None)
         return await self._answer(request, model, events, stream, "message", thinking)
 

@@ -21,6 +21,7 @@ from services.router.http.common import (
     Events,
     Fields,
     collect,
+    dry_run,
     first_event,
     http_status,
     json_body,
@@ -144,6 +145,9 @@ class OpenAiApi:
         turns = [_turn(i, m) for i, m in enumerate(messages)]
         effort = reasoning_effort(body.body.get("reasoning_effort"), "reasoning_effort")
         prompt = Prompt(messages=tuple(turns), reasoning_effort=effort)
+        checked = dry_run(request, self.router, model, prompt, sampling_)
+        if checked is not None:
+            return checked
         events = self.router.generate(model, prompt, sampling_, None)
         return await self._answer(request, body, model, events, chat=True)
 
@@ -158,6 +162,9 @@ class OpenAiApi:
             prompt = prompt[0]
         if not isinstance(prompt, str):
             raise InvalidArgument("prompt", "must be a string (one prompt per request)")
+        checked = dry_run(request, self.router, model, Prompt(text=prompt), sampling_)
+        if checked is not None:
+            return checked
         events = self.router.generate(model, Prompt(text=prompt), sampling_, None)
         return await self._answer(request, body, model, events, chat=False)
 
@@ -290,11 +297,14 @@ def _turn(i: int, message: Any) -> ChatTurn:
     return ChatTurn(ROLES[role], content)
 
 
-def _usage(s: RouteSummary) -> dict[str, int]:
+def _usage(s: RouteSummary) -> dict[str, Any]:
     return {
         "prompt_tokens": s.prompt_tokens,
         "completion_tokens": s.completion_tokens,
         "total_tokens": s.prompt_tokens + s.completion_tokens,
+        # OpenAI's own field: prompt tokens served from a cache (the prefill node's prefix
+        # cache here) instead of evaluated.
+        "prompt_tokens_details": {"cached_tokens": s.cached_prompt_tokens},
     }
 
 
