@@ -43,7 +43,10 @@ repeated, median reported:
    its own);
 15. batch jobs: the grader workload (a ~1,500-token rubric, 20 submissions x 2 models) as
    one `disagg batch` against the same 40 requests sent all at once in file order: wall
-   time (bench/batch.py, a mesh of its own).
+   time (bench/batch.py, a mesh of its own);
+16. llama-server: `make run`'s mesh against llama-server built (once, into ~/.cache) from
+   the same llama.cpp, 16 greedy prompts 1, 4 and 16 at once, and the grader workload cold
+   and warm (bench/llama_server.py, a mesh and a server of their own, one after the other).
 
 Every answer is greedy with ignore_eos (end tokens never sampled), so both sides of a ratio
 generate the same number of tokens on any CPU. Each row records what each side did (prompt
@@ -86,6 +89,8 @@ from bench.families import measure as measure_families  # noqa: E402
 from bench.families import rows as families_rows  # noqa: E402
 from bench.grader import measure as measure_grader  # noqa: E402
 from bench.grader import rows as grader_rows  # noqa: E402
+from bench.llama_server import measure as measure_llama_server  # noqa: E402
+from bench.llama_server import rows as llama_server_rows  # noqa: E402
 from bench.migration import measure as measure_migration  # noqa: E402
 from bench.migration import rows as migration_rows  # noqa: E402
 from bench.parallel_pipelines import measure as measure_parallel  # noqa: E402
@@ -130,6 +135,7 @@ OWN_MESH = (
     "router_failover",
     "shared_cores",
     "batch",
+    "llama_server",
 )
 
 
@@ -760,6 +766,11 @@ async def run_all(bench: Bench, args: argparse.Namespace) -> dict[str, Any]:
             "15. the grader as one batch against all at once (a mesh of its own)",
             lambda: measure_batch(args.grader_requests, 1500, 200),
         ),
+        (
+            "llama_server",
+            "16. make run's mesh against llama-server (a mesh and a server of their own)",
+            lambda: measure_llama_server(bench.repeats, min(args.grader_requests, 8)),
+        ),
     ]
     for key, title, step in steps:
         if args.only and key not in args.only:
@@ -878,6 +889,8 @@ def table(r: dict[str, Any]) -> str:
         rows += shared_cores_rows(r["shared_cores"])
     if "batch" in r:
         rows += batch_rows(r["batch"])
+    if "llama_server" in r:
+        rows += llama_server_rows(r["llama_server"])
     width = [max(len(row[i]) for row in rows) for i in range(3)]
     header = ("measurement", "result", "goal")
     lines = ["  ".join(h.ljust(width[i]) for i, h in enumerate(header))]

@@ -1,0 +1,374 @@
+"""Benchmark: `make run`'s mesh against llama-server on the same machine.
+
+    python bench/llama_server.py [--repeats 3] [--submissions 8]
+
+llama-server is built once, as a user would, from the llama.cpp that llama-cpp-python
+vendors (the sdist of the very version the nodes run: same llama.cpp, same compiler flags
+by default: -march=native, OpenMP) into ~/.cache/disagg-mesh/llama-server-<version>/; later
+runs reuse it. It runs as the issue's comparison ran it: `-np 16 -kvu -t <cores>` (16
+slots over one unified KV cache, every core), flash attention on and 512-token batches as
+the nodes have them, the same SmolLM2 file. The mesh is `topology/local.toml` on free
+ports: a router and, per model, a prefill and a decode node, default settings (their
+cores shared at run time). Both serve at once and take turns being asked (an idle side
+uses no CPU), repeat by repeat, so the machine's drift falls on both.
+
+16. The same 16 greedy prompts (64 tokens each, ignore_eos; through the router's OpenAI
+    door, alternating the two models; llama-server's /v1/completions, one model) 1, 4 and
+    16 at once: generated tokens per second over all 16, mesh over llama-server. Goals:
+    >= 0.9x at 1 at once, >= 1.0x at 16. Prompts are short (no whole 64-token block for the
+    mesh's prefix cache) and llama-server is asked `cache_prompt: false`, so both sides
+    evaluate every prompt token: the work is checked equal.
+    The grader workload against both: a ~1,500-token rubric + ~200-token submissions, both
+    models per submission (llama-server: both requests to its one model), 4 submissions in
+    flight, cold (a rubric neither has seen) then warm (the same again): wall time, mesh
+    over llama-server. Each side uses its own prompt cache (the mesh's prefix cache,
+    llama-server's slots), so the sides differ in cached tokens on purpose, nothing else.
+
+Writes JSON to bench/results/ when run alone; `make bench` (bench/run.py) runs it as row 16.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "generated")]
+
+import llama_cpp  # noqa: E402, I001  (before grpc: see services/node.py)
+import aiohttp  # noqa: E402
+
+from bench.grader import prompts as grader_prompts  # noqa: E402
+from bench.migration import MODEL, median, run_alone, say  # noqa: E402
+from bench.shared_cores import PROMPTS  # noqa: E402
+from bench.work import Work, figure, record, total  # noqa: E402
+from services.common.models import resolve_model_path  # noqa: E402
+from services.common.processes import free_port, serving_mesh  # noqa: E402
+
+MODELS = ("qwen3-coder:30b", "gpt-oss:120b")
+LEVELS = (1, 4, 16)
+NEW_TOKENS = 64
+GRADER_TOKENS = 32
+SUBMISSIONS_IN_FLIGHT = 4
+GOALS = {1: 0.9, 16: 1.0}
+# Sixteen different short prompts (the eight of row 14, and eight more), none a prefix of
+# another.
+SIXTEEN = [
+    *PROMPTS,
+    "The capital of Australia is",
+    "def fibonacci(n):",
+    "Three uses of a paper clip:",
+    "SELECT name FROM users WHERE",
+    "A haiku about autumn rain:",
+    "The speed of light is",
+    "class Stack:\n    def __init__(self):",
+    "Translate 'good morning' into French:",
+]
+
+
+# -- llama-server, built once ----------------------------------------------------------------
+
+
+def cache_dir() -> Path:
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return base / "disagg-mesh" / f"llama-server-{llama_cpp.__version__}"
+
+
+def llama_server_binary() -> Path:
+    """llama-server of the nodes' llama.cpp version: from the cache, else built into it
+    from llama-cpp-python's sdist (pip download; cmake; several minutes on 2 cores)."""
+    binary = cache_dir() / "llama-server"
+    if binary.exists():
+        return binary
+    missing = [tool for tool in ("cmake", "ninja", "c++") if shutil.which(tool) is None]
+    if missing:
+        raise CannotBuild(f"building llama-server needs {', '.join(missing)}, not found here")
+    version = llama_cpp.__version__
+    say(f"   building llama-server {version} once into {cache_dir()} (minutes)")
+    with tempfile.TemporaryDirectory(prefix="llama-server-build-") as tmp:
+        subprocess.run(
+            [
+                sys.executable,
+                *("-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:"),
+                f"llama-cpp-python=={version}",
+                *("-d", tmp),
+            ],
+            check=True,
+        )
+        with tarfile.open(next(Path(tmp).glob("llama_cpp_python-*.tar.gz"))) as sdist:
+            sdist.extractall(tmp, filter="data")
+        source = Path(tmp) / f"llama_cpp_python-{version}" / "vendor" / "llama.cpp"
+        build = Path(tmp) / "build"
+        subprocess.run(
+            [
+                *("cmake", "-S", str(source), "-B", str(build), "-G", "Ninja"),
+                "-DCMAKE_BUILD_TYPE=Release",
+                "-DBUILD_SHARED_LIBS=OFF",
+                "-DLLAMA_BUILD_SERVER=ON",
+                "-DLLAMA_BUILD_TESTS=OFF",
+                "-DLLAMA_BUILD_EXAMPLES=OFF",
+                "-DLLAMA_OPENSSL=OFF",
+            ],
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
+        subprocess.run(
+            ["cmake", "--build", str(build), "--target", "llama-server", "-j", str(os.cpu_count())],
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
+        cache_dir().mkdir(parents=True, exist_ok=True)
+        shutil.copy2(build / "bin" / "llama-server", binary)
+    return binary
+
+
+class CannotBuild(Exception):
+    """llama-server cannot be built on this machine (the row is skipped, saying why)."""
+
+
+class LlamaServer:
+    """llama-server on a free port, stopped on exit."""
+
+    def __init__(self, binary: Path, threads: int) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = Path(tempfile.mkstemp(prefix="llama-server-", suffix=".log")[1])
+        self.command = [
+            str(binary),
+            *("-m", str(resolve_model_path(MODEL, ROOT))),
+            *("--host", "127.0.0.1", "--port", str(self.port)),
+            *("-np", "16", "-kvu", "-c", str(16 * 4096)),
+            *("-t", str(threads), "-tb", str(threads)),
+            *("-fa", "on", "-b", "512", "-ub", "512"),
+        ]
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        with self.log.open("wb") as log:
+            self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT)
+
+    async def ready(self) -> None:
+        """Wait for /health to answer 200 (the model loaded)."""
+        deadline = time.monotonic() + 120
+        async with aiohttp.ClientSession() as session:
+            while True:
+                assert self.proc is not None and self.proc.poll() is None, (
+                    f"llama-server exited: see {self.log}"
+                )
+                try:
+                    async with session.get(self.url + "/health") as got:
+                        if got.status == 200:
+                            return
+                except aiohttp.ClientError:
+                    pass
+                assert time.monotonic() < deadline, f"llama-server never ready: see {self.log}"
+                await asyncio.sleep(0.2)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            self.proc.wait(timeout=30)
+
+
+# -- the two sides ------------------------------------------------------------------------
+
+
+def local_topology() -> str:
+    """topology/local.toml with every port replaced by a free one."""
+    text = (ROOT / "topology" / "local.toml").read_text()
+    return re.sub(
+        r"^(port|metrics_port|http_port) = \d+",
+        lambda m: f"{m.group(1)} = {free_port()}",
+        text,
+        flags=re.M,
+    )
+
+
+async def complete(
+    session: aiohttp.ClientSession, url: str, model: str, prompt: str, tokens: int, cache: bool
+) -> Work:
+    body: dict[str, Any] = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    if not cache:
+        body["cache_prompt"] = False  # llama-server: evaluate the whole prompt
+    async with session.post(url + "/v1/completions", json=body) as got:
+        answer = await got.json()
+        assert got.status == 200, answer
+    usage = answer["usage"]
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    return Work(usage["prompt_tokens"], cached, usage["completion_tokens"])
+
+
+async def at_once(
+    url: str, models: tuple[str, ...], prompts: list[str], level: int, tokens: int, cache: bool
+) -> tuple[float, Work, float]:
+    """The prompts, `level` at once (models alternating): tok/s, work, seconds."""
+    gate = asyncio.Semaphore(level)
+    timeout = aiohttp.ClientTimeout(total=3600)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+
+        async def one(i: int, prompt: str) -> Work:
+            async with gate:
+                return await complete(session, url, models[i % len(models)], prompt, tokens, cache)
+
+        started = time.perf_counter()
+        works = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+        seconds = time.perf_counter() - started
+    done = total(list(works))
+    return done.generated_tokens / seconds, done, seconds
+
+
+async def sides(
+    targets: dict[str, tuple[str, tuple[str, ...]]], repeats: int, texts: list[str]
+) -> dict[str, dict[str, Any]]:
+    """Both sides' measurements, taking turns (both serve, only one is asked at a time):
+    tok/s at each level, repeated; then the grader cold and warm (each submission's two
+    requests, 4 submissions in flight)."""
+    out: dict[str, dict[str, Any]] = {
+        name: {"tok_s": {}, "work": {}, "grader_s": {}, "grader_work": {}} for name in targets
+    }
+    for url, models in targets.values():
+        await at_once(url, models, SIXTEEN[:4], 4, 4, cache=False)  # warm-up
+    for level in LEVELS:
+        for name in targets:
+            out[name]["tok_s"][level], out[name]["work"][level] = [], Work()
+        for _ in range(repeats):
+            for name, (url, models) in targets.items():
+                rate, work, _ = await at_once(url, models, SIXTEEN, level, NEW_TOKENS, cache=False)
+                out[name]["tok_s"][level].append(rate)
+                out[name]["work"][level] += work
+        say(
+            f"   {level} at once: "
+            + ", ".join(f"{n} {median(o['tok_s'][level]):.0f} tok/s" for n, o in out.items())
+        )
+    for kind in ("cold", "warm"):  # the same rubric: new to each side, then seen
+        for name, (url, models) in targets.items():
+            pair = models if len(models) == 2 else models * 2
+            asked = [t for t in texts for _ in pair]
+            _, work, seconds = await at_once(
+                url, pair, asked, 2 * SUBMISSIONS_IN_FLIGHT, GRADER_TOKENS, cache=True
+            )
+            out[name]["grader_s"][kind] = seconds
+            out[name]["grader_work"][kind] = work
+            cached = f"{work.cached_tokens} of {work.prompt_tokens}"
+            say(f"   grader {kind}, {name}: {seconds:.1f} s, {cached} prompt tokens cached")
+    return out
+
+
+async def measure(repeats: int, submissions: int) -> dict[str, Any]:
+    try:
+        binary = llama_server_binary()
+    except (CannotBuild, subprocess.CalledProcessError) as exc:
+        say(f"   skipped: {exc}")
+        return {"skipped": str(exc)}
+    threads = os.cpu_count() or 1
+    # The rubric's first line differs from row 10's and 15's: nothing of it is cached.
+    texts = ["Course 16.\n" + t for t in grader_prompts(submissions, 1500, 200)]
+    say(f">> 16. the mesh (topology/local.toml) and llama-server -np 16 -kvu -t {threads}")
+    server = LlamaServer(binary, threads)
+    async with serving_mesh(local_topology(), "bench-llama-server-") as mesh:
+        server.start()
+        try:
+            await server.ready()
+            await asyncio.sleep(1.0)  # the router's health checks see every node
+            router = mesh.topology.router
+            targets = {
+                "mesh": (f"http://{router.host}:{router.http_port}", MODELS),
+                "llama-server": (server.url, ("smollm2",)),
+            }
+            measured = await sides(targets, repeats, texts)
+        finally:
+            server.stop()
+    ours, theirs = measured["mesh"], measured["llama-server"]
+    levels = {}
+    for level in LEVELS:
+        mine, other = median(ours["tok_s"][level]), median(theirs["tok_s"][level])
+        levels[str(level)] = {
+            "mesh_tok_s": ours["tok_s"][level],
+            "llama_server_tok_s": theirs["tok_s"][level],
+            "mesh_over_llama_server": mine / other,
+            "goal": GOALS.get(level),
+            "work": record(("mesh", "llama_server"), ours["work"][level], theirs["work"][level]),
+        }
+    grader_rows = {}
+    for kind in ("cold", "warm"):
+        grader_rows[kind] = {
+            "mesh_s": ours["grader_s"][kind],
+            "llama_server_s": theirs["grader_s"][kind],
+            "mesh_over_llama_server": ours["grader_s"][kind] / theirs["grader_s"][kind],
+            "work": record(
+                ("mesh", "llama_server"),
+                ours["grader_work"][kind],
+                theirs["grader_work"][kind],
+                cache_compared=True,
+            ),
+        }
+    result = {
+        "threads": threads,
+        "new_tokens": NEW_TOKENS,
+        "levels": levels,
+        "grader": grader_rows,
+        "submissions": submissions,
+    }
+    for row in rows(result):
+        say("   " + "  ".join(row))
+    return result
+
+
+def rows(m: dict[str, Any]) -> list[tuple[str, str, str]]:
+    if "skipped" in m:
+        return [("make run's mesh / llama-server", f"skipped: {m['skipped']}", "-")]
+    out = []
+    for level, r in m["levels"].items():
+        goal = r["goal"]
+        out.append(
+            (
+                f"make run's mesh / llama-server -np 16 -kvu, {level} at once, 16 prompts x "
+                f"{m['new_tokens']} tokens, tok/s",
+                figure(
+                    f"{r['mesh_over_llama_server']:.2f}x ({median(r['mesh_tok_s']):.0f} vs "
+                    f"{median(r['llama_server_tok_s']):.0f} tok/s)",
+                    r.get("work"),
+                ),
+                f">= {goal:g}x" if goal else "-",
+            )
+        )
+    for kind, g in m["grader"].items():
+        w = g["work"]
+        out.append(
+            (
+                f"grader ({m['submissions']} submissions x 2 models, 4 in flight), {kind}: "
+                "wall time, mesh / llama-server",
+                figure(
+                    f"{g['mesh_over_llama_server']:.2f}x ({g['mesh_s']:.1f} vs "
+                    f"{g['llama_server_s']:.1f} s; cached {w['mesh']['cached_tokens']} vs "
+                    f"{w['llama_server']['cached_tokens']} tokens)",
+                    w,
+                ),
+                "-",
+            )
+        )
+    return out
+
+
+def main() -> int:
+    options = {"repeats": 3, "submissions": 8}
+    return run_alone(__doc__, "llama_server", measure, rows, options, repeats="repeats")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
