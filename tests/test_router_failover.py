@@ -1,6 +1,7 @@
 """No single point of failure at the router: a topology with two routers, a client given
 both, and the router serving six streams killed (SIGKILL) or frozen (SIGSTOP) mid-answer.
-Every answer completes through the other router, token for token the uninterrupted one."""
+Every answer completes through the other router, token for token the uninterrupted one.
+A batch goes on through the other router's HTTP door."""
 
 from __future__ import annotations
 
@@ -24,8 +25,8 @@ TOKENS = 96
 def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MeshProcesses]:
     folder = tmp_path_factory.mktemp("two-routers")
     parts = [
-        router_node().replace('name = "router"', 'name = "router-a"'),
-        router_node().replace('name = "router"', 'name = "router-b"'),
+        router_node(http_port=free_port()).replace('name = "router"', 'name = "router-a"'),
+        router_node(http_port=free_port()).replace('name = "router"', 'name = "router-b"'),
         engine_node("prefill", "prefill", slots=STREAMS),
         engine_node("decode", "decode", slots=STREAMS + 2),
         route(MODEL, ["prefill"], ["decode"]),
@@ -143,3 +144,35 @@ async def test_a_call_goes_to_the_next_router_and_the_failed_one_waits(
         with pytest.raises(Unavailable):  # one router: nothing to fail over to
             await lone.generate(MODEL, "Hello", max_tokens=4)
     del second
+
+
+async def test_a_batch_goes_on_through_the_other_router(mesh: MeshProcesses) -> None:
+    """Router-a's HTTP door serves the batch until it is SIGKILLed: the requests it had in
+    flight and every later one are sent whole through router-b; each custom_id gets one
+    result, and every result is a success."""
+    lines = [
+        {
+            "custom_id": f"r{i}",
+            "url": "/v1/completions",
+            "body": {
+                "model": MODEL,
+                "prompt": f"Robot {i}:",
+                "max_tokens": 24,
+                "temperature": 0,
+                "ignore_eos": True,
+            },
+        }
+        for i in range(12)
+    ]
+    got = []
+    try:
+        async with AsyncMeshClient(addresses(mesh)) as client:
+            async for result in client.batch(lines, concurrency=3):
+                got.append(result)
+                if len(got) == 3:
+                    os.kill(mesh.procs["router-a"].pid, signal.SIGKILL)
+        assert sorted(r.custom_id for r in got) == [f"r{i}" for i in sorted(range(12), key=str)]
+        assert all(r.ok and r.completion_tokens == 24 for r in got), [r.message for r in got]
+    finally:
+        mesh.stop_node("router-a", signal.SIGKILL)
+        await restart(mesh, "router-a")
