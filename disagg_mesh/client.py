@@ -501,13 +501,7 @@ class AsyncMeshClient:
         """Free slots of these nodes now (GetNodeInfo), those that answer; 0 if none do."""
 
         async def free(address: str) -> int:
-            tls = self._settings.tls
-            channel = (
-                grpc.aio.secure_channel(address, tls.credentials(), options=CHANNEL_OPTIONS)
-                if tls is not None
-                else grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
-            )
-            async with channel:
+            async with self._open(address) as channel:
                 stub: Any = node_pb2_grpc.NodeServiceStub(channel)
                 try:
                     info = await stub.GetNodeInfo(
