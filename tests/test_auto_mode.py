@@ -6,6 +6,7 @@ was measured; the summary says why."""
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -50,6 +51,10 @@ def auto_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MeshProcesse
         ),
     ]
     with running_mesh(folder, parts) as processes:
+        # The router dialled the nodes while they loaded; its channels retry at most every
+        # 2 s (grpc.max_reconnect_backoff_ms). The first request must not meet one still
+        # waiting to retry (it would count a failed attempt the test does not expect).
+        time.sleep(2.5)
         yield processes
 
 
