@@ -70,14 +70,13 @@ def clock(seconds: float | None) -> str:
 class Display:
     """Progress on `stream`: a rich bar when it is a terminal, plain lines otherwise."""
 
-    def __init__(self, tally: Tally, stream: IO[str], live: bool | None = None) -> None:
+    def __init__(self, tally: Tally, stream: IO[str]) -> None:
         self.tally = tally
         self.stream = stream
-        self.live = stream.isatty() if live is None else live
         self._said_at = 0.0
         self._bar: Progress | None = None
         self._task: TaskID | None = None
-        if self.live:
+        if stream.isatty():
             self._bar = Progress(
                 TextColumn("[bold]batch"),
                 BarColumn(),
