@@ -1,10 +1,10 @@
-"""The retry policy for calls between nodes (tenacity), in one place.
+"""The retry policy for the router's calls to nodes (tenacity), in one place.
 
-Only codes that say "try again" are retried (AIP-194): UNAVAILABLE (node down or still
-loading) and RESOURCE_EXHAUSTED (node busy); a caller may add its own (the router adds the
-prefill stage's own DEADLINE_EXCEEDED when another node can take the retry). Never
-INVALID_ARGUMENT, NOT_FOUND, CANCELLED or DATA_LOSS. Attempts and waits stay inside the
-budget the caller gives, itself inside the request's deadline.
+Only codes that say "try again" are retried (AIP-194; failures.py's table): UNAVAILABLE
+(node down or still loading) and RESOURCE_EXHAUSTED (node busy); a caller may add its own
+(the prefill stage adds its own DEADLINE_EXCEEDED when another node can take the retry).
+Never INVALID_ARGUMENT, NOT_FOUND, CANCELLED or DATA_LOSS. Attempts and waits stay inside
+the budget the caller gives, itself inside the request's deadline.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
-import grpc
 import structlog
 from tenacity import (
     AsyncRetrying,
@@ -24,17 +23,12 @@ from tenacity import (
     wait_exponential_jitter,
 )
 
-from services.common.errors import UpstreamError
+from services.router.failures import is_retryable
 
 T = TypeVar("T")
-RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED})
 ATTEMPTS = 3
 
 log = structlog.get_logger("retry")
-
-
-def is_retryable(exc: BaseException) -> bool:
-    return isinstance(exc, UpstreamError) and exc.code in RETRYABLE
 
 
 async def call_with_retries(
@@ -56,7 +50,7 @@ async def call_with_retries(
     async for attempt in AsyncRetrying(
         stop=stop_after_attempt(ATTEMPTS)
         | (stop_never if budget_s is None else stop_after_delay(budget_s * 0.9)),
-        wait=wait_exponential_jitter(initial=0.1, max=1.0, jitter=0.1),
+        wait=wait_exponential_jitter(multiplier=0.1, max=1.0, jitter=0.1),
         retry=retry_if_exception(retryable),
         before_sleep=before_sleep,
         reraise=True,

@@ -1,0 +1,148 @@
+"""What the router does after a failure, in one table: per gRPC status code, whether the
+chain stops, the node is set aside, the prefill call is retried, and a generation that
+already sent text moves to another decode node.
+
+Two deadlines differ: a stage's own (`StageDeadlineExceeded`: that node is slow or hung,
+another may answer) and the caller's (`CallerDeadlineExceeded`: nothing further is tried).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import grpc
+import structlog
+
+from services.common.errors import DeadlineExceeded, MeshError, UpstreamError
+from services.common.observability import metrics
+from services.common.topology import ModelRoute, Node
+from services.router.node_health import NodeHealth
+from services.router.request import Attempt, Request
+from services.router.summary import FailedAttempt
+
+log = structlog.get_logger("router")
+
+
+@dataclass(frozen=True)
+class FailureClass:
+    # The request itself is wrong, or the caller gave up: another node would answer the
+    # same, so the chain stops there.
+    final: bool = False
+    # The node itself is in trouble: it is skipped for a cool-down.
+    node_trouble: bool = False
+    # Worth calling again (the prefill stage, with tenacity; AIP-194).
+    retry: bool = False
+    # After text was delivered, another decode node takes the generation over.
+    migrate: bool = False
+
+
+FINAL = FailureClass(final=True)
+NODE_TROUBLE = FailureClass(node_trouble=True, migrate=True)
+# Codes not listed: the next attempt, with no blame (NOT_FOUND, FAILED_PRECONDITION,
+# ABORTED (the prefill is redone first), UNIMPLEMENTED, ...).
+OTHER = FailureClass()
+
+TABLE: dict[grpc.StatusCode, FailureClass] = {
+    grpc.StatusCode.INVALID_ARGUMENT: FINAL,
+    grpc.StatusCode.CANCELLED: FINAL,
+    grpc.StatusCode.OUT_OF_RANGE: FINAL,
+    grpc.StatusCode.UNAUTHENTICATED: FINAL,
+    grpc.StatusCode.PERMISSION_DENIED: FINAL,
+    # Down or still loading: retried, and the node cools down.
+    grpc.StatusCode.UNAVAILABLE: FailureClass(node_trouble=True, retry=True, migrate=True),
+    # A stage's own deadline: retried on another node only (the prefill stage decides).
+    grpc.StatusCode.DEADLINE_EXCEEDED: NODE_TROUBLE,
+    grpc.StatusCode.INTERNAL: NODE_TROUBLE,
+    grpc.StatusCode.UNKNOWN: NODE_TROUBLE,
+    grpc.StatusCode.DATA_LOSS: NODE_TROUBLE,
+    # Busy (queue full, out of KV cells): retried, no blame.
+    grpc.StatusCode.RESOURCE_EXHAUSTED: FailureClass(retry=True, migrate=True),
+}
+
+
+def classify(exc: MeshError) -> FailureClass:
+    return TABLE.get(exc.code, OTHER)
+
+
+class StageDeadlineExceeded(DeadlineExceeded):
+    """A stage's own deadline passed: the node is slow or hung; another may answer."""
+
+
+class CallerDeadlineExceeded(DeadlineExceeded):
+    """The caller's own deadline ran out: nothing further is tried."""
+
+
+def is_final(exc: MeshError) -> bool:
+    """The chain stops: another node would answer the same, or no time is left."""
+    return classify(exc).final or isinstance(exc, CallerDeadlineExceeded)
+
+
+def blames_node(exc: MeshError) -> bool:
+    """The node that answered so is set aside for a cool-down (not for the caller's
+    deadline: the node was not at fault)."""
+    return classify(exc).node_trouble and not isinstance(exc, CallerDeadlineExceeded)
+
+
+def can_migrate(exc: MeshError) -> bool:
+    return classify(exc).migrate and not isinstance(exc, CallerDeadlineExceeded)
+
+
+def is_retryable(exc: BaseException) -> bool:
+    """A node's answer that says "try again" (never a deadline: the stage decides those)."""
+    return isinstance(exc, UpstreamError) and classify(exc).retry
+
+
+def stage_error(
+    exc: UpstreamError, stage: str, node: Node, timeout: float, caller_bound: bool
+) -> MeshError:
+    """A stage's failed call, its deadline told apart: the stage's or the caller's."""
+    if exc.code != grpc.StatusCode.DEADLINE_EXCEEDED:
+        return exc
+    where = f"{stage} stage on node {node.name} ({node.address})"
+    if caller_bound:
+        return CallerDeadlineExceeded(
+            f"{where} ran out of time: the caller's deadline passed "
+            f"({timeout:.3f} s were left when the stage began)"
+        )
+    return StageDeadlineExceeded(
+        f"{where} ran out of time: its {timeout:g} s stage deadline passed"
+    )
+
+
+def midstream_error(exc: MeshError, node: str, delivered: int, migrations: int) -> MeshError:
+    """A generation that sent text and that no node could take over."""
+    moved = f" after {migrations} migrations" if migrations else ""
+    return UpstreamError(
+        exc.code,
+        f"{exc.message} — failed on {node}{moved} after {delivered} text deltas were "
+        "delivered; no node could take the generation over, and no text is sent twice",
+    )
+
+
+def blame(health: NodeHealth, attempt: Attempt, exc: MeshError) -> None:
+    """Set the node the attempt was calling aside for a cool-down, if it was at fault."""
+    if attempt.current is not None and blames_node(exc):
+        health.failed(attempt.current)
+
+
+def attempt_failed(health: NodeHealth, request: Request, attempt: Attempt, exc: MeshError) -> None:
+    """A failure before any text was sent: blame the node, count it, list it."""
+    blame(health, attempt, exc)
+    request.failed.append(attempt.failure(exc))
+    metrics.attempt_failed(request.route.name, attempt.method.value, exc.code.name)
+    log.warning(
+        "attempt failed, trying the next",
+        method=attempt.method.value,
+        node=attempt.blamed,
+        code=exc.code.name,
+        error=exc.message,
+    )
+
+
+def exhausted(route: ModelRoute, failed: list[FailedAttempt], last: MeshError | None) -> MeshError:
+    """Every step of the chain failed before sending text: each attempt, in one message."""
+    tried = "; ".join(
+        f"{f.method.value}{' on ' + f.node if f.node else ''}: {f.code} {f.message}" for f in failed
+    )
+    code = last.code if last is not None else grpc.StatusCode.UNAVAILABLE
+    return UpstreamError(code, f"every step of {route.name}'s chain failed: {tried}")

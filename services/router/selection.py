@@ -1,0 +1,160 @@
+"""The selection policy: which nodes serve a request, in one place.
+
+- The chain's order (mode chain: as listed; mode auto: disaggregated or decode_only first
+  by estimated time to first token, costs.py).
+- The attempts of a step: the prefill/decode pair, or each decode node in turn.
+- Among a role's nodes: health first (node_health.py), then those with a free slot, those
+  that served prompts starting like this one the longest first (their prefix caches likely
+  hold it), then the busy ones by load; the topology's order breaks ties.
+- The decode nodes a prefill node may hand its KV state to, and the one it chose (it knows
+  which decode node's prefix cache saves the most; the policy takes its choice when the
+  node belongs to the route).
+- Who takes a generation over when its decode node fails mid-answer, and whether a prefill
+  node evaluates the delivered tokens for it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+from services.common.observability import metrics
+from services.common.topology import ModelRoute, Node, Step, Topology
+from services.common.types import DecodeCandidate
+from services.router.costs import Candidate
+from services.router.knowledge import Knowledge
+from services.router.node_health import NodeHealth
+from services.router.prefixes import TEXT_BLOCK_CHARS
+from services.router.request import Attempt, Delivered, Request
+from services.router.summary import RouteMethod
+
+
+class Selection:
+    def __init__(self, topology: Topology, health: NodeHealth, knowledge: Knowledge) -> None:
+        self.topology = topology
+        self.health = health
+        self.knowledge = knowledge
+
+    def nodes(self, names: Sequence[str]) -> list[Node]:
+        return [self.topology.node(n) for n in names]
+
+    def order(self, request: Request) -> tuple[list[Step], str]:
+        """The steps to try, in order, and why the first: the chain as listed, or (mode
+        auto) disaggregated or decode_only first by estimated time to first token."""
+        route = request.route
+        if route.mode != "auto":
+            metrics.route_decision(route.name, route.chain[0], "chain")
+            return list(route.chain), f"chain: {route.chain[0]} is the chain's first step"
+        prefill = self.by_prefix(self.nodes(route.prefill), request.blocks)[0]
+        decode = self.by_prefix(self.nodes(route.decode), request.blocks)[0]
+        decision = self.knowledge.costs.decide(
+            route.name,
+            request.prompt_chars,
+            self.candidate(prefill, request.blocks),
+            self.candidate(decode, request.blocks),
+        )
+        metrics.route_decision(route.name, decision.method, decision.basis)
+        first: Step = "disaggregated" if decision.method == "disaggregated" else "decode_only"
+        return [first, *(s for s in route.chain if s != first)], decision.reason
+
+    def attempts(self, step: Step, request: Request) -> Iterator[Attempt]:
+        """The attempts of one step, healthy nodes first (topology validation guarantees
+        each step has the nodes it needs)."""
+        route = request.route
+        if step == "direct_ollama":
+            yield Attempt(RouteMethod.DIRECT_OLLAMA)
+            return
+        decode = self.by_prefix(self.nodes(route.decode), request.blocks)
+        if step == "disaggregated":
+            prefill = self.by_prefix(self.nodes(route.prefill), request.blocks)
+            yield Attempt(
+                RouteMethod.DISAGGREGATED,
+                prefill_candidates=prefill,
+                prefill=prefill[0],
+                decode=decode[0],
+            )
+        else:
+            for node in decode:
+                yield Attempt(RouteMethod.DECODE_ONLY, decode=node)
+
+    def by_prefix(self, nodes: list[Node], blocks: list[bytes]) -> list[Node]:
+        """Health first, then among the nodes with a free slot, those that served prompts
+        starting like this one the longest first, then the busy ones by load."""
+        picked = self.health.pick(nodes)
+        free = [n for n in picked if self.health.has_free_slot(n)]
+        busy = [n for n in picked if not self.health.has_free_slot(n)]
+        text_prefixes = self.knowledge.text_prefixes
+        free.sort(key=lambda n: -text_prefixes.overlap(n.name, blocks))
+        return free + busy
+
+    def candidate(self, node: Node, blocks: list[bytes], held: int | None = None) -> Candidate:
+        """What the estimate needs of a node: the prompt's characters it is believed to
+        hold (`held`, else from the prompts it served) and its load."""
+        if held is None:
+            held = self.knowledge.text_prefixes.overlap(node.name, blocks) * TEXT_BLOCK_CHARS
+        return Candidate(node.name, held, self.health.load(node))
+
+    def decode_candidates(self, route: ModelRoute) -> list[DecodeCandidate]:
+        """The decode nodes a prefill node may choose from by the prefixes they hold: the
+        available ones with a free slot (all of them, in order of preference and load, or
+        the least loaded when none is free), each with what the router believes it holds."""
+        nodes = self.health.pick(self.nodes(route.decode))
+        chosen = [n for n in nodes if self.health.has_free_slot(n)] or nodes[:1]
+        held = self.knowledge.prefixes.held
+        return [DecodeCandidate(n.name, frozenset(held(n.name))) for n in chosen]
+
+    def decode_after_prefill(self, route: ModelRoute, planned: Node, chosen: str) -> Node:
+        """The decode node for a prompt a prefill node evaluated: the one it chose among
+        `decode_candidates` (its KV state leaves out the prefix that node holds), else the
+        one planned."""
+        return self.topology.node(chosen) if chosen in route.decode else planned
+
+    def takeover_targets(self, route: ModelRoute, failed: set[str]) -> list[Node | str]:
+        """Who can take a generation over: the route's healthy decode nodes (by health and
+        load), then its direct_ollama step (named by its URL), leaving out those that failed
+        in this request."""
+        nodes = self.health.pick(self.nodes(route.decode))
+        targets: list[Node | str] = [n for n in nodes if n.name not in failed]
+        if "direct_ollama" in route.chain and route.ollama_url not in failed:
+            assert route.ollama_url is not None
+            targets.append(route.ollama_url)
+        return targets
+
+    def resume_via(
+        self, request: Request, attempt: Attempt, target: Node, prefilled: str
+    ) -> tuple[Node | None, str]:
+        """The prefill node that should evaluate the prompt and the delivered tokens for
+        `target` (None: target evaluates them itself), and why. A prefill node can when both
+        are llama_cpp nodes and every delivered token's id is known; route.migrate_via
+        "auto" weighs both ways (costs.py). `prefilled`: the prefill node that evaluated
+        this prompt (its prefix cache holds it)."""
+        route, sent = request.route, attempt.sent
+        if route.migrate_via == "decode":
+            return None, "migrate_via = decode"
+        if target.engine != "llama_cpp":
+            return None, f"{target.name} is an Ollama node: it continues from the text"
+        if not _ids_known(sent):
+            return None, "the delivered tokens' ids are not known (Ollama streams text)"
+        prefills = [
+            n
+            for n in self.by_prefix(self.nodes(route.prefill), request.blocks)
+            if n.engine == "llama_cpp" and self.health.available(n)
+        ]
+        if not prefills:
+            return None, f"{route.name} has no available llama_cpp prefill node"
+        via = next((n for n in prefills if n.name == prefilled), prefills[0])
+        if route.migrate_via == "prefill":
+            return via, "migrate_via = prefill"
+        held = request.prompt_chars if via.name == prefilled else None
+        decision = self.knowledge.costs.resume(
+            route.name,
+            request.prompt_chars,
+            attempt.summary.prompt_tokens,
+            sent.tokens,
+            self.candidate(via, request.blocks, held),
+            self.candidate(target, request.blocks),
+        )
+        return (via if decision.via == "prefill" else None), f"auto: {decision.reason}"
+
+
+def _ids_known(sent: Delivered) -> bool:
+    return sent.ids_complete and bool(sent.token_ids)

@@ -1,0 +1,54 @@
+"""The decode stage: a decode node generates (from a KV state it pulls, or from the prompt)
+and its text is relayed as it comes, then its summary."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator
+from contextlib import aclosing
+
+import grpc
+
+from services.common.errors import UpstreamError
+from services.common.topology import Node
+from services.common.types import Continuation, DecodeStats, KvSource, Prompt, TextChunk
+from services.router.failures import stage_error
+from services.router.node_health import NodeHealth
+from services.router.request import Request
+from services.router.stages import NodeClients
+
+
+class DecodeStage:
+    def __init__(self, clients: NodeClients, health: NodeHealth) -> None:
+        self._clients = clients
+        self._health = health
+
+    async def stream(
+        self,
+        request: Request,
+        node: Node,
+        source: KvSource | Prompt,
+        continuation: Continuation | None = None,
+    ) -> AsyncGenerator[TextChunk | DecodeStats, None]:
+        """The node's text chunks, then its DecodeStats, with the stage deadline (or what is
+        left of the caller's)."""
+        route = request.route
+        timeout, caller_bound = request.clock.stage_timeout(route.decode_deadline_s)
+        client = self._clients.decode(node.address)
+        generation = client.generate(route.name, source, request.sampling, timeout, continuation)
+        try:
+            with self._health.busy(node):
+                async with aclosing(generation) as events:
+                    async for event in events:
+                        yield event
+        except UpstreamError as exc:
+            raise stage_error(exc, "decode", node, timeout, caller_bound) from exc
+
+
+def required(stats: DecodeStats | None, node: Node | str) -> DecodeStats:
+    """A stream that ended without its summary lost something."""
+    if stats is None:
+        where = node.address if isinstance(node, Node) else node
+        raise UpstreamError(
+            grpc.StatusCode.DATA_LOSS, f"decode node {where} ended the stream without a summary"
+        )
+    return stats

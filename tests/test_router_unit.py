@@ -1,0 +1,390 @@
+"""The router's chain, retries and migration, driven in process with fake node clients: no
+processes, no model. Each fake decode node "generates" the same answer, token ids 101, 102,
+... with text "t101 t102 ...", and goes on from where a KvSource or a Continuation says, so
+a migration's text can be checked to have nothing repeated and nothing lost. The end-to-end
+tests (test_failover.py, test_migration.py, ...) run the same paths with real nodes."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncGenerator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import pytest
+
+from services.common.errors import MeshError, UpstreamError
+from services.common.node_clients import ChannelPool
+from services.common.topology import Topology
+from services.common.types import (
+    Continuation,
+    DecodeCandidate,
+    DecodeStats,
+    Fingerprint,
+    FinishReason,
+    KvSource,
+    KvTransferKind,
+    PrefillResult,
+    Prompt,
+    Sampling,
+    TextChunk,
+)
+from services.router import failures
+from services.router.failures import CallerDeadlineExceeded, StageDeadlineExceeded
+from services.router.node_health import NodeHealth
+from services.router.routing import ResumeInfo, RouteMethod, Router, RouteSummary
+from services.router.stages import DecodeCalls, PrefillCalls
+
+MODEL = "m"
+FIRST = 101
+PROMPT = Prompt(text="Grade this essay.")
+FINGERPRINT = Fingerprint(model_sha256="0" * 64, n_ctx_tokens=4096, engine_version="test")
+
+
+def token_text(token: int) -> str:
+    return f"t{token} "
+
+
+def answer(max_tokens: int) -> str:
+    return "".join(token_text(FIRST + i) for i in range(max_tokens))
+
+
+@dataclass
+class Script:
+    """How a fake node behaves on its next calls: each call takes the first entry (the
+    last one stays): None serves; (code, after) fails with code after that many chunks
+    (prefill: at once)."""
+
+    steps: list[tuple[grpc.StatusCode, int] | None] = field(default_factory=lambda: [None])
+    # Prefill: the decode node it says it chose (its prefix cache saves the most).
+    chooses: str = ""
+
+    def next(self) -> tuple[grpc.StatusCode, int] | None:
+        return self.steps.pop(0) if len(self.steps) > 1 else self.steps[0]
+
+
+@dataclass
+class Call:
+    source: KvSource | Prompt | None = None
+    continuation: Continuation | None = None
+    candidates: Sequence[DecodeCandidate] = ()
+    timeout_s: float = 0.0
+
+
+class FakeNodes:
+    """NodeClients over scripts, by address; records every call."""
+
+    def __init__(self, topology: Topology) -> None:
+        self.names = {n.address: n.name for n in topology.nodes}
+        self.scripts: dict[str, Script] = {n.name: Script() for n in topology.nodes}
+        self.calls: dict[str, list[Call]] = {n.name: [] for n in topology.nodes}
+
+    def prefill(self, address: str) -> PrefillCalls:
+        return _FakePrefill(self, self.names[address])
+
+    def decode(self, address: str) -> DecodeCalls:
+        return _FakeDecode(self, self.names[address])
+
+
+class _FakePrefill:
+    def __init__(self, nodes: FakeNodes, name: str) -> None:
+        self._nodes, self._name = nodes, name
+
+    async def prefill(
+        self,
+        model: str,
+        prompt: Prompt,
+        sampling: Sampling,
+        timeout_s: float,
+        candidates: Sequence[DecodeCandidate] = (),
+        continuation: Continuation | None = None,
+    ) -> PrefillResult:
+        self._nodes.calls[self._name].append(Call(prompt, continuation, candidates, timeout_s))
+        script = self._nodes.scripts[self._name]
+        step = script.next()
+        if step is not None:
+            raise UpstreamError(step[0], f"prefill node {self._name}: scripted {step[0].name}")
+        # A continuation's state holds the delivered tokens but the last, which the decode
+        # node evaluates first.
+        done = continuation.generated_tokens if continuation else 0
+        first = FIRST + done - 1 if continuation else FIRST
+        return PrefillResult(
+            kv_handle=f"{self._name}-{len(self._nodes.calls[self._name])}",
+            first_token_id=first,
+            first_token_text=token_text(first),
+            prompt_tokens=10,
+            prefill_seconds=0.01,
+            kv_size_bytes=1000,
+            fingerprint=FINGERPRINT,
+            kv_ttl_seconds=60.0,
+            kv_transfer=KvTransferKind.STATE,
+            kv_prefix_node=script.chooses,
+            kv_state_bytes=1000,
+            replayed_tokens=max(done - 1, 0),
+        )
+
+
+class _FakeDecode:
+    def __init__(self, nodes: FakeNodes, name: str) -> None:
+        self._nodes, self._name = nodes, name
+
+    async def generate(
+        self,
+        model: str,
+        source: KvSource | Prompt,
+        sampling: Sampling,
+        timeout_s: float,
+        continuation: Continuation | None = None,
+    ) -> AsyncGenerator[TextChunk | DecodeStats, None]:
+        self._nodes.calls[self._name].append(Call(source, continuation, (), timeout_s))
+        step = self._nodes.scripts[self._name].next()
+        start = FIRST + (continuation.generated_tokens if continuation else 0)
+        for i, token in enumerate(range(start, FIRST + sampling.max_tokens)):
+            if step is not None and i >= step[1]:
+                break
+            await asyncio.sleep(0)
+            yield TextChunk(token_text(token), [token])
+        if step is not None:
+            raise UpstreamError(step[0], f"decode node {self._name}: scripted {step[0].name}")
+        kv = isinstance(source, KvSource)
+        yield DecodeStats(
+            prompt_tokens=10,
+            completion_tokens=sampling.max_tokens,
+            finish_reason=FinishReason.LENGTH,
+            kv_transfer=KvTransferKind.STATE if kv else KvTransferKind.NONE,
+            decode_seconds=0.01,
+        )
+
+
+def topology(**route: Any) -> Topology:
+    def node(name: str, role: str, port: int) -> dict[str, Any]:
+        extra = {"engine": "llama_cpp", "model": "m.gguf"} if role != "router" else {}
+        return {"name": name, "role": role, "host": "127.0.0.1", "port": port, **extra}
+
+    return Topology.model_validate(
+        {
+            "nodes": [
+                node("router", "router", 7000),
+                node("p1", "prefill", 7001),
+                node("p2", "prefill", 7002),
+                node("d1", "decode", 7003),
+                node("d2", "decode", 7004),
+            ],
+            "models": [
+                {"name": MODEL, "prefill": ["p1", "p2"], "decode": ["d1", "d2"], **route}
+            ],
+        }
+    )
+
+
+def build(**route: Any) -> tuple[Router, FakeNodes]:
+    t = topology(**route)
+    nodes = FakeNodes(t)
+    health = NodeHealth(
+        [n for n in t.nodes if n.role != "router"], ChannelPool(), every_s=1.0, cooldown_s=30.0
+    )
+    return Router(t, ChannelPool(), health, nodes), nodes
+
+
+async def run(
+    router: Router, max_tokens: int = 8, time_remaining: float | None = None, **kwargs: Any
+) -> tuple[str, RouteSummary]:
+    text: list[str] = []
+    summary: RouteSummary | None = None
+    sampling = Sampling(max_tokens=max_tokens, temperature=0.0)
+    items = router.generate_resumable(MODEL, PROMPT, sampling, time_remaining, **kwargs)
+    async for item in items:
+        if isinstance(item, TextChunk):
+            text.append(item.text)
+        elif isinstance(item, RouteSummary):
+            summary = item
+        else:
+            assert isinstance(item, ResumeInfo)
+    assert summary is not None
+    return "".join(text), summary
+
+
+def fail(code: grpc.StatusCode, after: int = 0) -> tuple[grpc.StatusCode, int]:
+    return code, after
+
+
+async def test_disaggregated_request_hands_the_prefill_state_to_the_decode_node() -> None:
+    router, nodes = build()
+    text, summary = await run(router)
+    assert text == answer(8)
+    assert summary.method == RouteMethod.DISAGGREGATED
+    assert (summary.prefill_node, summary.decode_node) == ("p1", "d1")
+    assert summary.failed_attempts == [] and summary.migrations == []
+    source = nodes.calls["d1"][0].source
+    assert isinstance(source, KvSource) and source.kv_handle == "p1-1"
+    assert source.prefill_address == "127.0.0.1:7001"
+    # The prefill node chose among the free decode nodes, with what each is believed to hold.
+    assert [c.node for c in nodes.calls["p1"][0].candidates] == ["d1", "d2"]
+
+
+async def test_a_prefill_retry_moves_to_the_next_prefill_node_and_sets_the_first_aside() -> None:
+    router, nodes = build()
+    nodes.scripts["p1"] = Script([fail(grpc.StatusCode.UNAVAILABLE), None])
+    text, summary = await run(router)
+    assert text == answer(8)
+    assert summary.prefill_node == "p2"
+    assert [(f.node, f.code) for f in summary.failed_attempts] == [("p1", "UNAVAILABLE")]
+    assert not router.health.available(router.topology.node("p1"))
+    # The next request starts on the healthy node.
+    _, again = await run(router)
+    assert again.prefill_node == "p2" and again.failed_attempts == []
+
+
+async def test_a_stage_deadline_is_retried_on_another_node_but_never_on_a_node_that_hung() -> (
+    None
+):
+    router, nodes = build()
+    nodes.scripts["p1"] = Script([fail(grpc.StatusCode.DEADLINE_EXCEEDED)])
+    nodes.scripts["p2"] = Script([fail(grpc.StatusCode.DEADLINE_EXCEEDED)])
+    text, summary = await run(router)
+    assert text == answer(8)
+    # Both prefill nodes hung once each; the chain's next step served.
+    assert summary.method == RouteMethod.DECODE_ONLY
+    failed = [(f.method.value, f.node, f.code) for f in summary.failed_attempts]
+    assert failed == [
+        ("disaggregated", "p1", "DEADLINE_EXCEEDED"),
+        ("disaggregated", "p2", "DEADLINE_EXCEEDED"),
+    ]
+    assert len(nodes.calls["p1"]) == len(nodes.calls["p2"]) == 1
+    assert "stage deadline passed" in summary.failed_attempts[0].message
+
+
+async def test_a_final_code_stops_the_chain_untried() -> None:
+    router, nodes = build()
+    nodes.scripts["d1"] = Script([fail(grpc.StatusCode.INVALID_ARGUMENT)])
+    with pytest.raises(MeshError) as caught:
+        await run(router)
+    assert caught.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert len(nodes.calls["d1"]) == 1 and nodes.calls["d2"] == []
+    assert router.health.available(router.topology.node("d1"))  # not the node's fault
+
+
+async def test_every_step_failing_names_each_attempt() -> None:
+    router, nodes = build()
+    for name in ("p1", "p2", "d1", "d2"):
+        nodes.scripts[name] = Script([fail(grpc.StatusCode.INTERNAL)])
+    with pytest.raises(MeshError) as caught:
+        await run(router)
+    message = caught.value.message
+    assert caught.value.code == grpc.StatusCode.INTERNAL
+    assert message.startswith(f"every step of {MODEL}'s chain failed: disaggregated on p1")
+    assert "decode_only on d1: INTERNAL" in message and "decode_only on d2: INTERNAL" in message
+
+
+async def test_the_callers_deadline_is_final_and_blames_no_node() -> None:
+    router, nodes = build(chain=["decode_only"])
+    nodes.scripts["d1"] = Script([fail(grpc.StatusCode.DEADLINE_EXCEEDED)])
+    with pytest.raises(CallerDeadlineExceeded) as caught:
+        await run(router, time_remaining=5.0)
+    assert "the caller's deadline passed" in caught.value.message
+    assert nodes.calls["d1"][0].timeout_s <= 5.0 and nodes.calls["d2"] == []
+    assert router.health.available(router.topology.node("d1"))
+
+
+async def test_the_prefill_nodes_choice_of_decode_node_is_taken() -> None:
+    router, nodes = build()
+    nodes.scripts["p1"] = Script([None], chooses="d2")
+    text, summary = await run(router)
+    assert text == answer(8)
+    assert summary.decode_node == "d2" and nodes.calls["d1"] == []
+
+
+async def test_a_decode_node_that_let_the_prefix_go_gets_the_prompt_prefilled_again() -> None:
+    router, nodes = build()
+    nodes.scripts["d1"] = Script([fail(grpc.StatusCode.ABORTED), None])
+    text, summary = await run(router)
+    assert text == answer(8)
+    assert len(nodes.calls["p1"]) == 2 and len(nodes.calls["d1"]) == 2
+    assert [(f.node, f.code) for f in summary.failed_attempts] == [("d1", "ABORTED")]
+
+
+@pytest.mark.parametrize("via", ["decode", "prefill"])
+async def test_a_decode_node_failing_mid_answer_hands_over_with_nothing_lost(via: str) -> None:
+    router, nodes = build(migrate_via=via)
+    nodes.scripts["d1"] = Script([fail(grpc.StatusCode.UNAVAILABLE, after=3)])
+    text, summary = await run(router, max_tokens=10)
+    assert text == answer(10)
+    [migration] = summary.migrations
+    assert (migration.failed_node, migration.resumed_on) == ("d1", "d2")
+    assert migration.code == "UNAVAILABLE" and migration.tokens_delivered == 3
+    assert summary.decode_node == "d2" and summary.completion_tokens == 10
+    continuation = nodes.calls["d2"][0].continuation
+    assert continuation is not None
+    assert continuation.generated_token_ids == (101, 102, 103)
+    assert continuation.first_token_from_prefill
+    source = nodes.calls["d2"][0].source
+    if via == "prefill":
+        assert migration.via_prefill_node == "p1"  # the node that holds the prompt
+        assert isinstance(source, KvSource) and source.kv_handle == "p1-2"
+        assert nodes.calls["p1"][1].continuation == continuation
+    else:
+        assert migration.via_prefill_node == "" and source == PROMPT
+
+
+async def test_with_no_node_to_take_over_the_error_says_what_was_delivered() -> None:
+    router, nodes = build(decode=["d1"])
+    nodes.scripts["d1"] = Script([fail(grpc.StatusCode.UNAVAILABLE, after=2)])
+    with pytest.raises(MeshError) as caught:
+        await run(router)
+    assert caught.value.code == grpc.StatusCode.UNAVAILABLE
+    assert "after 2 text deltas were delivered" in caught.value.message
+    assert "no text is sent twice" in caught.value.message
+
+
+async def test_migrations_stop_at_max_migrations() -> None:
+    router, nodes = build(max_migrations=1, migrate_via="decode")
+    nodes.scripts["d1"] = Script([fail(grpc.StatusCode.INTERNAL, after=2)])
+    nodes.scripts["d2"] = Script([fail(grpc.StatusCode.INTERNAL, after=2)])
+    with pytest.raises(MeshError) as caught:
+        await run(router)
+    assert "failed on d2 after 1 migrations after 4 text deltas" in caught.value.message
+
+
+async def test_a_client_resumes_through_this_router_after_another_router_failed() -> None:
+    router, nodes = build(migrate_via="decode")
+    resume = Continuation(
+        generated_token_ids=(101, 102, 103, 104),
+        generated_text=answer(4),
+        first_token_from_prefill=True,
+        generated_tokens=4,
+        prompt_cached_tokens=0,
+    )
+    text, summary = await run(router, resume=resume, resumed_from="127.0.0.1:7999")
+    assert answer(4) + text == answer(8)
+    [migration] = summary.migrations
+    assert migration.failed_node == "router 127.0.0.1:7999" and migration.resumed_on == "d1"
+    assert summary.route_reason == "resumed after router 127.0.0.1:7999 failed mid-answer"
+    assert nodes.calls["p1"] == []
+    continuation = nodes.calls["d1"][0].continuation
+    assert continuation is not None and continuation.generated_token_ids == (101, 102, 103, 104)
+    assert continuation.first_token_from_prefill and continuation.generated_text == answer(4)
+
+
+def test_the_failure_table() -> None:
+    node = topology().node("p1")
+    stage = failures.stage_error(
+        UpstreamError(grpc.StatusCode.DEADLINE_EXCEEDED, "late"), "prefill", node, 60.0, False
+    )
+    caller = failures.stage_error(
+        UpstreamError(grpc.StatusCode.DEADLINE_EXCEEDED, "late"), "prefill", node, 1.0, True
+    )
+    assert isinstance(stage, StageDeadlineExceeded) and isinstance(caller, CallerDeadlineExceeded)
+    assert failures.blames_node(stage) and not failures.is_final(stage)
+    assert failures.is_final(caller) and not failures.blames_node(caller)
+    assert not failures.can_migrate(caller) and failures.can_migrate(stage)
+    busy = UpstreamError(grpc.StatusCode.RESOURCE_EXHAUSTED, "full")
+    assert failures.is_retryable(busy) and not failures.blames_node(busy)
+    assert not failures.is_retryable(stage)  # the prefill stage decides those itself
+    wrong = UpstreamError(grpc.StatusCode.INVALID_ARGUMENT, "prompt: empty")
+    assert failures.is_final(wrong) and not failures.can_migrate(wrong)
+    gone = UpstreamError(grpc.StatusCode.ABORTED, "prefix gone")
+    assert not any(
+        f(gone)
+        for f in (failures.is_final, failures.blames_node, failures.can_migrate)
+    )
