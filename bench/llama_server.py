@@ -52,7 +52,7 @@ from bench.migration import MODEL, median, run_alone, say  # noqa: E402
 from bench.shared_cores import PROMPTS  # noqa: E402
 from bench.work import Work, figure, record, total  # noqa: E402
 from services.common.models import resolve_model_path  # noqa: E402
-from services.common.processes import free_port, serving_mesh  # noqa: E402
+from services.common.runtime.processes import free_port, serving_mesh  # noqa: E402
 
 MODELS = ("qwen3-coder:30b", "gpt-oss:120b")
 LEVELS = (1, 4, 16)

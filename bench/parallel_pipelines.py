@@ -27,8 +27,8 @@ sys.path[:0] = [str(ROOT), str(ROOT / "examples")]
 
 from bench.work import Work, record, total  # noqa: E402
 from disagg_mesh import AsyncMeshClient, GenerateCall  # noqa: E402
-from services.common.processes import MeshProcesses  # noqa: E402
-from services.common.topology import load_topology  # noqa: E402
+from services.common.config.topology import load_topology  # noqa: E402
+from services.common.runtime.processes import MeshProcesses  # noqa: E402
 
 # Both calls do the same amount of work (ignore_eos: each answer is max_tokens long), so
 # the ratio shows what running the two pipelines at once buys.

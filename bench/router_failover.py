@@ -37,7 +37,7 @@ from bench.migration import (  # noqa: E402
     say,
 )
 from disagg_mesh import AsyncMeshClient, GenerateCall, Metrics  # noqa: E402
-from services.common.processes import free_port, serving_mesh  # noqa: E402
+from services.common.runtime.processes import free_port, serving_mesh  # noqa: E402
 
 ROUTERS = ("router-a", "router-b")
 

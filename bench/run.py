@@ -109,11 +109,11 @@ from disagg.v1 import (  # noqa: E402
     types_pb2,
 )
 from disagg_mesh import AsyncMeshClient, GenerateCall, MeshError  # noqa: E402
+from services.common.config.topology import Node, Topology, load_topology  # noqa: E402
 from services.common.models import resolve_model_path  # noqa: E402
-from services.common.node_clients import ChannelPool, PrefillClient  # noqa: E402
-from services.common.processes import MeshProcesses  # noqa: E402
-from services.common.topology import Node, Topology, load_topology  # noqa: E402
+from services.common.runtime.processes import MeshProcesses  # noqa: E402
 from services.common.types import Sampling  # noqa: E402
+from services.common.wire.node_clients import ChannelPool, PrefillClient  # noqa: E402
 
 MiB = 1 << 20
 
@@ -472,7 +472,7 @@ class Bench:
 
     # 4 -------------------------------------------------------------------------------------
     async def kv_throughput(self, target_bytes: int) -> dict[str, Any]:
-        """FetchKv as a decode node receives it (its own client, services.common.node_clients),
+        """FetchKv as a decode node receives it (its own client, services.common.wire.node_clients),
         each fetch followed at once by the ceiling's stream of the same size. The first pair
         is a warm-up."""
         prompt = self.prompts.of_tokens(max(256, target_bytes // 23_000))

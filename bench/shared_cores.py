@@ -30,7 +30,7 @@ import grpc  # noqa: E402
 from bench.migration import MODEL, median, run_alone, say  # noqa: E402
 from bench.work import Work, figure, record, total  # noqa: E402
 from disagg.v1 import router_pb2, router_pb2_grpc, types_pb2  # noqa: E402
-from services.common.processes import free_port, serving_mesh  # noqa: E402
+from services.common.runtime.processes import free_port, serving_mesh  # noqa: E402
 
 GOAL = 1.0
 # Eight different prompts, none a prefix of another.

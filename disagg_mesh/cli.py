@@ -44,7 +44,7 @@ from disagg_mesh.client import (
 from disagg_mesh.errors import MeshError
 from disagg_mesh.metrics import Metrics
 from disagg_mesh.service import ServiceSpec, this_os
-from services.common.node_clients import health_status
+from services.common.wire.node_clients import health_status
 
 HINTS = {
     grpc.StatusCode.UNAVAILABLE: "is the mesh running? `make run` starts the local one; "
@@ -236,7 +236,7 @@ def _service(args: argparse.Namespace) -> int:
 
 
 def _topology(args: argparse.Namespace) -> Any:
-    from services.common.topology import TopologyError, load_topology
+    from services.common.config.topology import TopologyError, load_topology
 
     try:
         return load_topology(args.topology)

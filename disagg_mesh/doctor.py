@@ -16,9 +16,9 @@ from typing import Any
 import grpc
 
 from disagg.v1 import node_pb2, node_pb2_grpc
-from services.common.convert import fingerprint_from_proto
-from services.common.kv import describe_mismatch
+from services.common.kv.assembler import describe_mismatch
 from services.common.types import Fingerprint
+from services.common.wire.convert import fingerprint_from_proto
 
 
 @dataclass(frozen=True)

@@ -16,10 +16,10 @@ import time
 from pathlib import Path
 
 from disagg_mesh import AsyncMeshClient, GenerateCall, MeshError, Metrics, TlsFiles
-from services.common.auth import TokenError, token_from_topology
-from services.common.processes import MeshProcesses, MeshStartError
-from services.common.tls import tls_paths
-from services.common.topology import TopologyError, load_topology
+from services.common.config.topology import TopologyError, load_topology
+from services.common.runtime.auth import TokenError, token_from_topology
+from services.common.runtime.processes import MeshProcesses, MeshStartError
+from services.common.runtime.tls import tls_paths
 
 EXAMPLES = {
     "qwen3-coder:30b": "Review this Python function and name one bug:\n\n"

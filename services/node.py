@@ -26,11 +26,11 @@ if "OMP_WAIT_POLICY" not in os.environ:
 import llama_cpp  # noqa: F401
 import structlog
 
-from services.common.auth import TokenError, token_from_topology, use_token
+from services.common.config.topology import TopologyError, load_topology
 from services.common.models import ModelFileError
-from services.common.observability.logging import configure_logging
-from services.common.server import BindError
-from services.common.topology import TopologyError, load_topology
+from services.common.runtime.auth import TokenError, token_from_topology, use_token
+from services.common.runtime.observability.logging import configure_logging
+from services.common.runtime.server import BindError
 
 
 def main(argv: list[str] | None = None) -> int:

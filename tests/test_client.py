@@ -20,7 +20,7 @@ from disagg_mesh import (
     Result,
     Unavailable,
 )
-from services.common.processes import free_port
+from services.common.runtime.processes import free_port
 from tests.conftest import ROOT, Mesh
 
 PROMPT = "def add(a, b):"

@@ -31,7 +31,7 @@ from disagg_mesh import AsyncMeshClient, GenerateCall, Reasoning
 from services.common.engines.llama_cpp.harmony import MAX_HEADER_TOKENS
 from services.common.engines.llama_cpp.model import LlamaModel
 from services.common.engines.llama_cpp.text import GeneratedToken, TextStream
-from services.common.processes import MeshProcesses, free_port
+from services.common.runtime.processes import MeshProcesses, free_port
 from services.common.types import ChatTurn, FinishReason, Prompt, TextChunk
 from tests.conftest import engine_node, route, router_node, running_mesh
 from tests.streams import collect, greedy

@@ -11,7 +11,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from disagg.v1 import node_pb2, node_pb2_grpc, router_pb2, router_pb2_grpc, types_pb2
-from services.common.topology import Node
+from services.common.config.topology import Node
 from tests.conftest import Mesh
 from tests.grpcurl import grpcurl
 from tests.streams import collect, request

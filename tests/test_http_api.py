@@ -321,7 +321,7 @@ async def test_a_client_that_disconnects_frees_the_decode_node(
 def token_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     os.environ["DISAGG_TEST_HTTP_TOKEN"] = "s3cret"
     folder = tmp_path_factory.mktemp("http-token")
-    from services.common.processes import free_port
+    from services.common.runtime.processes import free_port
 
     port = free_port()
     parts = [
@@ -359,7 +359,7 @@ def grader_door(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """The grader's two models on one thread each: the session mesh's two-thread nodes
     oversubscribe 2 cores when both generate at once, which slows llama.cpp's spinning
     threads many times over."""
-    from services.common.processes import free_port
+    from services.common.runtime.processes import free_port
 
     port = free_port()
     parts = [

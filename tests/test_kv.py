@@ -9,7 +9,8 @@ import re
 import pytest
 
 from services.common.errors import DataLoss, FailedPrecondition, NotFound, ResourceExhausted
-from services.common.kv import KvAssembler, KvChunk, KvStore, split_chunks
+from services.common.kv.assembler import KvAssembler
+from services.common.kv.store import KvChunk, KvStore, split_chunks
 from services.common.types import Fingerprint
 
 FP = Fingerprint("ab" * 32, 4096, "llama-cpp-python/test")

@@ -8,9 +8,9 @@ import pytest
 
 from disagg.v1 import prefill_pb2, types_pb2
 from services.common.errors import DataLoss
-from services.common.kv import KvChunk
-from services.common.kv_wire import encode_fetch_kv_response, parse_fetch_kv_response
+from services.common.kv.store import KvChunk
 from services.common.types import Fingerprint
+from services.common.wire.kv_wire import encode_fetch_kv_response, parse_fetch_kv_response
 
 FP = types_pb2.KvFingerprint(model_sha256="ab" * 32, n_ctx_tokens=4096, engine_version="x/1")
 

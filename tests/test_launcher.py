@@ -12,8 +12,8 @@ import time
 from pathlib import Path
 
 from disagg_mesh import MeshClient
-from services.common.node_clients import health_status, open_channel
-from services.common.topology import load_topology
+from services.common.config.topology import load_topology
+from services.common.wire.node_clients import health_status, open_channel
 from tests.conftest import ROOT, engine_node, route, router_node, write_test_topology
 
 

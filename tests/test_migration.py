@@ -25,7 +25,7 @@ from disagg.v1 import node_pb2, node_pb2_grpc, router_pb2, router_pb2_grpc, type
 from services.common.engines.base import Generation, PrefillOutput
 from services.common.engines.llama_cpp import LlamaCppEngine
 from services.common.errors import FailedPrecondition, InvalidArgument
-from services.common.processes import MeshProcesses, free_port
+from services.common.runtime.processes import MeshProcesses, free_port
 from services.common.types import (
     Continuation,
     GenerationEnd,

@@ -28,7 +28,7 @@ import pytest
 
 from disagg.v1 import router_pb2, router_pb2_grpc
 from services.common.models import resolve_model_path
-from services.common.processes import MeshProcesses
+from services.common.runtime.processes import MeshProcesses
 from tests.conftest import MODEL as SMOLLM2
 from tests.conftest import N_CTX, ROOT, engine_node, route, router_node, running_mesh
 from tests.streams import reference_tokens, request

@@ -23,8 +23,8 @@ from disagg.v1 import (
     router_pb2_grpc,
     types_pb2,
 )
-from services.common.processes import MeshProcesses, free_port
-from services.common.topology import Topology
+from services.common.config.topology import Topology
+from services.common.runtime.processes import MeshProcesses, free_port
 from tests import conftest
 from tests.conftest import route, router_node, running_mesh
 from tests.fake_ollama import FakeOllama

@@ -36,10 +36,10 @@ from disagg.v1 import (
     router_pb2_grpc,
 )
 from disagg_mesh import cli
+from services.common.config.topology import load_topology
 from services.common.models import ModelFileError, locate_model, ollama_store
 from services.common.models.files import cached_sha256, resolve_model_path
-from services.common.processes import MeshProcesses
-from services.common.topology import load_topology
+from services.common.runtime.processes import MeshProcesses
 from tests.conftest import MODEL, ROOT, engine_node, node_refusing_to_start, route, router_node
 from tests.streams import collect, greedy, kv_request, reference_tokens, request
 from tests.test_errors import expect_error

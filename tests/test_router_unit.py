@@ -14,9 +14,8 @@ from typing import Any
 import grpc
 import pytest
 
+from services.common.config.topology import Topology
 from services.common.errors import MeshError, UpstreamError
-from services.common.node_clients import ChannelPool
-from services.common.topology import Topology
 from services.common.types import (
     Continuation,
     DecodeCandidate,
@@ -30,6 +29,7 @@ from services.common.types import (
     Sampling,
     TextChunk,
 )
+from services.common.wire.node_clients import ChannelPool
 from services.router import failures
 from services.router.failures import CallerDeadlineExceeded, StageDeadlineExceeded
 from services.router.node_health import NodeHealth
@@ -171,9 +171,7 @@ def topology(**route: Any) -> Topology:
                 node("d1", "decode", 7003),
                 node("d2", "decode", 7004),
             ],
-            "models": [
-                {"name": MODEL, "prefill": ["p1", "p2"], "decode": ["d1", "d2"], **route}
-            ],
+            "models": [{"name": MODEL, "prefill": ["p1", "p2"], "decode": ["d1", "d2"], **route}],
         }
     )
 
@@ -236,9 +234,7 @@ async def test_a_prefill_retry_moves_to_the_next_prefill_node_and_sets_the_first
     assert again.prefill_node == "p2" and again.failed_attempts == []
 
 
-async def test_a_stage_deadline_is_retried_on_another_node_but_never_on_a_node_that_hung() -> (
-    None
-):
+async def test_a_stage_deadline_is_retried_on_another_node_but_never_on_a_node_that_hung() -> None:
     router, nodes = build()
     nodes.scripts["p1"] = Script([fail(grpc.StatusCode.DEADLINE_EXCEEDED)])
     nodes.scripts["p2"] = Script([fail(grpc.StatusCode.DEADLINE_EXCEEDED)])
@@ -384,7 +380,4 @@ def test_the_failure_table() -> None:
     wrong = UpstreamError(grpc.StatusCode.INVALID_ARGUMENT, "prompt: empty")
     assert failures.is_final(wrong) and not failures.can_migrate(wrong)
     gone = UpstreamError(grpc.StatusCode.ABORTED, "prefix gone")
-    assert not any(
-        f(gone)
-        for f in (failures.is_final, failures.blames_node, failures.can_migrate)
-    )
+    assert not any(f(gone) for f in (failures.is_final, failures.blames_node, failures.can_migrate))

@@ -21,7 +21,7 @@ from disagg.v1 import (
     router_pb2_grpc,
 )
 from disagg_mesh import MeshClient, MeshError
-from services.common.topology import Topology
+from services.common.config.topology import Topology
 from tests.conftest import engine_node, route, router_node, running_mesh
 from tests.grpcurl import grpcurl
 from tests.streams import collect, request

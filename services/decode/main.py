@@ -5,15 +5,15 @@ from __future__ import annotations
 import grpc
 
 from disagg.v1 import decode_pb2, decode_pb2_grpc
+from services.common.config.topology import Node, Topology
 from services.common.engines import open_engine
-from services.common.node_clients import ChannelPool
-from services.common.node_info import SERVICE_NAME as NODE_SERVICE_NAME
-from services.common.node_info import add_node_service, describer, engine_of, load_of
-from services.common.observability.metrics import watch_engine
-from services.common.readiness import Ready
-from services.common.server import metrics_address, serve
-from services.common.tls import tls_for
-from services.common.topology import Node, Topology
+from services.common.runtime.node_info import SERVICE_NAME as NODE_SERVICE_NAME
+from services.common.runtime.node_info import add_node_service, describer, engine_of, load_of
+from services.common.runtime.observability.metrics import watch_engine
+from services.common.runtime.readiness import Ready
+from services.common.runtime.server import metrics_address, serve
+from services.common.runtime.tls import tls_for
+from services.common.wire.node_clients import ChannelPool
 from services.decode.node import DecodeNode
 from services.decode.servicer import DecodeServicer
 

@@ -8,8 +8,7 @@ from contextlib import aclosing
 
 from services.common.engines.base import Engine
 from services.common.errors import InvalidArgument
-from services.common.kv import KvAssembler, check_fingerprint
-from services.common.node_clients import ChannelPool, PrefillClient
+from services.common.kv.assembler import KvAssembler, check_fingerprint
 from services.common.types import (
     Continuation,
     DecodeStats,
@@ -21,6 +20,7 @@ from services.common.types import (
     TextChunk,
 )
 from services.common.validation import check_served, validate_prompt, validate_sampling
+from services.common.wire.node_clients import ChannelPool, PrefillClient
 
 # A KV state larger than this is refused before any byte is fetched.
 MAX_KV_BYTES = 16 << 30

@@ -9,10 +9,10 @@ from typing import Any
 import grpc
 
 from disagg.v1 import decode_pb2, decode_pb2_grpc
-from services.common import convert
 from services.common.errors import InvalidArgument
-from services.common.readiness import Ready
+from services.common.runtime.readiness import Ready
 from services.common.types import Continuation, DecodeStats, KvSource, Prompt
+from services.common.wire import convert
 from services.decode.node import DecodeNode
 
 Context = grpc.aio.ServicerContext[Any, Any]

@@ -7,15 +7,15 @@ from collections.abc import Callable
 
 import grpc
 
+from services.common.config.topology import Node, Topology
 from services.common.engines import open_engine
-from services.common.kv import KvStore
-from services.common.node_info import SERVICE_NAME as NODE_SERVICE_NAME
-from services.common.node_info import add_node_service, describer, engine_of, load_of
-from services.common.observability.metrics import watch_engine, watch_kv_store
-from services.common.readiness import Ready
-from services.common.server import metrics_address, serve
-from services.common.tls import tls_for
-from services.common.topology import Node, Topology
+from services.common.kv.store import KvStore
+from services.common.runtime.node_info import SERVICE_NAME as NODE_SERVICE_NAME
+from services.common.runtime.node_info import add_node_service, describer, engine_of, load_of
+from services.common.runtime.observability.metrics import watch_engine, watch_kv_store
+from services.common.runtime.readiness import Ready
+from services.common.runtime.server import metrics_address, serve
+from services.common.runtime.tls import tls_for
 from services.prefill.node import PrefillNode
 from services.prefill.servicer import SERVICE_NAME, PrefillServicer, add_prefill_service
 

@@ -6,8 +6,7 @@ import asyncio
 from collections.abc import Sequence
 
 from services.common.engines.base import Engine
-from services.common.kv import KvStore
-from services.common.kv_wire import encode_state
+from services.common.kv.store import KvStore
 from services.common.types import (
     Continuation,
     DecodeCandidate,
@@ -16,6 +15,7 @@ from services.common.types import (
     Sampling,
 )
 from services.common.validation import check_served, validate_prompt, validate_sampling
+from services.common.wire.kv_wire import encode_state
 
 
 class PrefillNode:

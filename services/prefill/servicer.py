@@ -8,9 +8,9 @@ from typing import Any
 import grpc
 
 from disagg.v1 import prefill_pb2
-from services.common import convert
-from services.common.readiness import Ready
+from services.common.runtime.readiness import Ready
 from services.common.types import DecodeCandidate
+from services.common.wire import convert
 from services.prefill.node import PrefillNode
 
 Context = grpc.aio.ServicerContext[Any, Any]

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 import grpc
 import structlog
 
+from services.common.config.topology import ModelRoute, Node
 from services.common.errors import DeadlineExceeded, MeshError, UpstreamError
-from services.common.observability import metrics
-from services.common.topology import ModelRoute, Node
+from services.common.runtime.observability import metrics
 from services.router.node_health import NodeHealth
 from services.router.request import Attempt, Request
 from services.router.summary import FailedAttempt

@@ -6,8 +6,8 @@ The selection policy reads it; the chain and the migrations write it as requests
 
 from __future__ import annotations
 
+from services.common.config.topology import Node
 from services.common.engines.prefix_keys import PREFIX_BLOCK_TOKENS
-from services.common.topology import Node
 from services.common.types import DecodeStats, KvTransferKind, PrefillResult
 from services.router.costs import Costs, Observation
 from services.router.prefixes import PrefixTable

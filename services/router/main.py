@@ -7,12 +7,12 @@ import asyncio
 import grpc
 
 from disagg.v1 import router_pb2, router_pb2_grpc
-from services.common.node_clients import ChannelPool
-from services.common.node_info import SERVICE_NAME as NODE_SERVICE_NAME
-from services.common.node_info import add_node_service, router_describer
-from services.common.server import metrics_address, serve
-from services.common.tls import tls_for, tls_paths
-from services.common.topology import Node, Topology
+from services.common.config.topology import Node, Topology
+from services.common.runtime.node_info import SERVICE_NAME as NODE_SERVICE_NAME
+from services.common.runtime.node_info import add_node_service, router_describer
+from services.common.runtime.server import metrics_address, serve
+from services.common.runtime.tls import tls_for, tls_paths
+from services.common.wire.node_clients import ChannelPool
 from services.router.http import HttpFrontDoor
 from services.router.node_health import NodeHealth
 from services.router.routing import Router

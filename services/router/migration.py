@@ -18,9 +18,9 @@ from contextlib import aclosing
 import grpc
 import structlog
 
+from services.common.config.topology import Node
 from services.common.errors import MeshError, Unavailable
-from services.common.observability import metrics
-from services.common.topology import Node
+from services.common.runtime.observability import metrics
 from services.common.types import (
     Continuation,
     DecodeCandidate,

@@ -8,8 +8,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from services.common.config.topology import ModelRoute, Node
 from services.common.errors import MeshError
-from services.common.topology import ModelRoute, Node
 from services.common.types import Prompt, Sampling, TextChunk
 from services.router.summary import FailedAttempt, ResumeInfo, RouteMethod, RouteSummary
 

@@ -16,12 +16,12 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
 
+from services.common.config.topology import ModelRoute, Node, Topology
 from services.common.errors import MeshError, NotFound
-from services.common.node_clients import ChannelPool
-from services.common.observability import metrics
-from services.common.topology import ModelRoute, Node, Topology
+from services.common.runtime.observability import metrics
 from services.common.types import Continuation, Prompt, Sampling, TextChunk
 from services.common.validation import validate_prompt, validate_sampling
+from services.common.wire.node_clients import ChannelPool
 from services.router.chain import Chain
 from services.router.knowledge import Knowledge
 from services.router.migration import Migrator

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
-from services.common.observability import metrics
-from services.common.topology import ModelRoute, Node, Step, Topology
+from services.common.config.topology import ModelRoute, Node, Step, Topology
+from services.common.runtime.observability import metrics
 from services.common.types import DecodeCandidate
 from services.router.costs import Candidate
 from services.router.knowledge import Knowledge

@@ -9,8 +9,8 @@ from typing import Any
 import grpc
 
 from disagg.v1 import router_pb2, router_pb2_grpc
-from services.common import convert
-from services.common.topology import Node
+from services.common.config.topology import Node
+from services.common.wire import convert
 from services.router.routing import ResumeInfo, RouteMethod, Router, RouteSummary
 
 Context = grpc.aio.ServicerContext[Any, Any]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from services.common.observability import metrics
+from services.common.runtime.observability import metrics
 from services.common.types import DecodeStats, FinishReason, KvTransferKind
 
 

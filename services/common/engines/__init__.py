@@ -6,11 +6,11 @@ import asyncio
 
 import structlog
 
+from services.common.config.topology import Node, Topology
 from services.common.engines.base import Engine
 from services.common.errors import MeshError
 from services.common.models import locate_model
 from services.common.models.gptoss import Progress
-from services.common.topology import Node, Topology
 
 log = structlog.get_logger("engine")
 

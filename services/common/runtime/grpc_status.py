@@ -17,8 +17,8 @@ import grpc
 import structlog
 
 from services.common.errors import MeshError
-from services.common.observability import metrics
-from services.common.observability.logging import REQUEST_ID_KEY, new_request_id
+from services.common.runtime.observability import metrics
+from services.common.runtime.observability.logging import REQUEST_ID_KEY, new_request_id
 
 log = structlog.get_logger("rpc")
 

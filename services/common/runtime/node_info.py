@@ -10,12 +10,12 @@ from typing import Any
 import grpc
 
 from disagg.v1 import node_pb2, node_pb2_grpc
-from services.common import convert
+from services.common.config.topology import Node, Topology
 from services.common.engines.base import Engine, EngineLoad, Placement
-from services.common.kv import KvStore
-from services.common.readiness import Ready
-from services.common.topology import Node, Topology
+from services.common.kv.store import KvStore
+from services.common.runtime.readiness import Ready
 from services.common.types import Fingerprint, KvTransferKind
+from services.common.wire import convert
 
 SERVICE_NAME = node_pb2.DESCRIPTOR.services_by_name["NodeService"].full_name
 

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import grpc
 
-from services.common.node_clients import health_status, open_channel
-from services.common.tls import tls_for
-from services.common.topology import Node, Topology, load_topology
+from services.common.config.topology import Node, Topology, load_topology
+from services.common.runtime.tls import tls_for
+from services.common.wire.node_clients import health_status, open_channel
 
 _ISSUED: set[int] = set()
 

@@ -19,11 +19,11 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from services.common.auth import TokenInterceptor, configured_token
-from services.common.grpc_status import RequestScopeInterceptor
-from services.common.node_clients import MAX_MESSAGE_BYTES
-from services.common.observability.metrics import serve_metrics
-from services.common.topology import Node
+from services.common.config.topology import Node
+from services.common.runtime.auth import TokenInterceptor, configured_token
+from services.common.runtime.grpc_status import RequestScopeInterceptor
+from services.common.runtime.observability.metrics import serve_metrics
+from services.common.wire.node_clients import MAX_MESSAGE_BYTES
 
 log = structlog.get_logger("server")
 

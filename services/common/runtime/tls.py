@@ -8,7 +8,7 @@ from pathlib import Path
 
 import grpc
 
-from services.common.topology import Node, Topology, TopologyError
+from services.common.config.topology import Node, Topology, TopologyError
 
 
 @dataclass(frozen=True)

@@ -20,11 +20,9 @@ from disagg.v1 import (
     prefill_pb2,
     prefill_pb2_grpc,
 )
-from services.common import convert
 from services.common.errors import UpstreamError
-from services.common.kv import KvChunk
-from services.common.kv_wire import parse_fetch_kv_response
-from services.common.observability.logging import outgoing_metadata
+from services.common.kv.store import KvChunk
+from services.common.runtime.observability.logging import outgoing_metadata
 from services.common.types import (
     Continuation,
     DecodeCandidate,
@@ -35,6 +33,8 @@ from services.common.types import (
     Sampling,
     TextChunk,
 )
+from services.common.wire import convert
+from services.common.wire.kv_wire import parse_fetch_kv_response
 
 MAX_MESSAGE_BYTES = 8 * 1024 * 1024
 FETCH_KV_METHOD = "/disagg.v1.PrefillService/FetchKv"

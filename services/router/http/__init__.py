@@ -19,7 +19,7 @@ import ssl
 import structlog
 from aiohttp import web
 
-from services.common.tls import TlsPaths
+from services.common.runtime.tls import TlsPaths
 from services.router.http.ollama_api import OllamaApi
 from services.router.http.openai_api import OpenAiApi
 from services.router.routing import Router

@@ -18,11 +18,11 @@ import grpc
 import structlog
 from aiohttp import web
 
-from services.common.auth import configured_token
 from services.common.engines.llama_cpp.grammar import check as check_response_format
 from services.common.errors import InvalidArgument, MeshError
-from services.common.observability import metrics
-from services.common.observability.logging import REQUEST_ID_KEY, new_request_id
+from services.common.runtime.auth import configured_token
+from services.common.runtime.observability import metrics
+from services.common.runtime.observability.logging import REQUEST_ID_KEY, new_request_id
 from services.common.types import (
     DEFAULT_TEMPERATURE,
     DEFAULT_TOP_P,

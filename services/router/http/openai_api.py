@@ -15,7 +15,7 @@ import grpc
 from aiohttp import web
 
 from services.common.errors import InvalidArgument, MeshError
-from services.common.observability.logging import current_request_id
+from services.common.runtime.observability.logging import current_request_id
 from services.common.types import ChatTurn, Prompt, ResponseFormat, Sampling
 from services.router.http.common import (
     Events,

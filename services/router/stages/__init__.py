@@ -9,7 +9,6 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator, Sequence
 from typing import Protocol
 
-from services.common.node_clients import ChannelPool, DecodeClient, PrefillClient
 from services.common.types import (
     Continuation,
     DecodeCandidate,
@@ -20,6 +19,7 @@ from services.common.types import (
     Sampling,
     TextChunk,
 )
+from services.common.wire.node_clients import ChannelPool, DecodeClient, PrefillClient
 
 
 class PrefillCalls(Protocol):

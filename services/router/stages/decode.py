@@ -8,8 +8,8 @@ from contextlib import aclosing
 
 import grpc
 
+from services.common.config.topology import Node
 from services.common.errors import UpstreamError
-from services.common.topology import Node
 from services.common.types import Continuation, DecodeStats, KvSource, Prompt, TextChunk
 from services.router.failures import stage_error
 from services.router.node_health import NodeHealth

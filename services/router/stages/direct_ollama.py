@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
 
+from services.common.config.topology import ModelRoute
 from services.common.engines.ollama_engine import OllamaEngine
-from services.common.topology import ModelRoute
 from services.common.types import (
     Continuation,
     DecodeStats,

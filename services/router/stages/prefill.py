@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import time
 
+from services.common.config.topology import Node
 from services.common.errors import MeshError, UpstreamError
-from services.common.topology import Node
 from services.common.types import (
     Continuation,
     DecodeCandidate,

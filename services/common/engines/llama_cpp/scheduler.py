@@ -60,7 +60,7 @@ from services.common.errors import (
     ResourceExhausted,
     Unavailable,
 )
-from services.common.observability import metrics
+from services.common.runtime.observability import metrics
 from services.common.types import FinishReason, GenerationEnd, Sampling, TextChunk
 
 log = structlog.get_logger("engine")

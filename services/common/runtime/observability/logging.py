@@ -14,7 +14,7 @@ from typing import Any
 
 import structlog
 
-from services.common.auth import outgoing_auth
+from services.common.runtime.auth import outgoing_auth
 
 REQUEST_ID_KEY = "x-request-id"
 

@@ -1,0 +1,1 @@
+"""A mesh's configuration: the topology file (nodes, models, mesh settings) and its checks."""
