@@ -65,10 +65,10 @@ test: venv lint  ## lint, then the whole test suite (real processes, real model)
 	$(PY) -m pytest
 
 bench: venv  ## benchmarks on a fresh local mesh (ratios; results in bench/results/)
-	$(PY) bench/run.py --topology $(TOPOLOGY)
+	$(PY) -m bench.run --topology $(TOPOLOGY)
 
 bench-modes: venv  ## disaggregated vs decode_only, Ollama (stand-in) and embedded (bench/modes.py)
-	$(PY) bench/modes.py
+	$(PY) -m bench.modes
 
 clean:  ## remove the virtual environment and caches
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .run

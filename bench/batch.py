@@ -1,6 +1,6 @@
 """Benchmark: grading a class as one batch against sending every request at once.
 
-    python bench/batch.py [--submissions 20] [--rubric-tokens 1500] [--submission-tokens 200]
+    python -m bench.batch [--submissions 20] [--rubric-tokens 1500] [--submission-tokens 200]
 
 Starts a mesh of its own, as `make run` lays it out on one machine: a router with its HTTP
 door, and a prefill and a decode node for each of two models (embedded SmolLM2, default
@@ -24,21 +24,21 @@ from __future__ import annotations
 import asyncio
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "generated")]
+# isort: off
+# llama.cpp's libraries load before grpc's (services/node.py says why).
+import llama_cpp
+# isort: on
 
-import llama_cpp  # noqa: E402, I001  (before grpc: see services/node.py)
-import aiohttp  # noqa: E402
+import aiohttp
 
-from bench.grader import prompts  # noqa: E402
-from bench.migration import MODEL, run_alone, say  # noqa: E402
-from bench.work import Work, figure, record, total  # noqa: E402
-from disagg_mesh import AsyncMeshClient  # noqa: E402
-from disagg_mesh.batch import BatchRequest, BatchResult  # noqa: E402
-from services.common.runtime.processes import free_port, serving_mesh  # noqa: E402
+from bench.common import MODEL, run_alone, say
+from bench.grader import prompts
+from bench.work import Work, figure, record, total
+from disagg_mesh import AsyncMeshClient
+from disagg_mesh.batch import BatchRequest, BatchResult
+from services.common.runtime.processes import free_port, serving_mesh
 
 MODELS = ("qwen3-coder:30b", "gpt-oss:120b")
 NEW_TOKENS = 32

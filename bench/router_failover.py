@@ -1,6 +1,6 @@
 """Benchmark: time to resume when the router serving an answer dies (router failover).
 
-    python bench/router_failover.py [--kills 5] [--new-tokens 200]
+    python -m bench.router_failover [--kills 5] [--new-tokens 200]
 
 Starts a mesh of its own (two routers, a prefill node and a decode node, embedded, one
 thread each) and, for each kill: a greedy answer of `--new-tokens` tokens starts through
@@ -21,23 +21,12 @@ from __future__ import annotations
 import os
 import signal
 import sys
-from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "generated")]
-
-from bench.migration import (  # noqa: E402
-    KILL_AFTER,
-    MODEL,
-    PROMPT,
-    TARGET_S,
-    median,
-    run_alone,
-    say,
-)
-from disagg_mesh import AsyncMeshClient, GenerateCall, Metrics  # noqa: E402
-from services.common.runtime.processes import free_port, serving_mesh  # noqa: E402
+from bench.common import MODEL, median, run_alone, say
+from bench.migration import KILL_AFTER, PROMPT, TARGET_S
+from disagg_mesh import AsyncMeshClient, GenerateCall, Metrics
+from services.common.runtime.processes import free_port, serving_mesh
 
 ROUTERS = ("router-a", "router-b")
 

@@ -1,6 +1,6 @@
 """Benchmark: engine nodes sharing one machine's cores.
 
-    python bench/shared_cores.py [--prompts 8] [--new-tokens 64] [--repeats 3]
+    python -m bench.shared_cores [--prompts 8] [--new-tokens 64] [--repeats 3]
 
 Starts a mesh of its own with default settings, as `make run` would on one machine: a
 router, one prefill and one decode node (embedded SmolLM2, no n_threads set: each engine
@@ -19,18 +19,14 @@ from __future__ import annotations
 import asyncio
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "generated")]
+import grpc
 
-import grpc  # noqa: E402
-
-from bench.migration import MODEL, median, run_alone, say  # noqa: E402
-from bench.work import Work, figure, record, total  # noqa: E402
-from disagg.v1 import router_pb2, router_pb2_grpc, types_pb2  # noqa: E402
-from services.common.runtime.processes import free_port, serving_mesh  # noqa: E402
+from bench.common import MODEL, median, run_alone, say
+from bench.work import Work, figure, record, total
+from disagg.v1 import router_pb2, router_pb2_grpc, types_pb2
+from services.common.runtime.processes import free_port, serving_mesh
 
 GOAL = 1.0
 # Eight different prompts, none a prefix of another.

