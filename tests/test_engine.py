@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,12 @@ from services.common.engines.llama_cpp import EngineSettings, LlamaCppEngine
 from services.common.engines.llama_cpp.context import ContextSettings, SlotContext
 from services.common.engines.llama_cpp.engine import plan_slots
 from services.common.engines.llama_cpp.model import LlamaModel, ModelLoadError
-from services.common.engines.llama_cpp.prompt_share import FIRST_PIECE, prompt_pieces
+from services.common.engines.llama_cpp.step_plan import (
+    FIRST_PIECE,
+    SlotPhase,
+    plan_step,
+    prompt_pieces,
+)
 from services.common.errors import ResourceExhausted
 from services.common.models import resolve_model_path
 from services.common.types import GenerationEnd, Prompt, Sampling, TextChunk
@@ -161,6 +167,44 @@ def test_prompt_share_keeps_a_step_within_the_slowdown() -> None:
     # Every prompt moves, however tight; none more than n_batch.
     assert prompt_pieces([50, 50], [1.0, 1.0], 0.030, 2.0, 512) == [1, 1]
     assert prompt_pieces([5000], [1e-6], 0.030, 3.0, 512) == [512]
+
+
+@dataclass
+class PlannedSlot:
+    phase: SlotPhase
+    order: int
+    prompt_tokens_total: int = 0
+    evaluated: int = 0
+    cached: int = 0
+    prompt_token_s: float | None = None
+
+
+def test_a_step_plan_is_a_function_of_the_slots() -> None:
+    gen = PlannedSlot(SlotPhase.GENERATE, order=0)
+    replay = PlannedSlot(SlotPhase.REPLAY, order=1)
+    # Admitted later but listed first: prompts go oldest first.
+    late = PlannedSlot(SlotPhase.PROMPT, order=5, prompt_tokens_total=2000)
+    # 100 tokens from the prefix cache: its pieces are cut from there.
+    early = PlannedSlot(
+        SlotPhase.PROMPT, order=2, prompt_tokens_total=700, cached=100, evaluated=100
+    )
+    loading = PlannedSlot(SlotPhase.LOAD, order=6)
+    # Nothing streams (a replaying prefill streams nothing): whole n_batch pieces, cut on
+    # each prompt's own grid, the last one short.
+    alone = plan_step([late, replay, early, loading], 512, 0.03, 2.0)
+    assert alone.decode == [replay]
+    assert alone.prompts == [(early, 612), (late, 512)]
+    early.evaluated = 612
+    assert plan_step([early], 512, None, 2.0).prompts == [(early, 700)]
+    # A stream generates: the prompts share what keeps the step within the slowdown
+    # (prompt_pieces: 30 ms; at 5 ms a token, 3 in its half and 3 of the half the new
+    # prompt, its cost unknown, leaves past its first piece), and the generating slots all
+    # get their token.
+    early.evaluated, early.prompt_token_s = 100, 0.005
+    shared = plan_step([late, gen, replay, early], 512, 0.03, 2.0)
+    assert shared.decode == [gen, replay]
+    assert shared.prompts == [(early, 100 + 6), (late, FIRST_PIECE)]
+    assert plan_step([loading], 512, 0.03, 2.0) == type(shared)([], [])
 
 
 def test_a_node_whose_slots_do_not_fit_its_kv_memory_refuses_to_start(tmp_path: Path) -> None:

@@ -8,7 +8,8 @@ thread runs a step loop over them (continuous batching, as llama.cpp's own serve
 - `sampling.py`   one sampler chain per request
 - `text.py`       tokens to text: UTF-8, stop strings, limits
 - `scheduler.py`  the step loop: admission, batching, sampling, freeing slots
-- `prompt_share.py` prompt tokens a step may take while streams generate
+- `step_plan.py` what a step does, a pure function of the slots (phases; prompt tokens a
+  step may take while streams generate)
 - `host_threads.py` the cores of a machine shared by the engine nodes on it
 - `prefix_cache.py` prompt prefixes kept resident for later prompts (keys: ../prefix_keys.py)
 - `engine.py`     the asynchronous `Engine` nodes use

@@ -12,7 +12,7 @@ the job's `emit` callback (called on the engine thread; it must not block). Each
 3. Prompt tokens of the slots still evaluating their prompt, each slot in a pass of its
    own (so that a prompt's numbers never depend on another's). With no stream generating,
    each gets its next `n_batch` tokens; while streams generate, they share only what keeps
-   the step within `max_itl_slowdown` times a step without them (prompt_share.py), so a long
+   the step within `max_itl_slowdown` times a step without them (step_plan.py), so a long
    prompt arriving slows the streams down instead of stalling them for its whole length. A
    finished prompt samples its first token; a prefill then exports its slot's KV state and
    frees the slot.
@@ -50,8 +50,8 @@ from services.common.engines.llama_cpp.context import Row, SlotContext
 from services.common.engines.llama_cpp.host_threads import HostThreads
 from services.common.engines.llama_cpp.model import LlamaModel, attended_from
 from services.common.engines.llama_cpp.prefix_cache import Entry, PrefixCache
-from services.common.engines.llama_cpp.prompt_share import prompt_pieces
 from services.common.engines.llama_cpp.sampling import SlotSampler
+from services.common.engines.llama_cpp.step_plan import SlotPhase, plan_step
 from services.common.engines.llama_cpp.text import GeneratedToken, TextStream
 from services.common.errors import (
     Aborted,
@@ -143,6 +143,8 @@ class Slot:
     sampler: SlotSampler
     order: int
     admitted_at: float
+    # What the slot does in the next step (step_plan.py); moved on as it goes.
+    phase: SlotPhase = SlotPhase.PROMPT
     text: TextStream | None = None
     # Prompt tokens evaluated so far (PREFILL and GENERATE).
     evaluated: int = 0
@@ -165,8 +167,18 @@ class Slot:
     window_from: int = 0
 
     @property
-    def prompting(self) -> bool:
-        return self.job.kind is not JobKind.CONTINUE and self.evaluated < len(self.job.tokens)
+    def prompt_tokens_total(self) -> int:
+        return len(self.job.tokens)
+
+    def generate(self, token: int) -> None:
+        """The next step evaluates this token (sampled, or taken) and streams what follows."""
+        self.next_token = token
+        self.phase = SlotPhase.GENERATE
+
+    def replay(self, token: int) -> None:
+        """The next step evaluates this replayed token, streaming nothing (a prefill)."""
+        self.next_token = token
+        self.phase = SlotPhase.REPLAY
 
 
 @dataclass(frozen=True)
@@ -334,6 +346,7 @@ class Scheduler:
                 sampler=sampler,
                 order=next(self._order),
                 admitted_at=time.perf_counter(),
+                phase=SlotPhase.LOAD if job.kind is JobKind.CONTINUE else SlotPhase.PROMPT,
             )
             self._slots[index] = slot
             self._busy += 1
@@ -439,14 +452,11 @@ class Scheduler:
         active = [s for s in self._slots if s is not None]
         if self._parked_cells > max(sum(s.n_past for s in active), self._ctx.n_ctx):
             self._free_parked()
-        generating = [s for s in active if s.next_token is not None]
-        prompting = sorted((s for s in active if s.prompting), key=lambda s: s.order)
-        # A prefill replaying a continuation's tokens streams nothing: prompts need not make
-        # room for it (and are cut as they would be without it).
-        streams = sum(1 for s in generating if s.job.kind is not JobKind.PREFILL)
-        pieces = self._plan_prompts(prompting, streams)
+        plan = plan_step(
+            active, self._ctx.n_batch, self._decode_pass_s, self._settings.max_itl_slowdown
+        )
         started = time.perf_counter()
-        decoded = self._decode_pass(generating) if generating else []
+        decoded = self._decode_pass(plan.decode) if plan.decode else []
         if decoded:
             took = time.perf_counter() - started
             last = self._decode_pass_s
@@ -454,7 +464,7 @@ class Scheduler:
         # Sample every generated row before the next pass replaces the logits.
         for i, slot in enumerate(decoded):
             slot.n_past += 1
-            if slot.job.kind is JobKind.PREFILL:
+            if slot.phase is SlotPhase.REPLAY:
                 self._replay_for_prefill(slot)
                 continue
             if slot.replayed < len(slot.job.replay):
@@ -462,7 +472,7 @@ class Scheduler:
                 self._accept_replayed(slot)
             else:
                 self._accept(slot, slot.sampler.sample(self._ctx.ptr, i))
-        prompt_tokens = sum(self._prompt_pass(slot, end) for slot, end in pieces)
+        prompt_tokens = sum(self._prompt_pass(slot, end) for slot, end in plan.prompts)
         elapsed = time.perf_counter() - started
         self._rates.add(prompt_tokens, len(decoded))
         metrics.engine_step(elapsed, prompt_tokens, len(decoded))
@@ -530,32 +540,6 @@ class Scheduler:
                 self._accept(slot, token)
         return len(rows)
 
-    def _plan_prompts(self, prompting: list[Slot], generating: int) -> list[tuple[Slot, int]]:
-        """How far each prompting slot gets this step. With no stream generating, every one
-        gets its next `n_batch` tokens, cut where a prompt alone would be cut, so its numbers
-        are those it would have alone. While streams generate, they share what keeps the
-        step within `max_itl_slowdown` times its decode pass (prompt_share.py)."""
-        n_batch = self._ctx.n_batch
-        if not generating:
-            return [
-                (
-                    s,
-                    min(
-                        len(s.job.tokens),
-                        s.cached + ((s.evaluated - s.cached) // n_batch + 1) * n_batch,
-                    ),
-                )
-                for s in prompting
-            ]
-        pieces = prompt_pieces(
-            [len(s.job.tokens) - s.evaluated for s in prompting],
-            [s.prompt_token_s for s in prompting],
-            self._decode_pass_s,
-            self._settings.max_itl_slowdown,
-            n_batch,
-        )
-        return [(s, s.evaluated + n) for s, n in zip(prompting, pieces, strict=True)]
-
     def _accept(self, slot: Slot, token: int, send: bool = True) -> None:
         """A generated token: send its text (unless `send` is false: a replayed token, whose
         text the caller has); end the stream or keep it for the next step."""
@@ -571,7 +555,7 @@ class Scheduler:
                 return
             if send:
                 _emit(slot.job, event)
-        slot.next_token = token
+        slot.generate(token)
 
     def _accept_replayed(self, slot: Slot) -> None:
         """The next token of an interrupted generation: through the slot's text stream, so
@@ -598,7 +582,7 @@ class Scheduler:
         if slot.replayed == len(replay) - 1:
             self._finish_prefill(slot, replay[-1])
             return
-        slot.next_token = replay[slot.replayed]
+        slot.replay(replay[slot.replayed])
         slot.replayed += 1
 
     def _finish_generation(self, slot: Slot, end: GenerationEnd) -> None:
