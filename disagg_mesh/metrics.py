@@ -59,6 +59,7 @@ class Metrics:
     cached_prompt_tokens: int = 0  # taken from a node's prefix cache
     decode_cached_prompt_tokens: int = 0  # KV the decode node held: it did not move
     kv_state_bytes: int = 0  # the whole KV state (kv_bytes moved may be less)
+    route_reason: str = ""  # why the first step tried was chosen (chain order, or auto's estimate)
 
     @classmethod
     def from_summary(cls, s: router_pb2.GenerateSummary) -> Metrics:
@@ -75,6 +76,7 @@ class Metrics:
             cached_prompt_tokens=s.cached_prompt_tokens,
             decode_cached_prompt_tokens=s.decode_cached_prompt_tokens,
             kv_state_bytes=s.kv_state_bytes,
+            route_reason=s.route_reason,
             prefill_speed=s.prefill_tokens_per_second,
             decode_speed=s.decode_tokens_per_second,
             method=_enum_name(router_pb2.RouteMethod.Name(s.method), "ROUTE_METHOD_"),

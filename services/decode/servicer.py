@@ -13,6 +13,7 @@ from services.common.errors import InvalidArgument
 from services.common.runtime.readiness import Ready
 from services.common.types import Continuation, DecodeStats, KvSource, Prompt
 from services.common.wire import convert
+from services.common.wire.mirror import from_proto
 from services.decode.node import DecodeNode
 
 Context = grpc.aio.ServicerContext[Any, Any]
@@ -55,17 +56,5 @@ def _source(request: decode_pb2.DecodeServiceGenerateRequest) -> KvSource | Prom
     if request.HasField("kv"):
         if has_prompt:
             raise InvalidArgument("kv", "set either kv or prompt/messages, not both")
-        kv = request.kv
-        return KvSource(
-            prefill_address=kv.prefill_address,
-            kv_handle=kv.kv_handle,
-            first_token_id=kv.first_token_id,
-            prompt_tokens=kv.prompt_tokens,
-            fingerprint=convert.fingerprint_from_proto(kv.fingerprint),
-            kv_size_bytes=kv.kv_size_bytes,
-            first_token_text=kv.first_token_text,
-            block_hashes=tuple(kv.block_hashes),
-            prefix_tokens=kv.prefix_tokens,
-            open_message=tuple(kv.open_message_token_ids),
-        )
+        return from_proto(request.kv, KvSource)
     return convert.prompt_from_proto(request.prompt, request.messages, request.reasoning_effort)

@@ -11,6 +11,7 @@ from disagg.v1 import prefill_pb2
 from services.common.runtime.readiness import Ready
 from services.common.types import DecodeCandidate
 from services.common.wire import convert
+from services.common.wire.mirror import to_proto
 from services.prefill.node import PrefillNode
 
 Context = grpc.aio.ServicerContext[Any, Any]
@@ -33,25 +34,8 @@ class PrefillServicer:
             if request.HasField("continuation")
             else None,
         )
-        return prefill_pb2.PrefillResponse(
-            kv_handle=result.kv_handle,
-            first_token_id=result.first_token_id,
-            first_token_text=result.first_token_text,
-            prompt_tokens=result.prompt_tokens,
-            cached_prompt_tokens=result.cached_prompt_tokens,
-            prefill_duration=convert.duration(result.prefill_seconds),
-            kv_size_bytes=result.kv_size_bytes,
-            fingerprint=convert.fingerprint_to_proto(result.fingerprint),
-            kv_ttl=convert.duration(result.kv_ttl_seconds),
-            kv_transfer=convert.KV_TRANSFER_TO_PROTO[result.kv_transfer],
-            block_hashes=result.block_hashes,
-            kv_prefix_tokens=result.kv_prefix_tokens,
-            kv_prefix_node=result.kv_prefix_node,
-            kv_state_bytes=result.kv_state_bytes,
-            replayed_tokens=result.replayed_tokens,
-            replay_duration=convert.duration(result.replay_seconds),
-            open_message_token_ids=result.open_message,
-        )
+        response: prefill_pb2.PrefillResponse = to_proto(result)
+        return response
 
     async def FetchKv(
         self, request: prefill_pb2.FetchKvRequest, context: Context

@@ -11,7 +11,15 @@ import grpc
 from disagg.v1 import router_pb2, router_pb2_grpc
 from services.common.config.topology import Node
 from services.common.wire import convert
-from services.router.routing import ResumeInfo, RouteMethod, Router, RouteSummary
+from services.common.wire.mirror import register, register_enum, to_proto
+from services.router.routing import (
+    FailedAttempt,
+    Migration,
+    ResumeInfo,
+    RouteMethod,
+    Router,
+    RouteSummary,
+)
 
 Context = grpc.aio.ServicerContext[Any, Any]
 
@@ -85,50 +93,12 @@ def _node_info(node: Node) -> router_pb2.NodeInfo:
 
 
 def summary_to_proto(s: RouteSummary) -> router_pb2.GenerateSummary:
-    return router_pb2.GenerateSummary(
-        prompt_tokens=s.prompt_tokens,
-        cached_prompt_tokens=s.cached_prompt_tokens,
-        decode_cached_prompt_tokens=s.decode_cached_prompt_tokens,
-        kv_state_bytes=s.kv_state_bytes,
-        route_reason=s.route_reason,
-        completion_tokens=s.completion_tokens,
-        finish_reason=convert.FINISH_REASON_TO_PROTO[s.finish_reason],
-        method=ROUTE_METHOD_TO_PROTO[s.method],
-        kv_transfer=convert.KV_TRANSFER_TO_PROTO[s.kv_transfer],
-        prefill_duration=convert.duration(s.prefill_seconds),
-        prefill_tokens_per_second=s.prefill_tokens_per_second,
-        kv_transfer_duration=convert.duration(s.kv_transfer_seconds),
-        kv_transfer_bytes=s.kv_transfer_bytes,
-        kv_load_duration=convert.duration(s.kv_load_seconds),
-        time_to_first_token=convert.duration(s.time_to_first_token_seconds),
-        decode_duration=convert.duration(s.decode_seconds),
-        decode_tokens_per_second=s.decode_tokens_per_second,
-        total_duration=convert.duration(s.total_seconds),
-        prefill_node=s.prefill_node,
-        prefill_address=s.prefill_address,
-        decode_node=s.decode_node,
-        decode_address=s.decode_address,
-        decode_prompt_eval_duration=convert.duration(s.decode_prompt_eval_seconds),
-        failed_attempts=[
-            router_pb2.FailedAttempt(
-                method=ROUTE_METHOD_TO_PROTO[f.method],
-                node=f.node,
-                code=f.code,
-                message=f.message,
-                duration=convert.duration(f.seconds),
-            )
-            for f in s.failed_attempts
-        ],
-        migrations=[
-            router_pb2.Migration(
-                failed_node=m.failed_node,
-                code=m.code,
-                tokens_delivered=m.tokens_delivered,
-                resumed_on=m.resumed_on,
-                resume_duration=convert.duration(m.resume_seconds),
-                via_prefill_node=m.via_prefill_node,
-                reason=m.reason,
-            )
-            for m in s.migrations
-        ],
-    )
+    summary: router_pb2.GenerateSummary = to_proto(s)
+    return summary
+
+
+# The router's summary mirrors GenerateSummary field for field (wire/mirror.py).
+register_enum(RouteMethod, ROUTE_METHOD_TO_PROTO)
+register(FailedAttempt, router_pb2.FailedAttempt)
+register(Migration, router_pb2.Migration)
+register(RouteSummary, router_pb2.GenerateSummary)

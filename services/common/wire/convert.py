@@ -1,6 +1,8 @@
 """Translation between protobuf messages and the plain types in `types.py`.
 
-Servicers and node clients use these; nothing below them sees protobuf.
+Servicers and node clients use these; nothing below them sees protobuf. The dataclasses
+that mirror a message field for field (fingerprints, prefill results, KV sources, decode
+summaries) convert by mirror.py's rules; the others here, by hand.
 """
 
 from __future__ import annotations
@@ -9,7 +11,7 @@ from collections.abc import Iterable
 
 from google.protobuf.duration_pb2 import Duration
 
-from disagg.v1 import decode_pb2, types_pb2
+from disagg.v1 import decode_pb2, prefill_pb2, types_pb2
 from services.common.errors import InvalidArgument
 from services.common.types import (
     DEFAULT_TEMPERATURE,
@@ -19,12 +21,15 @@ from services.common.types import (
     DecodeStats,
     Fingerprint,
     FinishReason,
+    KvSource,
     KvTransferKind,
+    PrefillResult,
     Prompt,
     ResponseFormat,
     Sampling,
     TextChunk,
 )
+from services.common.wire.mirror import from_proto, register, register_enum, to_proto
 
 
 def sampling_from_proto(msg: types_pb2.SamplingParams, max_tokens_limit: int) -> Sampling:
@@ -143,29 +148,12 @@ def continuation_to_proto(c: Continuation) -> types_pb2.Continuation:
 
 
 def fingerprint_from_proto(msg: types_pb2.KvFingerprint) -> Fingerprint:
-    return Fingerprint(
-        model_sha256=msg.model_sha256,
-        n_ctx_tokens=msg.n_ctx_tokens,
-        engine_version=msg.engine_version,
-        type_k=msg.type_k,
-        type_v=msg.type_v,
-        flash_attn=msg.flash_attn,
-        kv_unified=msg.kv_unified,
-        swa_full=msg.swa_full,
-    )
+    return from_proto(msg, Fingerprint)
 
 
 def fingerprint_to_proto(fp: Fingerprint) -> types_pb2.KvFingerprint:
-    return types_pb2.KvFingerprint(
-        model_sha256=fp.model_sha256,
-        n_ctx_tokens=fp.n_ctx_tokens,
-        engine_version=fp.engine_version,
-        type_k=fp.type_k,
-        type_v=fp.type_v,
-        flash_attn=fp.flash_attn,
-        kv_unified=fp.kv_unified,
-        swa_full=fp.swa_full,
-    )
+    result: types_pb2.KvFingerprint = to_proto(fp)
+    return result
 
 
 def duration(seconds: float) -> Duration:
@@ -193,34 +181,18 @@ KV_TRANSFER_FROM_PROTO = {v: k for k, v in KV_TRANSFER_TO_PROTO.items()}
 
 
 def decode_stats_to_proto(stats: DecodeStats) -> decode_pb2.DecodeSummary:
-    return decode_pb2.DecodeSummary(
-        prompt_tokens=stats.prompt_tokens,
-        completion_tokens=stats.completion_tokens,
-        finish_reason=FINISH_REASON_TO_PROTO[stats.finish_reason],
-        kv_transfer=KV_TRANSFER_TO_PROTO[stats.kv_transfer],
-        kv_fetch_duration=duration(stats.kv_fetch_seconds),
-        kv_fetch_bytes=stats.kv_fetch_bytes,
-        kv_load_duration=duration(stats.kv_load_seconds),
-        prompt_eval_duration=duration(stats.prompt_eval_seconds),
-        decode_duration=duration(stats.decode_seconds),
-        time_to_first_token=duration(stats.time_to_first_token_seconds),
-        cached_prompt_tokens=stats.cached_prompt_tokens,
-        kept_prefix_tokens=stats.kept_prefix_tokens,
-    )
+    result: decode_pb2.DecodeSummary = to_proto(stats)
+    return result
 
 
 def decode_stats_from_proto(msg: decode_pb2.DecodeSummary) -> DecodeStats:
-    return DecodeStats(
-        prompt_tokens=msg.prompt_tokens,
-        cached_prompt_tokens=msg.cached_prompt_tokens,
-        kept_prefix_tokens=msg.kept_prefix_tokens,
-        completion_tokens=msg.completion_tokens,
-        finish_reason=FINISH_REASON_FROM_PROTO.get(msg.finish_reason, FinishReason.STOP),
-        kv_transfer=KV_TRANSFER_FROM_PROTO.get(msg.kv_transfer, KvTransferKind.NONE),
-        kv_fetch_seconds=seconds(msg.kv_fetch_duration),
-        kv_fetch_bytes=msg.kv_fetch_bytes,
-        kv_load_seconds=seconds(msg.kv_load_duration),
-        prompt_eval_seconds=seconds(msg.prompt_eval_duration),
-        decode_seconds=seconds(msg.decode_duration),
-        time_to_first_token_seconds=seconds(msg.time_to_first_token),
-    )
+    return from_proto(msg, DecodeStats)
+
+
+# The dataclasses of types.py that mirror a message field for field (mirror.py).
+register_enum(FinishReason, FINISH_REASON_TO_PROTO)
+register_enum(KvTransferKind, KV_TRANSFER_TO_PROTO)
+register(Fingerprint, types_pb2.KvFingerprint)
+register(DecodeStats, decode_pb2.DecodeSummary)
+register(KvSource, decode_pb2.KvSource, open_message="open_message_token_ids")
+register(PrefillResult, prefill_pb2.PrefillResponse, open_message="open_message_token_ids")

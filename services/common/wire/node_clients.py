@@ -35,6 +35,7 @@ from services.common.types import (
 )
 from services.common.wire import convert
 from services.common.wire.kv_wire import parse_fetch_kv_response
+from services.common.wire.mirror import from_proto, to_proto
 
 MAX_MESSAGE_BYTES = 8 * 1024 * 1024
 FETCH_KV_METHOD = "/disagg.v1.PrefillService/FetchKv"
@@ -117,25 +118,7 @@ class PrefillClient:
             )
         except grpc.aio.AioRpcError as exc:
             _fail("prefill", self.address, exc)
-        return PrefillResult(
-            kv_handle=reply.kv_handle,
-            first_token_id=reply.first_token_id,
-            first_token_text=reply.first_token_text,
-            prompt_tokens=reply.prompt_tokens,
-            cached_prompt_tokens=reply.cached_prompt_tokens,
-            prefill_seconds=convert.seconds(reply.prefill_duration),
-            kv_size_bytes=reply.kv_size_bytes,
-            fingerprint=convert.fingerprint_from_proto(reply.fingerprint),
-            kv_ttl_seconds=convert.seconds(reply.kv_ttl),
-            kv_transfer=convert.KV_TRANSFER_FROM_PROTO[reply.kv_transfer],
-            block_hashes=tuple(reply.block_hashes),
-            kv_prefix_tokens=reply.kv_prefix_tokens,
-            kv_prefix_node=reply.kv_prefix_node,
-            kv_state_bytes=reply.kv_state_bytes,
-            replayed_tokens=reply.replayed_tokens,
-            replay_seconds=convert.seconds(reply.replay_duration),
-            open_message=tuple(reply.open_message_token_ids),
-        )
+        return from_proto(reply, PrefillResult)
 
     async def fetch_kv(
         self, kv_handle: str, timeout_s: float | None
@@ -174,20 +157,7 @@ class DecodeClient:
         if continuation is not None:
             request.continuation.CopyFrom(convert.continuation_to_proto(continuation))
         if isinstance(source, KvSource):
-            request.kv.CopyFrom(
-                decode_pb2.KvSource(
-                    prefill_address=source.prefill_address,
-                    kv_handle=source.kv_handle,
-                    first_token_id=source.first_token_id,
-                    prompt_tokens=source.prompt_tokens,
-                    fingerprint=convert.fingerprint_to_proto(source.fingerprint),
-                    kv_size_bytes=source.kv_size_bytes,
-                    first_token_text=source.first_token_text,
-                    block_hashes=source.block_hashes,
-                    prefix_tokens=source.prefix_tokens,
-                    open_message_token_ids=source.open_message,
-                )
-            )
+            request.kv.CopyFrom(to_proto(source))
         else:
             request.prompt = source.text
             request.messages.extend(convert.prompt_messages_to_proto(source))
