@@ -4,7 +4,7 @@ gives the text it gives alone, and a bad request in one slot leaves the others u
 The mesh here runs its engines on one thread each (two busy nodes then share this machine's
 two cores without starving each other); llama.cpp's CPU attention then computes every row on
 its own whatever else is in the batch, so batched text is exactly the text alone (see
-engines/llama_cpp/context.py and the README's "Slots and batching")."""
+engines/llama_cpp/context.py and docs/batching.md)."""
 
 from __future__ import annotations
 
