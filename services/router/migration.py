@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
+from dataclasses import dataclass
 
 import grpc
 import structlog
@@ -47,20 +48,21 @@ from services.router.summary import Migration, ResumeInfo, RouteMethod, RouteSum
 log = structlog.get_logger("router")
 
 
+@dataclass(frozen=True)
+class Stages:
+    """The stages the chain and the migrations call."""
+
+    prefill: PrefillStage
+    decode: DecodeStage
+    direct: DirectOllama
+
+
 class Migrator:
-    def __init__(
-        self,
-        selection: Selection,
-        prefill: PrefillStage,
-        decode: DecodeStage,
-        direct: DirectOllama,
-    ) -> None:
+    def __init__(self, selection: Selection, stages: Stages) -> None:
         self._selection = selection
         self._health = selection.health
         self._knowledge: Knowledge = selection.knowledge
-        self._prefill = prefill
-        self._decode = decode
-        self._direct = direct
+        self._prefill, self._decode, self._direct = stages.prefill, stages.decode, stages.direct
 
     async def migrate(
         self, request: Request, attempt: Attempt, error: MeshError

@@ -24,7 +24,7 @@ from services.common.validation import validate_prompt, validate_sampling
 from services.common.wire.node_clients import ChannelPool
 from services.router.chain import Chain
 from services.router.knowledge import Knowledge
-from services.router.migration import Migrator
+from services.router.migration import Migrator, Stages
 from services.router.node_health import NodeHealth
 from services.router.prefixes import prompt_bytes, text_blocks
 from services.router.request import Clock, Request
@@ -67,10 +67,10 @@ class Router:
         self.knowledge = Knowledge()
         self.selection = Selection(topology, health, self.knowledge)
         calls = clients if clients is not None else PooledClients(pool)
-        prefill, decode = PrefillStage(calls, health), DecodeStage(calls, health)
         self._direct = DirectOllama()
-        self.migrator = Migrator(self.selection, prefill, decode, self._direct)
-        self.chain = Chain(self.selection, prefill, decode, self._direct, self.migrator)
+        stages = Stages(PrefillStage(calls, health), DecodeStage(calls, health), self._direct)
+        self.migrator = Migrator(self.selection, stages)
+        self.chain = Chain(self.selection, stages, self.migrator)
 
     @property
     def max_tokens_limit(self) -> int:
