@@ -14,8 +14,9 @@ from google.protobuf.duration_pb2 import Duration
 
 from disagg.v1 import router_pb2, types_pb2
 from disagg_mesh.metrics import Metrics
-from services.common.types import Fingerprint
+from services.common.types import Fingerprint, PrefillResult
 from services.common.wire import mirror
+from services.prefill.node import REPORTED
 from services.router import servicer  # noqa: F401  (registers the router's summary)
 
 EXPECTED = {
@@ -132,3 +133,13 @@ def test_every_summary_field_reaches_the_clients_metrics() -> None:
             assert any(isinstance(v, str) and v.endswith(value) for v in flat), name
         else:
             assert value in flat, f"GenerateSummary.{name} does not reach Metrics"
+
+
+def test_a_prefill_figure_goes_from_the_engine_to_the_wire_by_its_name() -> None:
+    """What a prefill engine reports (PrefillOutput) reaches PrefillResult, and from there
+    PrefillResponse, by field name: a new figure is written in the engine's output, the
+    result and the proto, and nowhere in between."""
+    node_adds = {"kv_handle", "kv_size_bytes", "fingerprint", "kv_ttl_seconds", "kv_transfer"}
+    result_fields = {f.name for f in dataclasses.fields(PrefillResult)}
+    assert result_fields - set(REPORTED) == node_adds
+    assert {"prompt_tokens", "prefill_seconds", "replayed_tokens", "open_message"} <= set(REPORTED)

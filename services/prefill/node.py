@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Sequence
 
-from services.common.engines.base import Engine
+from services.common.engines.base import Engine, PrefillOutput
 from services.common.kv.store import KvStore
 from services.common.types import (
     Continuation,
@@ -16,6 +17,14 @@ from services.common.types import (
 )
 from services.common.validation import check_served, validate_prompt, validate_sampling
 from services.common.wire.kv_wire import encode_state
+
+# The fields of PrefillResult that the engine reports (PrefillOutput has them by the same
+# names); the node adds the others (the handle, sizes, fingerprint, TTL, transfer kind).
+REPORTED = tuple(
+    f.name
+    for f in dataclasses.fields(PrefillResult)
+    if f.name in {o.name for o in dataclasses.fields(PrefillOutput)}
+)
 
 
 class PrefillNode:
@@ -53,24 +62,17 @@ class PrefillNode:
         messages = await asyncio.to_thread(encode_state, out.kv_state, out.kv_sha256, fingerprint)
         # The store is only touched from the event loop, so it needs no lock.
         handle = self.store.put(messages, len(out.kv_state))
+        # What the engine reports goes out as it is, field by field of the same name
+        # (tests/test_mirrors.py); what only the node knows is added here.
+        reported = {name: getattr(out, name) for name in REPORTED}
+        reported["kv_state_bytes"] = out.kv_state_bytes or len(out.kv_state)
         return PrefillResult(
+            **reported,
             kv_handle=handle,
-            first_token_id=out.first_token_id,
-            first_token_text=out.first_token_text,
-            prompt_tokens=out.prompt_tokens,
-            cached_prompt_tokens=out.cached_prompt_tokens,
-            prefill_seconds=out.seconds,
             kv_size_bytes=len(out.kv_state),
-            fingerprint=self.engine.fingerprint,
+            fingerprint=fingerprint,
             kv_ttl_seconds=self.store.ttl_s,
             kv_transfer=self.engine.kv_transfer,
-            block_hashes=out.block_hashes,
-            kv_prefix_tokens=out.kv_prefix_tokens,
-            kv_prefix_node=out.kv_prefix_node,
-            kv_state_bytes=out.kv_state_bytes or len(out.kv_state),
-            replayed_tokens=out.replayed_tokens,
-            replay_seconds=out.replay_seconds,
-            open_message=out.open_message,
         )
 
     def fetch(self, kv_handle: str) -> list[bytes]:

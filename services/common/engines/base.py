@@ -35,7 +35,7 @@ class PrefillOutput:
     # Set by engines that report text rather than token bytes (Ollama).
     first_token_text: str
     prompt_tokens: int
-    seconds: float
+    prefill_seconds: float
     # Prompt tokens taken from the engine's prefix cache.
     cached_prompt_tokens: int = 0
     # Block hashes of the prompt's whole blocks (prefix_keys.block_hashes).
@@ -46,7 +46,7 @@ class PrefillOutput:
     kv_prefix_node: str = ""
     kv_state_bytes: int = 0
     # A continuation's generated tokens evaluated after the prompt (one step each), and the
-    # seconds that took (part of `seconds`).
+    # seconds that took (part of `prefill_seconds`).
     replayed_tokens: int = 0
     replay_seconds: float = 0.0
     # A harmony model's: the prompt's open message header (HarmonyParser.opening).

@@ -160,7 +160,7 @@ class OllamaEngine:
             first_token_id=ids[-1],
             first_token_text=reply.response or "",
             prompt_tokens=reply.prompt_eval_count or 0,
-            seconds=time.perf_counter() - started,
+            prefill_seconds=time.perf_counter() - started,
         )
 
     # -- decode ----------------------------------------------------------------------------

@@ -616,7 +616,7 @@ class Scheduler:
                 first_token_id=first_token,
                 first_token_text="",
                 prompt_tokens=len(slot.job.tokens),
-                seconds=evaluated - slot.admitted_at,
+                prefill_seconds=evaluated - slot.admitted_at,
                 replayed_tokens=slot.replayed,
                 replay_seconds=evaluated - slot.first_at,
                 cached_prompt_tokens=slot.cached,
