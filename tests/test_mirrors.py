@@ -14,7 +14,8 @@ from google.protobuf.duration_pb2 import Duration
 
 from disagg.v1 import router_pb2, types_pb2
 from disagg_mesh.metrics import Metrics
-from services.common.types import Fingerprint, PrefillResult
+from services.common.engines.base import PrefillOutput
+from services.common.types import Fingerprint, PrefillFigures, PrefillResult
 from services.common.wire import mirror
 from services.prefill.node import REPORTED
 from services.router import servicer  # noqa: F401  (registers the router's summary)
@@ -136,10 +137,11 @@ def test_every_summary_field_reaches_the_clients_metrics() -> None:
 
 
 def test_a_prefill_figure_goes_from_the_engine_to_the_wire_by_its_name() -> None:
-    """What a prefill engine reports (PrefillOutput) reaches PrefillResult, and from there
-    PrefillResponse, by field name: a new figure is written in the engine's output, the
-    result and the proto, and nowhere in between."""
+    """What a prefill engine reports (PrefillFigures, which PrefillOutput is) reaches
+    PrefillResult, and from there PrefillResponse, by field name: a new figure is written in
+    PrefillFigures and the proto, and nowhere in between."""
+    figures = {f.name for f in dataclasses.fields(PrefillFigures)}
+    assert issubclass(PrefillOutput, PrefillFigures) and issubclass(PrefillResult, PrefillFigures)
+    assert set(REPORTED) == figures
     node_adds = {"kv_handle", "kv_size_bytes", "fingerprint", "kv_ttl_seconds", "kv_transfer"}
-    result_fields = {f.name for f in dataclasses.fields(PrefillResult)}
-    assert result_fields - set(REPORTED) == node_adds
-    assert {"prompt_tokens", "prefill_seconds", "replayed_tokens", "open_message"} <= set(REPORTED)
+    assert {f.name for f in dataclasses.fields(PrefillResult)} - figures == node_adds

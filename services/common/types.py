@@ -125,32 +125,43 @@ class TextChunk:
     reasoning: str = ""
 
 
-@dataclass(frozen=True)
-class PrefillResult:
-    """What a prefill node returns: where the KV state is and how the prompt went."""
+@dataclass(frozen=True, kw_only=True)
+class PrefillFigures:
+    """What a prefill engine reports of a prompt, passed on by name: the engine's
+    PrefillOutput and the node's PrefillResult (and so PrefillResponse, wire/mirror.py) both
+    are these. A new figure is written here and in the proto, nowhere between."""
 
-    kv_handle: str
     first_token_id: int
+    # Set by engines that report text rather than token bytes (Ollama).
+    first_token_text: str = ""
     prompt_tokens: int
     prefill_seconds: float
-    kv_size_bytes: int
-    fingerprint: Fingerprint
-    kv_ttl_seconds: float
-    kv_transfer: KvTransferKind
-    first_token_text: str = ""
+    # Prompt tokens taken from the engine's prefix cache.
     cached_prompt_tokens: int = 0
-    # The prompt's block hashes; the state leaves out positions before kv_prefix_tokens,
-    # which the decode node kv_prefix_node holds; the whole state's size.
+    # The prompt's block hashes (prefix_keys.block_hashes); the state leaves out positions
+    # before kv_prefix_tokens, which the decode node kv_prefix_node holds (0: the whole
+    # state); the whole state's size.
     block_hashes: tuple[bytes, ...] = ()
     kv_prefix_tokens: int = 0
     kv_prefix_node: str = ""
     kv_state_bytes: int = 0
-    # A continuation's generated tokens evaluated after the prompt, and how long that took
-    # (part of prefill_seconds).
+    # A continuation's generated tokens evaluated after the prompt (one step each), and the
+    # seconds that took (part of prefill_seconds).
     replayed_tokens: int = 0
     replay_seconds: float = 0.0
     # A harmony model's: the prompt's open message header (HarmonyParser.opening).
     open_message: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrefillResult(PrefillFigures):
+    """What a prefill node returns: the engine's figures, and where the KV state is."""
+
+    kv_handle: str
+    kv_size_bytes: int
+    fingerprint: Fingerprint
+    kv_ttl_seconds: float
+    kv_transfer: KvTransferKind
 
 
 @dataclass(frozen=True)

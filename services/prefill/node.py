@@ -6,11 +6,12 @@ import asyncio
 import dataclasses
 from collections.abc import Sequence
 
-from services.common.engines.base import Engine, PrefillOutput
+from services.common.engines.base import Engine
 from services.common.kv.store import KvStore
 from services.common.types import (
     Continuation,
     DecodeCandidate,
+    PrefillFigures,
     PrefillResult,
     Prompt,
     Sampling,
@@ -18,13 +19,9 @@ from services.common.types import (
 from services.common.validation import check_served, validate_prompt, validate_sampling
 from services.common.wire.kv_wire import encode_state
 
-# The fields of PrefillResult that the engine reports (PrefillOutput has them by the same
-# names); the node adds the others (the handle, sizes, fingerprint, TTL, transfer kind).
-REPORTED = tuple(
-    f.name
-    for f in dataclasses.fields(PrefillResult)
-    if f.name in {o.name for o in dataclasses.fields(PrefillOutput)}
-)
+# The figures the engine reports, passed on as they are (types.PrefillFigures); the node
+# adds the rest of PrefillResult (the handle, sizes, fingerprint, TTL, transfer kind).
+REPORTED = tuple(f.name for f in dataclasses.fields(PrefillFigures))
 
 
 class PrefillNode:
@@ -62,8 +59,6 @@ class PrefillNode:
         messages = await asyncio.to_thread(encode_state, out.kv_state, out.kv_sha256, fingerprint)
         # The store is only touched from the event loop, so it needs no lock.
         handle = self.store.put(messages, len(out.kv_state))
-        # What the engine reports goes out as it is, field by field of the same name
-        # (tests/test_mirrors.py); what only the node knows is added here.
         reported = {name: getattr(out, name) for name in REPORTED}
         reported["kv_state_bytes"] = out.kv_state_bytes or len(out.kv_state)
         return PrefillResult(

@@ -20,37 +20,20 @@ from services.common.types import (
     GenerationEnd,
     KvSource,
     KvTransferKind,
+    PrefillFigures,
     Prompt,
     Sampling,
     TextChunk,
 )
 
 
-@dataclass
-class PrefillOutput:
-    # What the decode node needs to continue: real KV state bytes, or token ids as bytes.
+@dataclass(frozen=True, kw_only=True)
+class PrefillOutput(PrefillFigures):
+    """A prefill engine's result: its figures, and what the decode node needs to continue:
+    real KV state bytes, or token ids as bytes (Ollama), with their SHA-256."""
+
     kv_state: memoryview
     kv_sha256: str
-    first_token_id: int
-    # Set by engines that report text rather than token bytes (Ollama).
-    first_token_text: str
-    prompt_tokens: int
-    prefill_seconds: float
-    # Prompt tokens taken from the engine's prefix cache.
-    cached_prompt_tokens: int = 0
-    # Block hashes of the prompt's whole blocks (prefix_keys.block_hashes).
-    block_hashes: tuple[bytes, ...] = ()
-    # The state leaves out positions before this: the decode node named kv_prefix_node
-    # holds them (0: the whole state). kv_state_bytes: the whole state's size.
-    kv_prefix_tokens: int = 0
-    kv_prefix_node: str = ""
-    kv_state_bytes: int = 0
-    # A continuation's generated tokens evaluated after the prompt (one step each), and the
-    # seconds that took (part of `prefill_seconds`).
-    replayed_tokens: int = 0
-    replay_seconds: float = 0.0
-    # A harmony model's: the prompt's open message header (HarmonyParser.opening).
-    open_message: tuple[int, ...] = ()
 
 
 Generation = AsyncGenerator[TextChunk | GenerationEnd, None]

@@ -228,10 +228,12 @@ class LlamaCppEngine:
         async with aclosing(self._events(job)) as events:
             output = await anext(events)
         assert isinstance(output, PrefillOutput)
-        output.kv_prefix_node = holder
-        output.open_message = self._model.open_message(tokens)
-        output.kv_sha256 = await asyncio.to_thread(_sha256, output.kv_state)
-        return output
+        return dataclasses.replace(
+            output,
+            kv_prefix_node=holder,
+            open_message=self._model.open_message(tokens),
+            kv_sha256=await asyncio.to_thread(_sha256, output.kv_state),
+        )
 
     def _tokenize(self, prompt: Prompt) -> tuple[list[int], tuple[bytes, ...]]:
         tokens = self._model.tokenize(prompt, self.n_ctx)
