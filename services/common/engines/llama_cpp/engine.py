@@ -34,6 +34,7 @@ from services.common.engines.llama_cpp.scheduler import (
     Event,
     Job,
     JobKind,
+    LoadedState,
     Scheduler,
     SchedulerSettings,
 )
@@ -284,14 +285,13 @@ class LlamaCppEngine:
         job = Job(
             JobKind.CONTINUE,
             sampling,
-            state=kv_state,
-            prompt_tokens=source.prompt_tokens,
-            first_token=source.first_token_id,
+            loaded=LoadedState(
+                kv_state, source.prompt_tokens, source.first_token_id, source.open_message
+            ),
             hashes=source.block_hashes,
             prefix_tokens=prefix,
             replay=replay,
             first_token_from_prefill=continuation is None or continuation.first_token_from_prefill,
-            open_message=source.open_message,
         )
         async with aclosing(self._events(job)) as events:
             async for event in events:

@@ -84,6 +84,19 @@ def _no_listener(event: Event) -> None:
 
 
 @dataclass(eq=False)
+class LoadedState:
+    """What a CONTINUE job loads: a prefill node's KV state (let go once in its slot), the
+    prompt positions it holds, the first token (sampled by the prefill node, not yet
+    evaluated), and the prompt's open harmony message (a gpt-oss prompt's last header),
+    which the text stream follows to tell reasoning from answer."""
+
+    state: memoryview | None
+    prompt_tokens: int
+    first_token: int
+    open_message: tuple[int, ...] = ()
+
+
+@dataclass(eq=False)
 class Job:
     kind: JobKind
     sampling: Sampling
@@ -92,11 +105,8 @@ class Job:
     emit: Callable[[Event], None] = _no_listener
     # PREFILL and GENERATE: the prompt's tokens.
     tokens: list[int] = field(default_factory=list)
-    # CONTINUE: the state, the positions it holds, and the first token (sampled by the
-    # prefill node, not yet evaluated).
-    state: memoryview | None = None
-    prompt_tokens: int = 0
-    first_token: int = -1
+    # CONTINUE, and only CONTINUE: the state it loads.
+    loaded: LoadedState | None = None
     # The tokens of an interrupted generation, which the caller has; never sent again.
     # GENERATE evaluates them one step at a time after the prompt (as they were made), its
     # sampler drawing as the interrupted one did, so a seeded sampler's random generator is
@@ -115,9 +125,6 @@ class Job:
     # When it holds less, the positions before the origin were evaluated by an earlier
     # request in pieces nobody knows: the prompt is cut as a new one.
     piece_origin: int | None = None
-    # CONTINUE: the prompt's open harmony message (a gpt-oss prompt's last header), which
-    # the text stream follows to tell reasoning from answer.
-    open_message: tuple[int, ...] = ()
     # The prompt's block hashes (prefix_keys.block_hashes), the prefix cache's keys.
     hashes: tuple[bytes, ...] = ()
     # PREFILL: positions before this are left out of the exported state (a decode node
@@ -125,9 +132,18 @@ class Job:
     prefix_tokens: int = 0
     cancelled: bool = False
 
+    def __post_init__(self) -> None:
+        if (self.kind is JobKind.CONTINUE) != (self.loaded is not None):
+            raise ValueError(f"a {self.kind.value} job has a loaded state only if it continues")
+
     @property
     def seed_offset(self) -> int:
         return 1 if self.first_token_from_prefill else 0
+
+    @property
+    def prompt_tokens(self) -> int:
+        """The prompt's tokens: those given, or those a loaded state holds."""
+        return self.loaded.prompt_tokens if self.loaded is not None else len(self.tokens)
 
     @property
     def state_tokens(self) -> int:
@@ -368,8 +384,9 @@ class Scheduler:
                 self._cache_use(entry, slot, n)
                 slot.evaluated = slot.n_past = n
             return
-        assert job.state is not None
-        state, job.state = job.state, None  # the slot holds it now; let the buffer go
+        loaded = job.loaded
+        assert loaded is not None and loaded.state is not None
+        state, loaded.state = loaded.state, None  # the slot holds it now; let the buffer go
         prefix = None
         if job.prefix_tokens:
             prefix = self._cache.find(job.hashes, job.prefix_tokens) if self._cache else None
@@ -426,9 +443,9 @@ class Scheduler:
         slot.n_past = held
         slot.first_at = time.perf_counter()
         slot.kv_load_seconds = slot.first_at - slot.admitted_at
-        slot.text = self._text_stream(job, job.open_message)
+        slot.text = self._text_stream(job, loaded.open_message)
         if not job.replay:
-            self._take(slot, job.first_token)
+            self._take(slot, loaded.first_token)
             return
         # A generation a prefill node replayed: its tokens are this stream's own, unsent.
         slot.sampler.skip(len(job.replay) - job.seed_offset)
@@ -592,7 +609,7 @@ class Scheduler:
             slot.job,
             dataclasses.replace(
                 end,
-                prompt_tokens=slot.job.prompt_tokens if loaded else len(slot.job.tokens),
+                prompt_tokens=slot.job.prompt_tokens,
                 cached_prompt_tokens=slot.cached,
                 kept_prefix_tokens=slot.kept,
                 kv_load_seconds=slot.kv_load_seconds,
