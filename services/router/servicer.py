@@ -11,7 +11,7 @@ import grpc
 from disagg.v1 import router_pb2, router_pb2_grpc
 from services.common.config.topology import Node
 from services.common.wire import convert
-from services.common.wire.mirror import register, register_enum, to_proto
+from services.common.wire.mirror import duration, register, register_enum, to_proto
 from services.router.routing import (
     FailedAttempt,
     Migration,
@@ -74,8 +74,8 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                     model=route.name,
                     prefill_nodes=[_node_info(n) for n in prefill],
                     decode_nodes=[_node_info(n) for n in decode],
-                    prefill_deadline=convert.duration(route.prefill_deadline_s),
-                    decode_deadline=convert.duration(route.decode_deadline_s),
+                    prefill_deadline=duration(route.prefill_deadline_s),
+                    decode_deadline=duration(route.decode_deadline_s),
                 )
                 for route, prefill, decode in self._router.routes()
             ],

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from google.protobuf.duration_pb2 import Duration
-
 from disagg.v1 import decode_pb2, prefill_pb2, types_pb2
 from services.common.errors import InvalidArgument
 from services.common.types import (
@@ -29,7 +27,12 @@ from services.common.types import (
     Sampling,
     TextChunk,
 )
-from services.common.wire.mirror import from_proto, register, register_enum, to_proto
+from services.common.wire.mirror import (
+    from_proto,
+    register,
+    register_enum,
+    to_proto,
+)
 
 
 def sampling_from_proto(msg: types_pb2.SamplingParams, max_tokens_limit: int) -> Sampling:
@@ -156,28 +159,16 @@ def fingerprint_to_proto(fp: Fingerprint) -> types_pb2.KvFingerprint:
     return result
 
 
-def duration(seconds: float) -> Duration:
-    msg = Duration()
-    msg.FromNanoseconds(round(max(seconds, 0.0) * 1e9))
-    return msg
-
-
-def seconds(msg: Duration) -> float:
-    return msg.ToNanoseconds() / 1e9
-
-
 FINISH_REASON_TO_PROTO = {
     FinishReason.STOP: types_pb2.FINISH_REASON_STOP,
     FinishReason.LENGTH: types_pb2.FINISH_REASON_LENGTH,
 }
-FINISH_REASON_FROM_PROTO = {v: k for k, v in FINISH_REASON_TO_PROTO.items()}
 
 KV_TRANSFER_TO_PROTO = {
     KvTransferKind.NONE: types_pb2.KV_TRANSFER_NONE,
     KvTransferKind.STATE: types_pb2.KV_TRANSFER_STATE,
     KvTransferKind.TOKEN_IDS: types_pb2.KV_TRANSFER_TOKEN_IDS,
 }
-KV_TRANSFER_FROM_PROTO = {v: k for k, v in KV_TRANSFER_TO_PROTO.items()}
 
 
 def decode_stats_to_proto(stats: DecodeStats) -> decode_pb2.DecodeSummary:

@@ -13,19 +13,18 @@ The rules, for each field of the dataclass:
 - a mirrored dataclass, or a list of them: converted by the same rules.
 
 Every message field must be the image of one dataclass field, and the other way round:
-`field_map` refuses a pair that differs, and tests/test_protos.py checks every pair."""
+`register` refuses a pair that differs (at import), and tests/test_mirrors.py checks every pair."""
 
 from __future__ import annotations
 
 import dataclasses
 import enum
-import functools
 import typing
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from google.protobuf.descriptor import Descriptor, FieldDescriptor
+from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.duration_pb2 import Duration
 from google.protobuf.message import Message
 
@@ -38,11 +37,23 @@ class MirrorError(Exception):
 
 
 @dataclass(frozen=True)
+class Pair:
+    """A dataclass field and its message field, with what converting them needs (worked
+    out once, when the pair is registered)."""
+
+    name: str
+    target: str
+    hint: Any
+    default: Any
+    duration: bool
+    repeated: bool
+
+
+@dataclass(frozen=True)
 class Mirror:
     plain: type
     message: type[Message]
-    # Dataclass field -> message field, where the rules above do not find it.
-    renames: Mapping[str, str] = field(default_factory=dict)
+    pairs: tuple[Pair, ...]
 
 
 _MIRRORS: dict[type, Mirror] = {}
@@ -50,9 +61,9 @@ _ENUMS: dict[type[enum.Enum], tuple[Mapping[Any, Any], dict[Any, Any]]] = {}
 
 
 def register(plain: type, message: type[Message], **renames: str) -> None:
-    mirror = Mirror(plain, message, renames)
-    field_map(mirror)  # refuse a pair whose fields differ, at import
-    _MIRRORS[plain] = mirror
+    """Mirror `plain` on `message`; `renames`: dataclass field -> message field, where the
+    rules above do not find it. MirrorError unless their fields pair off exactly."""
+    _MIRRORS[plain] = Mirror(plain, message, _pairs(plain, message.DESCRIPTOR, renames))
 
 
 def register_enum(plain: type[enum.Enum], to_proto: Mapping[Any, Any]) -> None:
@@ -64,26 +75,25 @@ def mirrors() -> list[Mirror]:
 
 
 def field_map(mirror: Mirror) -> dict[str, str]:
-    """Each dataclass field's message field; MirrorError unless they pair off exactly."""
-    return dict(_field_map(mirror.plain, mirror.message.DESCRIPTOR, tuple(mirror.renames.items())))
+    """Each dataclass field's message field."""
+    return {p.name: p.target for p in mirror.pairs}
 
 
-@functools.cache
-def _field_map(
-    plain: type, descriptor: Descriptor, renames: tuple[tuple[str, str], ...]
-) -> tuple[tuple[str, str], ...]:
+def _pairs(plain: type, descriptor: Any, renames: Mapping[str, str]) -> tuple[Pair, ...]:
     names = set(descriptor.fields_by_name)
-    given = dict(renames)
+    hints = typing.get_type_hints(plain)
     pairs = []
     for f in dataclasses.fields(plain):
-        target = given.get(f.name) or _by_rule(f.name, names)
+        target = renames.get(f.name) or _by_rule(f.name, names)
         if target not in names:
             raise MirrorError(
                 f"{plain.__name__}.{f.name} has no field in {descriptor.full_name} "
                 f"(fields: {', '.join(sorted(names))})"
             )
-        pairs.append((f.name, target))
-    left = names - {target for _, target in pairs}
+        fd = descriptor.fields_by_name[target]
+        is_duration = fd.message_type is not None and fd.message_type.full_name == DURATION
+        pairs.append(Pair(f.name, target, hints[f.name], f.default, is_duration, _repeated(fd)))
+    left = names - {p.target for p in pairs}
     if left:
         raise MirrorError(
             f"{descriptor.full_name} has fields that {plain.__name__} lacks: "
@@ -103,23 +113,26 @@ def _by_rule(name: str, names: set[str]) -> str:
     return name
 
 
+def duration(seconds: float) -> Duration:
+    msg = Duration()
+    msg.FromNanoseconds(round(max(seconds, 0.0) * 1e9))
+    return msg
+
+
 def to_proto(obj: Any) -> Any:
     """The message mirroring a registered dataclass's instance."""
     mirror = _MIRRORS[type(obj)]
-    fields = mirror.message.DESCRIPTOR.fields_by_name
     values = {}
-    for name, target in field_map(mirror).items():
-        value = _to_wire(getattr(obj, name), fields[target])
+    for pair in mirror.pairs:
+        value = _to_wire(getattr(obj, pair.name), pair)
         if value is not None:
-            values[target] = value
+            values[pair.target] = value
     return mirror.message(**values)
 
 
-def _to_wire(value: Any, fd: Any) -> Any:
-    if fd.message_type is not None and fd.message_type.full_name == DURATION:
-        duration = Duration()
-        duration.FromNanoseconds(round(max(value, 0.0) * 1e9))
-        return duration
+def _to_wire(value: Any, pair: Pair) -> Any:
+    if pair.duration:
+        return duration(value)
     if isinstance(value, enum.Enum):
         return _ENUMS[type(value)][0][value]
     if isinstance(value, list | tuple) and value and type(value[0]) in _MIRRORS:
@@ -132,28 +145,22 @@ def _to_wire(value: Any, fd: Any) -> Any:
 def from_proto(message: Any, plain: type[T]) -> T:
     """The registered dataclass mirroring a message."""
     mirror = _MIRRORS[plain]
-    fields = message.DESCRIPTOR.fields_by_name
-    hints = typing.get_type_hints(plain)
-    defaults = {f.name: f.default for f in dataclasses.fields(typing.cast(Any, plain))}
-    values = {}
-    for name, target in field_map(mirror).items():
-        fd = fields[target]
-        raw = getattr(message, target)
-        values[name] = _from_wire(raw, fd, hints[name], defaults[name])
+    values = {p.name: _from_wire(getattr(message, p.target), p) for p in mirror.pairs}
     return plain(**values)
 
 
-def _from_wire(raw: Any, fd: Any, hint: Any, default: Any) -> Any:
-    if fd.message_type is not None and fd.message_type.full_name == DURATION:
+def _from_wire(raw: Any, pair: Pair) -> Any:
+    hint = pair.hint
+    if pair.duration:
         return raw.ToNanoseconds() / 1e9
     if isinstance(hint, type) and issubclass(hint, enum.Enum):
         known = _ENUMS[hint][1]
         if raw in known:
             return known[raw]
-        return default if default is not dataclasses.MISSING else next(iter(hint))
+        return pair.default if pair.default is not dataclasses.MISSING else next(iter(hint))
     if isinstance(hint, type) and hint in _MIRRORS:
         return from_proto(raw, hint)
-    if _repeated(fd):
+    if pair.repeated:
         origin = typing.get_origin(hint)
         (item, *_) = typing.get_args(hint) or (None,)
         items = [from_proto(v, item) for v in raw] if item in _MIRRORS else list(raw)
