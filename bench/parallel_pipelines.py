@@ -13,8 +13,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -22,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import ROOT
+from bench.common import ROOT, machine
 from bench.work import Work, record, total
 from disagg_mesh import AsyncMeshClient, GenerateCall
 from services.common.config.topology import load_topology
@@ -116,11 +114,7 @@ def main() -> int:
     record = {
         "benchmark": "parallel_pipelines",
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "machine": {
-            "cores": os.cpu_count(),
-            "cpu": platform.processor() or platform.machine(),
-            "python": platform.python_version(),
-        },
+        "machine": machine(),
         "topology": args.topology if mesh is not None else f"running mesh at {router}",
         **result,
     }
