@@ -202,6 +202,49 @@ async def test_seeded_sampling_gives_the_same_text_alone_and_in_a_batch(
     assert other.token_ids != alone[0].token_ids
 
 
+@pytest.fixture(scope="module")
+def two_threads(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+    """A pipeline whose engines run two threads each: llama.cpp then splits a lone row's
+    attention between them once the KV view reaches 512 cells (context.py)."""
+    parts = [
+        router_node(),
+        engine_node("prefill-wide", "prefill", n_threads=2),
+        engine_node("decode-wide", "decode", n_threads=2),
+        route("wide", ["prefill-wide"], ["decode-wide"]),
+    ]
+    with running_mesh(tmp_path_factory.mktemp("two-threads"), parts) as processes:
+        yield Mesh(processes.topology, processes)
+
+
+async def test_a_stream_over_a_wide_kv_view_gives_its_text_alone_and_in_company(
+    two_threads: Mesh,
+) -> None:
+    """Prompts of ~450 tokens, so that a stream alone holds cells on both sides of a
+    512-cell view: seeded streams one after another (each alone at every step) and all at
+    once (together at most steps) give the same tokens."""
+    rubric = " ".join(f"Point {i}: the answer names case {i} and tests it." for i in range(36))
+    prompts = [f"{rubric}\nSubmission {i}: def f(x): return x * {i}\nFeedback:" for i in range(4)]
+    requests = [
+        router_pb2.GenerateRequest(
+            model="wide",
+            prompt=prompt,
+            sampling=types_pb2.SamplingParams(
+                max_tokens=48, temperature=0.9, top_p=0.95, seed=1234, ignore_eos=True
+            ),
+        )
+        for prompt in prompts
+    ]
+    async with grpc.aio.insecure_channel(two_threads.address("router")) as channel:
+        router = router_pb2_grpc.RouterServiceStub(channel)
+        alone = [await collect(router.Generate(r)) for r in requests]
+        together = await all_at_once(router, requests)
+    assert all(c.summary.prompt_tokens > 400 for c in alone), [
+        c.summary.prompt_tokens for c in alone
+    ]
+    for i, (one, many) in enumerate(zip(alone, together, strict=True)):
+        assert many.token_ids == one.token_ids, i
+
+
 async def streams_that_started(
     router: router_pb2_grpc.RouterServiceAsyncStub, prompts: list[str]
 ) -> tuple[list[asyncio.Task[Collected]], asyncio.Event]:

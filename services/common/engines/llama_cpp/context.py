@@ -17,6 +17,16 @@ Why these settings (measured here with llama-cpp-python 0.3.36 on the CPU backen
   fills from the start of the cache, putting a running sequence's next tokens before its
   earlier ones; attention adds cells up in cache order, so that sequence's numbers would
   then round differently from the same sequence run alone.
+- A pass of one row is given a second one (`decode`) once the KV view may reach 512 cells:
+  llama.cpp's CPU flash attention splits a lone row's cells between the threads and merges
+  the parts (its split-KV path, for one row and a view of >= 512 cells), which rounds
+  differently from the one-row-at-a-time kernel of every pass of 2..63 rows. Without the
+  second row, a stream's numbers would depend on whether it ran alone at a step: measured
+  here, logits up to 5.1 apart within 12 steps, and a seeded stream resumed after a failover
+  parting from its uninterrupted text under load. The second row is a token of a scratch
+  sequence at position 0, removed after the pass; it costs a lone step about 1.5x (SmolLM2,
+  2 cores), and is left out while the view stays under 512 cells (short work on an idle
+  node), on one thread (one part: the same numbers) and where attention runs on a GPU.
 """
 
 from __future__ import annotations
@@ -51,6 +61,8 @@ class ContextSettings:
     # Prompt prefixes kept resident (prefix_cache.py): tokens, and sequences that hold them.
     prefix_cache_tokens: int = 0
     prefix_cache_seqs: int = 0
+    # Some layers' attention runs on the CPU (flash attention's lone-row path: see decode).
+    cpu_attention: bool = True
     # KV cells in all: slots * n_ctx plus the prefix cache's, so no slot can be crowded
     # out. Tests make it smaller to exercise a full cache.
     kv_cells: int | None = None
@@ -69,10 +81,16 @@ class Row(NamedTuple):
     logits: bool
 
 
+# llama.cpp's KV view is the cells up to the highest in use, rounded up to 256; from 512
+# cells on, its CPU flash attention takes a lone row through the split-KV path.
+SPLIT_KV_VIEW_CELLS = 512
+VIEW_ROUNDING = 256
+
+
 class SlotContext:
     def __init__(self, model: LlamaModel, settings: ContextSettings) -> None:
-        # One sequence for the parked cells, and the prefix cache's.
-        limit = int(llama_cpp.llama_max_parallel_sequences()) - 1 - settings.prefix_cache_seqs
+        # One sequence for the parked cells, one for the scratch row, and the prefix cache's.
+        limit = int(llama_cpp.llama_max_parallel_sequences()) - 2 - settings.prefix_cache_seqs
         if not 1 <= settings.slots <= limit:
             raise ModelLoadError(f"slots must be 1..{limit} for llama.cpp, got {settings.slots}")
         if settings.n_batch < settings.slots:
@@ -84,8 +102,8 @@ class SlotContext:
         params.n_ctx = settings.cells
         params.n_batch = settings.n_batch
         params.n_ubatch = min(settings.n_ubatch, settings.n_batch)
-        # The slots, the parked cells' sequence, then the prefix cache's sequences.
-        params.n_seq_max = settings.slots + 1 + settings.prefix_cache_seqs
+        # The slots, the parked cells' sequence, the scratch row's, then the prefix cache's.
+        params.n_seq_max = settings.slots + 2 + settings.prefix_cache_seqs
         params.kv_unified = True
         params.n_threads = settings.n_threads
         # Prompt evaluation too: its default is every core, whatever n_threads says.
@@ -115,7 +133,12 @@ class SlotContext:
         self._threads = settings.n_threads
         self.slots = settings.slots
         self._parked = settings.slots
-        self.cache_seqs = range(settings.slots + 1, settings.slots + 1 + settings.prefix_cache_seqs)
+        self._scratch = settings.slots + 1
+        self._n_seq = int(params.n_seq_max)
+        self.cache_seqs = range(settings.slots + 2, settings.slots + 2 + settings.prefix_cache_seqs)
+        # A bound on the highest KV cell in use (+1), and whether lone rows are paired.
+        self._cells_high = 0
+        self._pair_lone_rows = settings.flash_attn and settings.cpu_attention
         self.n_ctx = settings.n_ctx
         self.n_batch = settings.n_batch
 
@@ -138,9 +161,20 @@ class SlotContext:
         values an error."""
         if not 0 < len(rows) <= self.n_batch:
             raise ValueError(f"a step holds 1..{self.n_batch} tokens, got {len(rows)}")
+        for row in rows:
+            self.check_slot(row.slot)
+        self._note_cells(len(rows) + 1)  # + the scratch row, if it joins
+        if len(rows) == 1 and self._pair_lone_rows and self._threads > 1 and self._view_may_split():
+            result = self._decode([*rows, Row(rows[0].token, 0, self._scratch, False)])
+            llama_cpp.llama_memory_seq_rm(self._mem, self._scratch, -1, -1)
+            if result != 1:
+                return result
+            # No cell for the scratch row: the row alone, rather than no room at all.
+        return self._decode(rows)
+
+    def _decode(self, rows: list[Row]) -> int:
         batch = self._batch
         for i, row in enumerate(rows):
-            self.check_slot(row.slot)
             batch.token[i] = row.token
             batch.pos[i] = row.pos
             batch.n_seq_id[i] = 1
@@ -148,6 +182,30 @@ class SlotContext:
             batch.logits[i] = row.logits
         batch.n_tokens = len(rows)
         return int(llama_cpp.llama_decode(self._ctx, batch))
+
+    def _held(self) -> int:
+        """At least the KV cells in use: every sequence's positions from 0 to its highest."""
+        held = 0
+        for seq in range(self._n_seq):
+            held += int(llama_cpp.llama_memory_seq_pos_max(self._mem, seq)) + 1
+        return held
+
+    def _note_cells(self, new: int) -> None:
+        """Keep `_cells_high` above the highest cell in use once `new` cells are placed.
+
+        llama.cpp places cells from its head, which it moves back to 0 when more than
+        2 * new cells below it are free, so no placed cell is beyond 2 * in use + 3 * new
+        (a decode's later micro-batches count the earlier ones as in use: 5 * new). A
+        bound, not a reading: llama.cpp does not say where its cells are. It drops back only
+        when the cache is empty."""
+        held = self._held()
+        if held == 0:
+            self._cells_high = 0
+        self._cells_high = max(self._cells_high, 2 * held + 5 * new)
+
+    def _view_may_split(self) -> bool:
+        view = max(VIEW_ROUNDING, -(-self._cells_high // VIEW_ROUNDING) * VIEW_ROUNDING)
+        return view >= SPLIT_KV_VIEW_CELLS
 
     def park(self, slot: int) -> None:
         """The slot is free at once; its cells stay in use, under the parked sequence, until
@@ -209,8 +267,13 @@ class SlotContext:
     def import_state(self, slot: int, state: memoryview) -> int:
         """Load a one-sequence state into the slot; the bytes llama.cpp read (0 if refused)."""
         self.check_slot(slot)
+        held = self._held()
         buffer = (ctypes.c_uint8 * len(state)).from_buffer(state)
-        return int(llama_cpp.llama_state_seq_set_data(self._ctx, buffer, len(state), slot))
+        read = int(llama_cpp.llama_state_seq_set_data(self._ctx, buffer, len(state), slot))
+        # Its cells were placed as a decode's are (one micro-batch of the state's cells).
+        new = int(llama_cpp.llama_memory_seq_pos_max(self._mem, slot)) + 1
+        self._cells_high = max(self._cells_high, 2 * held + 5 * new)
+        return read
 
     def close(self) -> None:
         if self._batch is not None:

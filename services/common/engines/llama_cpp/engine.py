@@ -164,6 +164,7 @@ class LlamaCppEngine:
                         type_v=settings.type_v,
                         swa_full=settings.swa_full,
                         op_offload=model.placement.gpu_layers > 0,
+                        cpu_attention=model.placement.gpu_layers < model.placement.layers,
                         prefix_cache_tokens=settings.prefix_cache_tokens,
                         prefix_cache_seqs=PREFIX_CACHE_SEQS if settings.prefix_cache_tokens else 0,
                         kv_cells=settings.kv_cells,

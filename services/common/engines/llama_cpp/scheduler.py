@@ -18,7 +18,8 @@ the job's `emit` callback (called on the engine thread; it must not block). Each
    frees the slot.
 
 Why separate passes: llama.cpp's CPU attention computes each row on its own in passes of
-fewer than 64 rows (as a decode pass of up to 63 streams is), but in larger passes with a
+fewer than 64 rows (as a decode pass of up to 63 streams is; a lone row is given company,
+see context.py), but in larger passes with a
 tiled kernel whose rounding depends on every row in the pass. Mixing a prompt's rows with
 other sequences' rows would make its text depend on what else runs.
 
