@@ -52,10 +52,10 @@ protos: venv  ## regenerate generated/ from protos/
 	$(PY) scripts/gen_protos.py
 
 run: venv  ## start the whole local mesh, stream an example per model, serve until Ctrl-C
-	$(PY) -m services.launcher --topology $(TOPOLOGY)
+	$(PY) -m disagg_mesh.server.launcher --topology $(TOPOLOGY)
 
 run-%: venv  ## start one node of $(TOPOLOGY) by name: make run-router, make run-prefill-qwen, ...
-	LOG_FORMAT=$${LOG_FORMAT:-json} $(PY) -m services.node --topology $(TOPOLOGY) --node $*
+	LOG_FORMAT=$${LOG_FORMAT:-json} $(PY) -m disagg_mesh.server.node --topology $(TOPOLOGY) --node $*
 
 lint: venv  ## ruff and mypy
 	$(VENV)/bin/ruff check services disagg_mesh scripts tests examples bench

@@ -38,7 +38,7 @@ from bench.grader import prompts
 from bench.work import Work, figure, record, total
 from disagg_mesh import AsyncMeshClient
 from disagg_mesh.batch import BatchRequest, BatchResult
-from services.common.runtime.processes import free_port, serving_mesh
+from disagg_mesh.server.common.runtime.processes import free_port, serving_mesh
 
 MODELS = ("qwen3-coder:30b", "gpt-oss:120b")
 NEW_TOKENS = 32

@@ -43,11 +43,11 @@ import grpc
 
 from bench.common import MODEL, ROOT, median, report_alone, say
 from bench.work import Work, figure, record, total
-from disagg.v1 import decode_pb2, decode_pb2_grpc, types_pb2
-from services.common.engines.llama_cpp.sampling import SlotSampler, end_tokens
-from services.common.models import resolve_model_path
-from services.common.runtime.processes import free_port, serving_mesh
-from services.common.types import Sampling
+from disagg_mesh.proto.v1 import decode_pb2, decode_pb2_grpc, types_pb2
+from disagg_mesh.server.common.engines.llama_cpp.sampling import SlotSampler, end_tokens
+from disagg_mesh.server.common.models import resolve_model_path
+from disagg_mesh.server.common.runtime.processes import free_port, serving_mesh
+from disagg_mesh.server.common.types import Sampling
 
 N_CTX = 4096
 SLOTS = 16

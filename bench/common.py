@@ -50,7 +50,7 @@ def machine() -> dict[str, Any]:
         pass
     import importlib.metadata as md
 
-    from services.common.engines.llama_cpp.model import gpu_backend
+    from disagg_mesh.server.common.engines.llama_cpp.model import gpu_backend
 
     versions = {name: md.version(name) for name in ("llama-cpp-python", "grpcio", "protobuf")}
     return {

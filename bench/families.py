@@ -32,10 +32,10 @@ from bench.common import MODEL as SMOLLM2
 from bench.common import ROOT, report_alone, say
 from bench.harness import Bench, Prompts
 from bench.work import figure
-from services.common.config.topology import load_topology
-from services.common.engines.llama_cpp.model import LlamaModel
-from services.common.models import resolve_model_path
-from services.common.runtime.processes import MeshProcesses, free_port
+from disagg_mesh.server.common.config.topology import load_topology
+from disagg_mesh.server.common.engines.llama_cpp.model import LlamaModel
+from disagg_mesh.server.common.models import resolve_model_path
+from disagg_mesh.server.common.runtime.processes import MeshProcesses, free_port
 
 
 def gemma3() -> str:

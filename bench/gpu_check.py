@@ -42,12 +42,12 @@ import grpc
 
 from bench.common import MODEL, ROOT, machine, say
 from bench.common import report as write_report
-from disagg.v1 import node_pb2, node_pb2_grpc
 from disagg_mesh.client import AsyncMeshClient, GenerateCall, Result
-from services.common.config.topology import load_topology
-from services.common.engines.llama_cpp.model import gpu_backend
-from services.common.models import resolve_model_path
-from services.common.runtime.processes import MeshProcesses, free_port
+from disagg_mesh.proto.v1 import node_pb2, node_pb2_grpc
+from disagg_mesh.server.common.config.topology import load_topology
+from disagg_mesh.server.common.engines.llama_cpp.model import gpu_backend
+from disagg_mesh.server.common.models import resolve_model_path
+from disagg_mesh.server.common.runtime.processes import MeshProcesses, free_port
 
 PAIRS = {
     "gpu-to-cpu": ("prefill-gpu", "decode-cpu"),

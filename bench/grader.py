@@ -33,9 +33,9 @@ import grpc
 
 from bench.common import MODEL, ROOT, median, run_alone, say
 from bench.work import Work, figure, record, total
-from disagg.v1 import router_pb2, router_pb2_grpc, types_pb2
-from services.common.models import resolve_model_path
-from services.common.runtime.processes import free_port, serving_mesh
+from disagg_mesh.proto.v1 import router_pb2, router_pb2_grpc, types_pb2
+from disagg_mesh.server.common.models import resolve_model_path
+from disagg_mesh.server.common.runtime.processes import free_port, serving_mesh
 
 LOGICAL = "grader"
 NEW_TOKENS = 8

@@ -15,7 +15,8 @@ import grpc
 
 from bench.common import ROOT, median, pct, say, secs
 from bench.work import Work, record, total
-from disagg.v1 import (
+from disagg_mesh import AsyncMeshClient, GenerateCall, MeshError
+from disagg_mesh.proto.v1 import (
     decode_pb2,
     decode_pb2_grpc,
     prefill_pb2,
@@ -24,11 +25,10 @@ from disagg.v1 import (
     router_pb2_grpc,
     types_pb2,
 )
-from disagg_mesh import AsyncMeshClient, GenerateCall, MeshError
-from services.common.config.topology import Node, Topology
-from services.common.models import resolve_model_path
-from services.common.types import Sampling
-from services.common.wire.node_clients import ChannelPool, PrefillClient
+from disagg_mesh.server.common.config.topology import Node, Topology
+from disagg_mesh.server.common.models import resolve_model_path
+from disagg_mesh.server.common.types import Sampling
+from disagg_mesh.server.common.wire.node_clients import ChannelPool, PrefillClient
 
 MiB = 1 << 20
 
@@ -347,9 +347,9 @@ class Bench:
 
     # 4 -------------------------------------------------------------------------------------
     async def kv_throughput(self, target_bytes: int) -> dict[str, Any]:
-        """FetchKv as a decode node receives it (its own client, services.common.wire.node_clients),
-        each fetch followed at once by the ceiling's stream of the same size. The first pair
-        is a warm-up."""
+        """FetchKv as a decode node receives it (its own client,
+        disagg_mesh.server.common.wire.node_clients), each fetch followed at once by the
+        ceiling's stream of the same size. The first pair is a warm-up."""
         prompt = self.prompts.of_tokens(max(256, target_bytes // 23_000))
         fetch_rates: list[float] = []
         ceiling_rates: list[float] = []
@@ -455,7 +455,7 @@ class SingleProcess:
     def __init__(self, model_path: Path, node: Node, threads: int) -> None:
         import llama_cpp
 
-        from services.common.engines.llama_cpp.sampling import SlotSampler, end_tokens
+        from disagg_mesh.server.common.engines.llama_cpp.sampling import SlotSampler, end_tokens
 
         self.llm: Any = llama_cpp.Llama(
             model_path=str(model_path),

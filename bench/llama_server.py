@@ -52,8 +52,8 @@ from bench.common import MODEL, ROOT, median, run_alone, say
 from bench.grader import prompts as grader_prompts
 from bench.shared_cores import PROMPTS
 from bench.work import Work, figure, record, total
-from services.common.models import resolve_model_path
-from services.common.runtime.processes import free_port, serving_mesh
+from disagg_mesh.server.common.models import resolve_model_path
+from disagg_mesh.server.common.runtime.processes import free_port, serving_mesh
 
 MODELS = ("qwen3-coder:30b", "gpt-oss:120b")
 LEVELS = (1, 4, 16)

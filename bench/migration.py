@@ -32,8 +32,8 @@ from typing import Any
 import grpc
 
 from bench.common import MODEL, median, run_alone, say
-from disagg.v1 import node_pb2, node_pb2_grpc, router_pb2, router_pb2_grpc, types_pb2
-from services.common.runtime.processes import MeshProcesses, free_port, serving_mesh
+from disagg_mesh.proto.v1 import node_pb2, node_pb2_grpc, router_pb2, router_pb2_grpc, types_pb2
+from disagg_mesh.server.common.runtime.processes import MeshProcesses, free_port, serving_mesh
 
 NODES = ("decode-a", "decode-b")
 PROMPT = "Count from one to one hundred in words, separated by commas: one, two,"

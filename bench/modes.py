@@ -43,10 +43,10 @@ import grpc
 from bench.common import MODEL as GGUF
 from bench.common import ROOT, machine, median, report, say, secs
 from bench.harness import Bench, Prompts, Timed, timed_stream
-from disagg.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2_grpc
-from services.common.config.topology import Topology, load_topology
-from services.common.models import ModelFileError, resolve_model_path
-from services.common.runtime.processes import MeshProcesses, free_port
+from disagg_mesh.proto.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2_grpc
+from disagg_mesh.server.common.config.topology import Topology, load_topology
+from disagg_mesh.server.common.models import ModelFileError, resolve_model_path
+from disagg_mesh.server.common.runtime.processes import MeshProcesses, free_port
 
 OLLAMA_TAG = "smollm2:135m"
 EMBEDDED = "smollm2-embedded"

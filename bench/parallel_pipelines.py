@@ -23,8 +23,8 @@ from typing import Any
 from bench.common import ROOT, machine
 from bench.work import Work, record, total
 from disagg_mesh import AsyncMeshClient, GenerateCall
-from services.common.config.topology import load_topology
-from services.common.runtime.processes import MeshProcesses
+from disagg_mesh.server.common.config.topology import load_topology
+from disagg_mesh.server.common.runtime.processes import MeshProcesses
 
 # Both calls do the same amount of work (ignore_eos: each answer is max_tokens long), so
 # the ratio shows what running the two pipelines at once buys.

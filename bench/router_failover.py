@@ -26,7 +26,7 @@ from typing import Any
 from bench.common import MODEL, median, run_alone, say
 from bench.migration import KILL_AFTER, PROMPT, TARGET_S
 from disagg_mesh import AsyncMeshClient, GenerateCall, Metrics
-from services.common.runtime.processes import free_port, serving_mesh
+from disagg_mesh.server.common.runtime.processes import free_port, serving_mesh
 
 ROUTERS = ("router-a", "router-b")
 

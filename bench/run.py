@@ -91,9 +91,9 @@ from bench.router_failover import rows as router_failover_rows
 from bench.shared_cores import measure as measure_shared_cores
 from bench.shared_cores import rows as shared_cores_rows
 from bench.work import Work, failures, figure, record
-from services.common.config.topology import Topology, load_topology
-from services.common.models import resolve_model_path
-from services.common.runtime.processes import MeshProcesses
+from disagg_mesh.server.common.config.topology import Topology, load_topology
+from disagg_mesh.server.common.models import resolve_model_path
+from disagg_mesh.server.common.runtime.processes import MeshProcesses
 
 MiB = 1 << 20
 

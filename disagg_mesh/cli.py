@@ -29,7 +29,6 @@ from typing import Any
 import grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from disagg.v1 import node_pb2, node_pb2_grpc
 from disagg_mesh.batch import BatchInputError, BatchRequest, ResultsFile, read_requests
 from disagg_mesh.batch.progress import Display, Tally, summary_rows
 from disagg_mesh.client import (
@@ -43,6 +42,7 @@ from disagg_mesh.client import (
 )
 from disagg_mesh.errors import MeshError
 from disagg_mesh.metrics import Metrics
+from disagg_mesh.proto.v1 import node_pb2, node_pb2_grpc
 from disagg_mesh.service import ServiceSpec, this_os
 
 HINTS = {
@@ -235,7 +235,7 @@ def _service(args: argparse.Namespace) -> int:
 
 
 def _topology(args: argparse.Namespace) -> Any:
-    from services.common.config.topology import TopologyError, load_topology
+    from disagg_mesh.server.common.config.topology import TopologyError, load_topology
 
     try:
         return load_topology(args.topology)
@@ -493,7 +493,7 @@ async def _check(node: Any, args: argparse.Namespace) -> NodeRow:
     else:
         channel = grpc.aio.insecure_channel(node.address, options=CHANNEL_OPTIONS)
     async with channel:
-        from services.common.wire.node_clients import health_status
+        from disagg_mesh.server.common.wire.node_clients import health_status
 
         started = time.perf_counter()
         status, detail = await health_status(channel, timeout_s=2.0)

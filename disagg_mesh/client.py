@@ -22,10 +22,10 @@ from typing import Any
 
 import grpc
 
-from disagg.v1 import node_pb2, node_pb2_grpc, router_pb2, router_pb2_grpc, types_pb2
 from disagg_mesh.batch import BatchRequest, BatchResult, BatchRun, requests_from
 from disagg_mesh.errors import MeshError, Unavailable, from_rpc_error
 from disagg_mesh.metrics import Metrics
+from disagg_mesh.proto.v1 import node_pb2, node_pb2_grpc, router_pb2, router_pb2_grpc, types_pb2
 from disagg_mesh.routers import Routers
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"

@@ -15,10 +15,10 @@ from typing import Any
 
 import grpc
 
-from disagg.v1 import node_pb2, node_pb2_grpc
-from services.common.kv.assembler import describe_mismatch
-from services.common.types import Fingerprint
-from services.common.wire.convert import fingerprint_from_proto
+from disagg_mesh.proto.v1 import node_pb2, node_pb2_grpc
+from disagg_mesh.server.common.kv.assembler import describe_mismatch
+from disagg_mesh.server.common.types import Fingerprint
+from disagg_mesh.server.common.wire.convert import fingerprint_from_proto
 
 
 @dataclass(frozen=True)

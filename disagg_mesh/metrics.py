@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from disagg.v1 import router_pb2, types_pb2
+from disagg_mesh.proto.v1 import router_pb2, types_pb2
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,7 @@ class ServiceSpec:
         return [
             str(self.python),
             "-m",
-            "services.node",
+            "disagg_mesh.server.node",
             "--topology",
             str(self.topology),
             "--node",

@@ -3,7 +3,7 @@ stream one example generation per logical model through the router, then serve u
 A node that exits without being asked to (a crash, the OOM killer, kill -9) is started again
 with backoff, and one line says which node, how it ended and that it was restarted.
 
-    python -m services.launcher [--topology topology/local.toml] [--exit-after-examples]
+    python -m disagg_mesh.server.launcher [--topology topology/local.toml] [--exit-after-examples]
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ import time
 from pathlib import Path
 
 from disagg_mesh import AsyncMeshClient, GenerateCall, MeshError, Metrics, TlsFiles
-from services.common.config.topology import TopologyError, load_topology
-from services.common.runtime.auth import TokenError, token_from_topology
-from services.common.runtime.processes import MeshProcesses, MeshStartError
-from services.common.runtime.tls import tls_paths
+from disagg_mesh.server.common.config.topology import TopologyError, load_topology
+from disagg_mesh.server.common.runtime.auth import TokenError, token_from_topology
+from disagg_mesh.server.common.runtime.processes import MeshProcesses, MeshStartError
+from disagg_mesh.server.common.runtime.tls import tls_paths
 
 EXAMPLES = {
     "qwen3-coder:30b": "Review this Python function and name one bug:\n\n"

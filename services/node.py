@@ -1,6 +1,6 @@
 """Start one node of a topology by its name.
 
-python -m services.node --topology topology/local.toml --node prefill-qwen
+python -m disagg_mesh.server.node --topology topology/local.toml --node prefill-qwen
 """
 
 from __future__ import annotations
@@ -32,11 +32,11 @@ except ModuleNotFoundError as missing:  # a client-only install
     )
 import structlog
 
-from services.common.config.topology import TopologyError, load_topology
-from services.common.models import ModelFileError
-from services.common.runtime.auth import TokenError, token_from_topology, use_token
-from services.common.runtime.observability.logging import configure_logging
-from services.common.runtime.server import BindError
+from disagg_mesh.server.common.config.topology import TopologyError, load_topology
+from disagg_mesh.server.common.models import ModelFileError
+from disagg_mesh.server.common.runtime.auth import TokenError, token_from_topology, use_token
+from disagg_mesh.server.common.runtime.observability.logging import configure_logging
+from disagg_mesh.server.common.runtime.server import BindError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -68,11 +68,11 @@ def main(argv: list[str] | None = None) -> int:
         model=node.model,
     )
     if node.role == "prefill":
-        from services.prefill.main import run
+        from disagg_mesh.server.prefill.main import run
     elif node.role == "decode":
-        from services.decode.main import run
+        from disagg_mesh.server.decode.main import run
     else:
-        from services.router.main import run
+        from disagg_mesh.server.router.main import run
     try:
         asyncio.run(run(topology, node))
     except (BindError, ModelFileError) as exc:
@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except Exception as exc:
         # e.g. the engine is not available: one clear line, not a traceback
-        if type(exc).__module__.startswith("services."):
+        if type(exc).__module__.startswith("disagg_mesh.server."):
             log.error("cannot start", error=str(exc))
             return 1
         raise

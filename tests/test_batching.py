@@ -17,7 +17,7 @@ from typing import Any
 import grpc
 import pytest
 
-from disagg.v1 import (
+from disagg_mesh.proto.v1 import (
     decode_pb2_grpc,
     node_pb2,
     node_pb2_grpc,

@@ -4,8 +4,10 @@ the real mesh."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -20,7 +22,7 @@ from disagg_mesh import (
     Result,
     Unavailable,
 )
-from services.common.runtime.processes import free_port
+from disagg_mesh.server.common.runtime.processes import free_port
 from tests.conftest import ROOT, Mesh
 
 PROMPT = "def add(a, b):"
@@ -233,7 +235,7 @@ import importlib.abc, sys
 BLOCKED = {blocked!r}
 class Blocker(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in BLOCKED:
+        if any(name == b or name.startswith(b + ".") for b in BLOCKED):
             raise ModuleNotFoundError(f"{{name}} is blocked: not installed with the client")
         return None
 sys.meta_path.insert(0, Blocker())
@@ -241,7 +243,7 @@ sys.meta_path.insert(0, Blocker())
 
 
 def without(blocked: tuple[str, ...], code: str) -> subprocess.CompletedProcess[str]:
-    """Python code run with these top-level packages unimportable."""
+    """Python code run with these packages (and what is under them) unimportable."""
     return subprocess.run(
         [sys.executable, "-c", BLOCKER.format(blocked=set(blocked)) + code],
         capture_output=True,
@@ -254,13 +256,14 @@ def without(blocked: tuple[str, ...], code: str) -> subprocess.CompletedProcess[
 
 def test_the_client_library_needs_no_server_code_nor_the_server_extra(mesh: Mesh) -> None:
     out = without(
-        ("services", *SERVER_ONLY),
+        ("disagg_mesh.server", *SERVER_ONLY),
         f"""
 from disagg_mesh import MeshClient
 from disagg_mesh import cli  # imports nothing of the server until a command needs it
 with MeshClient({mesh.router_address!r}) as client:
     result = client.generate("qwen3-coder:30b", "def add(a, b):", max_tokens=4, temperature=0.0)
-print(result.metrics.completion_tokens, sorted(m for m in sys.modules if m.startswith("services")))
+server = sorted(m for m in sys.modules if m.startswith(("disagg_mesh.server", "services")))
+print(result.metrics.completion_tokens, server)
 """,
     )
     assert out.returncode == 0, out.stderr
@@ -281,3 +284,34 @@ sys.exit(code)
     )
     assert out.returncode == 0, out.stdout + out.stderr
     assert f"{len(mesh.topology.nodes)} of {len(mesh.topology.nodes)} nodes SERVING" in out.stdout
+
+
+SKIP = (".venv", ".git", "build", "*.egg-info", "__pycache__", ".*_cache", ".run", "results")
+
+
+def test_the_distribution_installs_one_name(tmp_path: Path) -> None:
+    """The wheel holds disagg_mesh and nothing else at the top: the nodes' code (services/)
+    as disagg_mesh.server and the stubs (generated/disagg) as disagg_mesh.proto, whole."""
+    # From a copy: setuptools builds in the source folder (build/, *.egg-info).
+    source = tmp_path / "source"
+    shutil.copytree(ROOT, source, symlinks=True, ignore=shutil.ignore_patterns(*SKIP))
+    pip = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation"]
+    subprocess.run(
+        [*pip, str(source), "-w", str(tmp_path)],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    (wheel,) = tmp_path.glob("disagg_mesh-*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        names = archive.namelist()
+    assert {n.split("/")[0] for n in names} == {
+        "disagg_mesh",
+        wheel.name.split("-py")[0] + ".dist-info",
+    }
+    services = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "services").rglob("*.py"))
+    stubs = sorted(
+        str(p.relative_to(ROOT / "generated")) for p in (ROOT / "generated").rglob("*.py*")
+    )
+    assert {"disagg_mesh/server/" + s.removeprefix("services/") for s in services} <= set(names)
+    assert {"disagg_mesh/proto/" + s.removeprefix("disagg/") for s in stubs} <= set(names)

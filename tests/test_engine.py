@@ -11,20 +11,20 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
-from services.common.engines.base import Generation
-from services.common.engines.llama_cpp import EngineSettings, LlamaCppEngine
-from services.common.engines.llama_cpp.context import ContextSettings, SlotContext
-from services.common.engines.llama_cpp.engine import plan_slots
-from services.common.engines.llama_cpp.model import LlamaModel, ModelLoadError
-from services.common.engines.llama_cpp.step_plan import (
+from disagg_mesh.server.common.engines.base import Generation
+from disagg_mesh.server.common.engines.llama_cpp import EngineSettings, LlamaCppEngine
+from disagg_mesh.server.common.engines.llama_cpp.context import ContextSettings, SlotContext
+from disagg_mesh.server.common.engines.llama_cpp.engine import plan_slots
+from disagg_mesh.server.common.engines.llama_cpp.model import LlamaModel, ModelLoadError
+from disagg_mesh.server.common.engines.llama_cpp.step_plan import (
     FIRST_PIECE,
     SlotPhase,
     plan_step,
     prompt_pieces,
 )
-from services.common.errors import ResourceExhausted
-from services.common.models import resolve_model_path
-from services.common.types import GenerationEnd, Prompt, Sampling, TextChunk
+from disagg_mesh.server.common.errors import ResourceExhausted
+from disagg_mesh.server.common.models import resolve_model_path
+from disagg_mesh.server.common.types import GenerationEnd, Prompt, Sampling, TextChunk
 from tests.conftest import MODEL, ROOT, engine_node, node_refusing_to_start, route, router_node
 
 PATH: Path = resolve_model_path(MODEL, ROOT)

@@ -11,7 +11,7 @@ import grpc
 import pytest
 import pytest_asyncio
 
-from disagg.v1 import (
+from disagg_mesh.proto.v1 import (
     decode_pb2_grpc,
     prefill_pb2,
     prefill_pb2_grpc,

@@ -16,8 +16,8 @@ import grpc
 import pytest
 import pytest_asyncio
 
-from disagg.v1 import router_pb2, router_pb2_grpc
-from services.common.runtime.processes import MeshProcesses, free_port
+from disagg_mesh.proto.v1 import router_pb2, router_pb2_grpc
+from disagg_mesh.server.common.runtime.processes import MeshProcesses, free_port
 from tests.conftest import ROOT, engine_node, route, router_node, router_stub, running_mesh
 from tests.streams import Collected, collect, request
 

@@ -9,7 +9,7 @@ import grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from disagg.v1 import router_pb2, router_pb2_grpc, types_pb2
+from disagg_mesh.proto.v1 import router_pb2, router_pb2_grpc, types_pb2
 from tests.conftest import Mesh
 from tests.streams import collect, request
 

@@ -7,7 +7,7 @@ from typing import Any
 import llama_cpp
 import pytest
 
-from disagg.v1 import (
+from disagg_mesh.proto.v1 import (
     decode_pb2,
     decode_pb2_grpc,
     prefill_pb2,

@@ -26,13 +26,13 @@ import openai_harmony as oh
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
-from disagg.v1 import router_pb2, router_pb2_grpc, types_pb2
 from disagg_mesh import AsyncMeshClient, GenerateCall, Reasoning
-from services.common.engines.llama_cpp.harmony import MAX_HEADER_TOKENS
-from services.common.engines.llama_cpp.model import LlamaModel
-from services.common.engines.llama_cpp.text import GeneratedToken, TextStream
-from services.common.runtime.processes import MeshProcesses, free_port
-from services.common.types import ChatTurn, FinishReason, Prompt, TextChunk
+from disagg_mesh.proto.v1 import router_pb2, router_pb2_grpc, types_pb2
+from disagg_mesh.server.common.engines.llama_cpp.harmony import MAX_HEADER_TOKENS
+from disagg_mesh.server.common.engines.llama_cpp.model import LlamaModel
+from disagg_mesh.server.common.engines.llama_cpp.text import GeneratedToken, TextStream
+from disagg_mesh.server.common.runtime.processes import MeshProcesses, free_port
+from disagg_mesh.server.common.types import ChatTurn, FinishReason, Prompt, TextChunk
 from tests.conftest import engine_node, route, router_node, running_mesh
 from tests.streams import collect, greedy
 from tests.test_client import disagg

@@ -10,8 +10,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from disagg.v1 import node_pb2, node_pb2_grpc, router_pb2, router_pb2_grpc, types_pb2
-from services.common.config.topology import Node
+from disagg_mesh.proto.v1 import node_pb2, node_pb2_grpc, router_pb2, router_pb2_grpc, types_pb2
+from disagg_mesh.server.common.config.topology import Node
 from tests.conftest import Mesh
 from tests.grpcurl import grpcurl
 from tests.streams import collect, request

@@ -18,7 +18,7 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
-from disagg.v1 import node_pb2, node_pb2_grpc
+from disagg_mesh.proto.v1 import node_pb2, node_pb2_grpc
 from tests.conftest import ROOT, Mesh, engine_node, route, router_node, running_mesh
 from tests.streams import prompt_running, reference_tokens
 
@@ -251,7 +251,7 @@ def test_openai_models_and_errors(mesh: Mesh) -> None:
 
 
 async def test_max_tokens_is_optional_on_grpc(mesh: Mesh) -> None:
-    from disagg.v1 import router_pb2, router_pb2_grpc, types_pb2
+    from disagg_mesh.proto.v1 import router_pb2, router_pb2_grpc, types_pb2
 
     async with grpc.aio.insecure_channel(mesh.router_address) as channel:
         stub = router_pb2_grpc.RouterServiceStub(channel)
@@ -321,7 +321,7 @@ async def test_a_client_that_disconnects_frees_the_decode_node(
 def token_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     os.environ["DISAGG_TEST_HTTP_TOKEN"] = "s3cret"
     folder = tmp_path_factory.mktemp("http-token")
-    from services.common.runtime.processes import free_port
+    from disagg_mesh.server.common.runtime.processes import free_port
 
     port = free_port()
     parts = [
@@ -359,7 +359,7 @@ def grader_door(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """The grader's two models on one thread each: the session mesh's two-thread nodes
     oversubscribe 2 cores when both generate at once, which slows llama.cpp's spinning
     threads many times over."""
-    from services.common.runtime.processes import free_port
+    from disagg_mesh.server.common.runtime.processes import free_port
 
     port = free_port()
     parts = [

@@ -8,10 +8,15 @@ import re
 
 import pytest
 
-from services.common.errors import DataLoss, FailedPrecondition, NotFound, ResourceExhausted
-from services.common.kv.assembler import KvAssembler
-from services.common.kv.store import KvChunk, KvStore, split_chunks
-from services.common.types import Fingerprint
+from disagg_mesh.server.common.errors import (
+    DataLoss,
+    FailedPrecondition,
+    NotFound,
+    ResourceExhausted,
+)
+from disagg_mesh.server.common.kv.assembler import KvAssembler
+from disagg_mesh.server.common.kv.store import KvChunk, KvStore, split_chunks
+from disagg_mesh.server.common.types import Fingerprint
 
 FP = Fingerprint("ab" * 32, 4096, "llama-cpp-python/test")
 

@@ -16,9 +16,9 @@ import llama_cpp
 import pytest
 import pytest_asyncio
 
-from disagg.v1 import node_pb2, node_pb2_grpc, router_pb2, router_pb2_grpc
-from services.common.models import resolve_model_path
-from services.common.runtime.processes import MeshProcesses
+from disagg_mesh.proto.v1 import node_pb2, node_pb2_grpc, router_pb2, router_pb2_grpc
+from disagg_mesh.server.common.models import resolve_model_path
+from disagg_mesh.server.common.runtime.processes import MeshProcesses
 from tests.conftest import MODEL as MODEL_FILE
 from tests.conftest import (
     N_CTX,

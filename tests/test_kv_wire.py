@@ -6,11 +6,11 @@ import dataclasses
 
 import pytest
 
-from disagg.v1 import prefill_pb2, types_pb2
-from services.common.errors import DataLoss
-from services.common.kv.store import KvChunk
-from services.common.types import Fingerprint
-from services.common.wire.kv_wire import encode_fetch_kv_response, parse_fetch_kv_response
+from disagg_mesh.proto.v1 import prefill_pb2, types_pb2
+from disagg_mesh.server.common.errors import DataLoss
+from disagg_mesh.server.common.kv.store import KvChunk
+from disagg_mesh.server.common.types import Fingerprint
+from disagg_mesh.server.common.wire.kv_wire import encode_fetch_kv_response, parse_fetch_kv_response
 
 FP = types_pb2.KvFingerprint(model_sha256="ab" * 32, n_ctx_tokens=4096, engine_version="x/1")
 

@@ -1,4 +1,5 @@
-"""`make run` (services.launcher) and `make run-<node>` (services.node) as a user runs them."""
+"""`make run` (disagg_mesh.server.launcher) and `make run-<node>` (disagg_mesh.server.node)
+as a user runs them."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ import time
 from pathlib import Path
 
 from disagg_mesh import MeshClient
-from services.common.config.topology import load_topology
-from services.common.wire.node_clients import health_status, open_channel
+from disagg_mesh.server.common.config.topology import load_topology
+from disagg_mesh.server.common.wire.node_clients import health_status, open_channel
 from tests.conftest import ROOT, engine_node, route, router_node, write_test_topology
 
 
@@ -31,7 +32,7 @@ def run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
 
 def launcher_args(topology: Path, folder: Path, max_tokens: int) -> list[str]:
     return [
-        "services.launcher",
+        "disagg_mesh.server.launcher",
         "--topology",
         str(topology),
         "--log-dir",
@@ -58,7 +59,9 @@ def test_launcher_starts_the_mesh_streams_examples_and_stops_everything(tmp_path
 
 
 def test_unknown_node_name_is_one_clear_line() -> None:
-    out = run("services.node", "--topology", "topology/local.toml", "--node", "nope", timeout=60)
+    out = run(
+        "disagg_mesh.server.node", "--topology", "topology/local.toml", "--node", "nope", timeout=60
+    )
     assert out.returncode == 2
     assert "no node named 'nope'" in out.stderr and "Traceback" not in out.stderr
 
@@ -66,7 +69,7 @@ def test_unknown_node_name_is_one_clear_line() -> None:
 def test_bad_topology_is_one_clear_line(tmp_path: Path) -> None:
     bad = tmp_path / "bad.toml"
     bad.write_text("[[nodes]]\nname = 'x'\n")
-    out = run("services.node", "--topology", str(bad), "--node", "x", timeout=60)
+    out = run("disagg_mesh.server.node", "--topology", str(bad), "--node", "x", timeout=60)
     assert out.returncode == 2
     assert str(bad) in out.stderr and "Traceback" not in out.stderr
 

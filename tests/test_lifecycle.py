@@ -11,8 +11,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from disagg.v1 import router_pb2_grpc
-from services.common.runtime.processes import MeshProcesses
+from disagg_mesh.proto.v1 import router_pb2_grpc
+from disagg_mesh.server.common.runtime.processes import MeshProcesses
 from tests.conftest import engine_node, route, router_node, running_mesh
 from tests.streams import collect, request
 

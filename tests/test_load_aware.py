@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
-from disagg.v1 import router_pb2, router_pb2_grpc, types_pb2
+from disagg_mesh.proto.v1 import router_pb2, router_pb2_grpc, types_pb2
 from tests.conftest import engine_node, route, router_node, running_mesh
 
 

@@ -21,12 +21,12 @@ import pytest
 import pytest_asyncio
 from pydantic import BaseModel, Field
 
-from disagg.v1 import node_pb2, node_pb2_grpc, router_pb2, router_pb2_grpc, types_pb2
-from services.common.engines.base import Generation, PrefillOutput
-from services.common.engines.llama_cpp import LlamaCppEngine
-from services.common.errors import FailedPrecondition, InvalidArgument
-from services.common.runtime.processes import MeshProcesses, free_port
-from services.common.types import (
+from disagg_mesh.proto.v1 import node_pb2, node_pb2_grpc, router_pb2, router_pb2_grpc, types_pb2
+from disagg_mesh.server.common.engines.base import Generation, PrefillOutput
+from disagg_mesh.server.common.engines.llama_cpp import LlamaCppEngine
+from disagg_mesh.server.common.errors import FailedPrecondition, InvalidArgument
+from disagg_mesh.server.common.runtime.processes import MeshProcesses, free_port
+from disagg_mesh.server.common.types import (
     Continuation,
     GenerationEnd,
     KvSource,

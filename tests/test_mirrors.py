@@ -12,13 +12,13 @@ from typing import Any
 import pytest
 from google.protobuf.duration_pb2 import Duration
 
-from disagg.v1 import router_pb2, types_pb2
 from disagg_mesh.metrics import Metrics
-from services.common.engines.base import PrefillOutput
-from services.common.types import Fingerprint, PrefillFigures, PrefillResult
-from services.common.wire import mirror
-from services.prefill.node import REPORTED
-from services.router import servicer  # noqa: F401  (registers the router's summary)
+from disagg_mesh.proto.v1 import router_pb2, types_pb2
+from disagg_mesh.server.common.engines.base import PrefillOutput
+from disagg_mesh.server.common.types import Fingerprint, PrefillFigures, PrefillResult
+from disagg_mesh.server.common.wire import mirror
+from disagg_mesh.server.prefill.node import REPORTED
+from disagg_mesh.server.router import servicer  # noqa: F401  (registers the router's summary)
 
 EXPECTED = {
     "Fingerprint": "disagg.v1.KvFingerprint",

@@ -26,9 +26,9 @@ import grpc
 import llama_cpp
 import pytest
 
-from disagg.v1 import router_pb2, router_pb2_grpc
-from services.common.models import resolve_model_path
-from services.common.runtime.processes import MeshProcesses
+from disagg_mesh.proto.v1 import router_pb2, router_pb2_grpc
+from disagg_mesh.server.common.models import resolve_model_path
+from disagg_mesh.server.common.runtime.processes import MeshProcesses
 from tests.conftest import MODEL as SMOLLM2
 from tests.conftest import N_CTX, ROOT, engine_node, route, router_node, running_mesh
 from tests.streams import reference_tokens, request

@@ -14,7 +14,7 @@ import pytest
 import pytest_asyncio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from disagg.v1 import (
+from disagg_mesh.proto.v1 import (
     decode_pb2,
     decode_pb2_grpc,
     node_pb2,
@@ -23,8 +23,8 @@ from disagg.v1 import (
     router_pb2_grpc,
     types_pb2,
 )
-from services.common.config.topology import Topology
-from services.common.runtime.processes import MeshProcesses, free_port
+from disagg_mesh.server.common.config.topology import Topology
+from disagg_mesh.server.common.runtime.processes import MeshProcesses, free_port
 from tests import conftest
 from tests.conftest import route, router_node, running_mesh
 from tests.fake_ollama import FakeOllama

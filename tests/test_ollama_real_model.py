@@ -13,9 +13,9 @@ import grpc
 import pytest
 import pytest_asyncio
 
-from disagg.v1 import router_pb2, router_pb2_grpc, types_pb2
-from services.common.models import resolve_model_path
-from services.common.runtime.processes import MeshProcesses
+from disagg_mesh.proto.v1 import router_pb2, router_pb2_grpc, types_pb2
+from disagg_mesh.server.common.models import resolve_model_path
+from disagg_mesh.server.common.runtime.processes import MeshProcesses
 from tests import conftest
 from tests.conftest import MODEL as GGUF
 from tests.conftest import route, router_node, running_mesh

@@ -26,7 +26,8 @@ import numpy as np
 import pytest
 import pytest_asyncio
 
-from disagg.v1 import (
+from disagg_mesh import cli
+from disagg_mesh.proto.v1 import (
     decode_pb2,
     decode_pb2_grpc,
     node_pb2,
@@ -35,11 +36,10 @@ from disagg.v1 import (
     prefill_pb2_grpc,
     router_pb2_grpc,
 )
-from disagg_mesh import cli
-from services.common.config.topology import load_topology
-from services.common.models import ModelFileError, locate_model, ollama_store
-from services.common.models.files import cached_sha256, resolve_model_path
-from services.common.runtime.processes import MeshProcesses
+from disagg_mesh.server.common.config.topology import load_topology
+from disagg_mesh.server.common.models import ModelFileError, locate_model, ollama_store
+from disagg_mesh.server.common.models.files import cached_sha256, resolve_model_path
+from disagg_mesh.server.common.runtime.processes import MeshProcesses
 from tests.conftest import MODEL, ROOT, engine_node, node_refusing_to_start, route, router_node
 from tests.streams import collect, greedy, kv_request, reference_tokens, request
 from tests.test_errors import expect_error

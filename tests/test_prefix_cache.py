@@ -9,11 +9,11 @@ from collections.abc import AsyncIterator
 import llama_cpp
 import pytest_asyncio
 
-from disagg.v1 import router_pb2, router_pb2_grpc
-from services.common.engines.llama_cpp import EngineSettings, LlamaCppEngine
-from services.common.engines.llama_cpp.prefix_cache import PrefixCache
-from services.common.engines.prefix_keys import block_hashes
-from services.common.types import DecodeCandidate, GenerationEnd, Prompt, Sampling
+from disagg_mesh.proto.v1 import router_pb2, router_pb2_grpc
+from disagg_mesh.server.common.engines.llama_cpp import EngineSettings, LlamaCppEngine
+from disagg_mesh.server.common.engines.llama_cpp.prefix_cache import PrefixCache
+from disagg_mesh.server.common.engines.prefix_keys import block_hashes
+from disagg_mesh.server.common.types import DecodeCandidate, GenerationEnd, Prompt, Sampling
 from tests.streams import collect, request
 from tests.test_engine import PATH, drain, open_engine
 

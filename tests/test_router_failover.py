@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import pytest
 
 from disagg_mesh import AsyncMeshClient, GenerateCall, Metrics, Unavailable
-from services.common.runtime.processes import MeshProcesses, free_port
+from disagg_mesh.server.common.runtime.processes import MeshProcesses, free_port
 from tests.conftest import engine_node, route, router_node, running_mesh
 
 MODEL = "grader"

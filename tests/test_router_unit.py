@@ -14,9 +14,9 @@ from typing import Any
 import grpc
 import pytest
 
-from services.common.config.topology import Topology
-from services.common.errors import MeshError, UpstreamError
-from services.common.types import (
+from disagg_mesh.server.common.config.topology import Topology
+from disagg_mesh.server.common.errors import MeshError, UpstreamError
+from disagg_mesh.server.common.types import (
     Continuation,
     DecodeCandidate,
     DecodeStats,
@@ -29,12 +29,12 @@ from services.common.types import (
     Sampling,
     TextChunk,
 )
-from services.common.wire.node_clients import ChannelPool
-from services.router import failures
-from services.router.failures import CallerDeadlineExceeded, StageDeadlineExceeded
-from services.router.node_health import NodeHealth
-from services.router.routing import ResumeInfo, RouteMethod, Router, RouteSummary
-from services.router.stages import DecodeCalls, PrefillCalls
+from disagg_mesh.server.common.wire.node_clients import ChannelPool
+from disagg_mesh.server.router import failures
+from disagg_mesh.server.router.failures import CallerDeadlineExceeded, StageDeadlineExceeded
+from disagg_mesh.server.router.node_health import NodeHealth
+from disagg_mesh.server.router.routing import ResumeInfo, RouteMethod, Router, RouteSummary
+from disagg_mesh.server.router.stages import DecodeCalls, PrefillCalls
 
 MODEL = "m"
 FIRST = 101

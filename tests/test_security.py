@@ -12,7 +12,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from disagg.v1 import (
+from disagg_mesh import MeshClient, MeshError
+from disagg_mesh.proto.v1 import (
     node_pb2,
     node_pb2_grpc,
     prefill_pb2,
@@ -20,8 +21,7 @@ from disagg.v1 import (
     router_pb2,
     router_pb2_grpc,
 )
-from disagg_mesh import MeshClient, MeshError
-from services.common.config.topology import Topology
+from disagg_mesh.server.common.config.topology import Topology
 from tests.conftest import engine_node, route, router_node, running_mesh
 from tests.grpcurl import grpcurl
 from tests.streams import collect, request
@@ -113,7 +113,7 @@ def test_a_node_whose_token_variable_is_empty_refuses_to_start(secured: Topology
         [
             sys.executable,
             "-m",
-            "services.node",
+            "disagg_mesh.server.node",
             "--topology",
             str(secured.source),
             "--node",

@@ -49,7 +49,10 @@ def test_the_systemd_unit_restarts_the_node_on_failure(tmp_path: Path) -> None:
     assert service["Restart"] == "on-failure"
     command = service["ExecStart"].split()
     assert command[0] == sys.executable and Path(command[0]).is_absolute()
-    assert command[1:3] == ["-m", "services.node"] and command[-2:] == ["--node", "dgx-spark-1"]
+    assert command[1:3] == ["-m", "disagg_mesh.server.node"] and command[-2:] == [
+        "--node",
+        "dgx-spark-1",
+    ]
     assert Path(command[command.index("--topology") + 1]) == ROOT / SEED
     assert service["WorkingDirectory"] == str(ROOT)
     assert unit["Install"]["WantedBy"] == "default.target"

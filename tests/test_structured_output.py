@@ -18,11 +18,11 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from disagg.v1 import router_pb2, router_pb2_grpc, types_pb2
 from disagg_mesh.client import GenerateCall, MeshClient
-from services.common.engines.llama_cpp.grammar import check, grammar
-from services.common.errors import InvalidArgument
-from services.common.types import ResponseFormat
+from disagg_mesh.proto.v1 import router_pb2, router_pb2_grpc, types_pb2
+from disagg_mesh.server.common.engines.llama_cpp.grammar import check, grammar
+from disagg_mesh.server.common.errors import InvalidArgument
+from disagg_mesh.server.common.types import ResponseFormat
 from tests.conftest import ROOT, Mesh
 from tests.streams import collect
 from tests.test_http_api import http_url

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
-from services.common.engines.llama_cpp.text import GeneratedToken, TextAssembler, TextStream
-from services.common.types import FinishReason, GenerationEnd, TextChunk
+from disagg_mesh.server.common.engines.llama_cpp.text import (
+    GeneratedToken,
+    TextAssembler,
+    TextStream,
+)
+from disagg_mesh.server.common.types import FinishReason, GenerationEnd, TextChunk
 
 
 def tokens(*pieces: bytes, end: bool = False) -> list[GeneratedToken]:

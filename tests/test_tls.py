@@ -14,8 +14,8 @@ import ollama
 import pytest
 
 from disagg_mesh import MeshClient, TlsFiles, Unavailable
-from services.common.config.topology import Topology, load_topology
-from services.common.runtime.processes import free_port
+from disagg_mesh.server.common.config.topology import Topology, load_topology
+from disagg_mesh.server.common.runtime.processes import free_port
 from tests.certs import Authority
 from tests.conftest import engine_node, route, router_node, running_mesh
 
@@ -101,7 +101,7 @@ def test_the_http_apis_serve_tls_with_the_mesh_certificates(tls_mesh: TlsMesh) -
 
 
 def test_a_topology_beyond_loopback_must_choose(tmp_path: Path) -> None:
-    from services.common.config.topology import TopologyError
+    from disagg_mesh.server.common.config.topology import TopologyError
 
     text = (Path(__file__).parent.parent / "topology/seed.toml").read_text()
     bare = tmp_path / "bare.toml"

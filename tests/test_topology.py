@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from services.common.config.topology import Node, TopologyError, host_cores, load_topology
-from services.common.engines.llama_cpp.host_threads import HostThreads
-from services.common.types import Fingerprint
+from disagg_mesh.server.common.config.topology import Node, TopologyError, host_cores, load_topology
+from disagg_mesh.server.common.engines.llama_cpp.host_threads import HostThreads
+from disagg_mesh.server.common.types import Fingerprint
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -24,8 +24,8 @@ import gguf
 import numpy as np
 import numpy.typing as npt
 
-from services.common.engines.llama_cpp.harmony import HARMONY_TEMPLATE
-from services.common.models import resolve_model_path
+from disagg_mesh.server.common.engines.llama_cpp.harmony import HARMONY_TEMPLATE
+from disagg_mesh.server.common.models import resolve_model_path
 from tests.conftest import MODEL, ROOT
 
 LAYERS = 4

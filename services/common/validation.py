@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from services.common.engines.llama_cpp.grammar import check as check_response_format
-from services.common.errors import InvalidArgument, NotFound
-from services.common.types import Prompt, Sampling
+from disagg_mesh.server.common.engines.llama_cpp.grammar import check as check_response_format
+from disagg_mesh.server.common.errors import InvalidArgument, NotFound
+from disagg_mesh.server.common.types import Prompt, Sampling
 
 MAX_PROMPT_BYTES = 4 * 1024 * 1024
 MAX_STOP_STRINGS = 8

@@ -4,18 +4,23 @@ from __future__ import annotations
 
 import grpc
 
-from disagg.v1 import decode_pb2, decode_pb2_grpc
-from services.common.config.topology import Node, Topology
-from services.common.engines import open_engine
-from services.common.runtime.node_info import SERVICE_NAME as NODE_SERVICE_NAME
-from services.common.runtime.node_info import add_node_service, describer, engine_of, load_of
-from services.common.runtime.observability.metrics import watch_engine
-from services.common.runtime.readiness import Ready
-from services.common.runtime.server import metrics_address, serve
-from services.common.runtime.tls import tls_for
-from services.common.wire.node_clients import ChannelPool
-from services.decode.node import DecodeNode
-from services.decode.servicer import DecodeServicer
+from disagg_mesh.proto.v1 import decode_pb2, decode_pb2_grpc
+from disagg_mesh.server.common.config.topology import Node, Topology
+from disagg_mesh.server.common.engines import open_engine
+from disagg_mesh.server.common.runtime.node_info import SERVICE_NAME as NODE_SERVICE_NAME
+from disagg_mesh.server.common.runtime.node_info import (
+    add_node_service,
+    describer,
+    engine_of,
+    load_of,
+)
+from disagg_mesh.server.common.runtime.observability.metrics import watch_engine
+from disagg_mesh.server.common.runtime.readiness import Ready
+from disagg_mesh.server.common.runtime.server import metrics_address, serve
+from disagg_mesh.server.common.runtime.tls import tls_for
+from disagg_mesh.server.common.wire.node_clients import ChannelPool
+from disagg_mesh.server.decode.node import DecodeNode
+from disagg_mesh.server.decode.servicer import DecodeServicer
 
 SERVICE_NAME = decode_pb2.DESCRIPTOR.services_by_name["DecodeService"].full_name
 

@@ -6,10 +6,10 @@ import time
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
 
-from services.common.engines.base import Engine
-from services.common.errors import InvalidArgument
-from services.common.kv.assembler import KvAssembler, check_fingerprint
-from services.common.types import (
+from disagg_mesh.server.common.engines.base import Engine
+from disagg_mesh.server.common.errors import InvalidArgument
+from disagg_mesh.server.common.kv.assembler import KvAssembler, check_fingerprint
+from disagg_mesh.server.common.types import (
     Continuation,
     DecodeStats,
     GenerationEnd,
@@ -19,8 +19,8 @@ from services.common.types import (
     Sampling,
     TextChunk,
 )
-from services.common.validation import check_served, validate_prompt, validate_sampling
-from services.common.wire.node_clients import ChannelPool, PrefillClient
+from disagg_mesh.server.common.validation import check_served, validate_prompt, validate_sampling
+from disagg_mesh.server.common.wire.node_clients import ChannelPool, PrefillClient
 
 # A KV state larger than this is refused before any byte is fetched.
 MAX_KV_BYTES = 16 << 30

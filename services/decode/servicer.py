@@ -8,13 +8,13 @@ from typing import Any
 
 import grpc
 
-from disagg.v1 import decode_pb2, decode_pb2_grpc
-from services.common.errors import InvalidArgument
-from services.common.runtime.readiness import Ready
-from services.common.types import Continuation, DecodeStats, KvSource, Prompt
-from services.common.wire import convert
-from services.common.wire.mirror import from_proto
-from services.decode.node import DecodeNode
+from disagg_mesh.proto.v1 import decode_pb2, decode_pb2_grpc
+from disagg_mesh.server.common.errors import InvalidArgument
+from disagg_mesh.server.common.runtime.readiness import Ready
+from disagg_mesh.server.common.types import Continuation, DecodeStats, KvSource, Prompt
+from disagg_mesh.server.common.wire import convert
+from disagg_mesh.server.common.wire.mirror import from_proto
+from disagg_mesh.server.decode.node import DecodeNode
 
 Context = grpc.aio.ServicerContext[Any, Any]
 

@@ -7,17 +7,22 @@ from collections.abc import Callable
 
 import grpc
 
-from services.common.config.topology import Node, Topology
-from services.common.engines import open_engine
-from services.common.kv.store import KvStore
-from services.common.runtime.node_info import SERVICE_NAME as NODE_SERVICE_NAME
-from services.common.runtime.node_info import add_node_service, describer, engine_of, load_of
-from services.common.runtime.observability.metrics import watch_engine, watch_kv_store
-from services.common.runtime.readiness import Ready
-from services.common.runtime.server import metrics_address, serve
-from services.common.runtime.tls import tls_for
-from services.prefill.node import PrefillNode
-from services.prefill.servicer import SERVICE_NAME, PrefillServicer, add_prefill_service
+from disagg_mesh.server.common.config.topology import Node, Topology
+from disagg_mesh.server.common.engines import open_engine
+from disagg_mesh.server.common.kv.store import KvStore
+from disagg_mesh.server.common.runtime.node_info import SERVICE_NAME as NODE_SERVICE_NAME
+from disagg_mesh.server.common.runtime.node_info import (
+    add_node_service,
+    describer,
+    engine_of,
+    load_of,
+)
+from disagg_mesh.server.common.runtime.observability.metrics import watch_engine, watch_kv_store
+from disagg_mesh.server.common.runtime.readiness import Ready
+from disagg_mesh.server.common.runtime.server import metrics_address, serve
+from disagg_mesh.server.common.runtime.tls import tls_for
+from disagg_mesh.server.prefill.node import PrefillNode
+from disagg_mesh.server.prefill.servicer import SERVICE_NAME, PrefillServicer, add_prefill_service
 
 
 def store_of(ready: Ready[PrefillNode]) -> Callable[[], KvStore | None]:

@@ -6,9 +6,9 @@ import asyncio
 import dataclasses
 from collections.abc import Sequence
 
-from services.common.engines.base import Engine
-from services.common.kv.store import KvStore
-from services.common.types import (
+from disagg_mesh.server.common.engines.base import Engine
+from disagg_mesh.server.common.kv.store import KvStore
+from disagg_mesh.server.common.types import (
     Continuation,
     DecodeCandidate,
     PrefillFigures,
@@ -16,8 +16,8 @@ from services.common.types import (
     Prompt,
     Sampling,
 )
-from services.common.validation import check_served, validate_prompt, validate_sampling
-from services.common.wire.kv_wire import encode_state
+from disagg_mesh.server.common.validation import check_served, validate_prompt, validate_sampling
+from disagg_mesh.server.common.wire.kv_wire import encode_state
 
 # The figures the engine reports, passed on as they are (types.PrefillFigures); the node
 # adds the rest of PrefillResult (the handle, sizes, fingerprint, TTL, transfer kind).

@@ -7,12 +7,12 @@ from typing import Any
 
 import grpc
 
-from disagg.v1 import prefill_pb2
-from services.common.runtime.readiness import Ready
-from services.common.types import DecodeCandidate
-from services.common.wire import convert
-from services.common.wire.mirror import to_proto
-from services.prefill.node import PrefillNode
+from disagg_mesh.proto.v1 import prefill_pb2
+from disagg_mesh.server.common.runtime.readiness import Ready
+from disagg_mesh.server.common.types import DecodeCandidate
+from disagg_mesh.server.common.wire import convert
+from disagg_mesh.server.common.wire.mirror import to_proto
+from disagg_mesh.server.prefill.node import PrefillNode
 
 Context = grpc.aio.ServicerContext[Any, Any]
 SERVICE_NAME = prefill_pb2.DESCRIPTOR.services_by_name["PrefillService"].full_name

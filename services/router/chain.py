@@ -16,16 +16,16 @@ from contextlib import aclosing
 
 import grpc
 
-from services.common.errors import MeshError
-from services.common.types import DecodeStats, KvSource, PrefillResult, Prompt, TextChunk
-from services.router.failures import attempt_failed, blame, exhausted, is_final
-from services.router.knowledge import Knowledge
-from services.router.migration import Migrator, Stages
-from services.router.request import Attempt, Request
-from services.router.selection import Selection
-from services.router.stages.decode import required
-from services.router.stages.prefill import kv_source
-from services.router.summary import ResumeInfo, RouteMethod, RouteSummary
+from disagg_mesh.server.common.errors import MeshError
+from disagg_mesh.server.common.types import DecodeStats, KvSource, PrefillResult, Prompt, TextChunk
+from disagg_mesh.server.router.failures import attempt_failed, blame, exhausted, is_final
+from disagg_mesh.server.router.knowledge import Knowledge
+from disagg_mesh.server.router.migration import Migrator, Stages
+from disagg_mesh.server.router.request import Attempt, Request
+from disagg_mesh.server.router.selection import Selection
+from disagg_mesh.server.router.stages.decode import required
+from disagg_mesh.server.router.stages.prefill import kv_source
+from disagg_mesh.server.router.summary import ResumeInfo, RouteMethod, RouteSummary
 
 
 class Chain:

@@ -13,12 +13,12 @@ from dataclasses import dataclass
 import grpc
 import structlog
 
-from services.common.config.topology import ModelRoute, Node
-from services.common.errors import DeadlineExceeded, MeshError, UpstreamError
-from services.common.runtime.observability import metrics
-from services.router.node_health import NodeHealth
-from services.router.request import Attempt, Request
-from services.router.summary import FailedAttempt
+from disagg_mesh.server.common.config.topology import ModelRoute, Node
+from disagg_mesh.server.common.errors import DeadlineExceeded, MeshError, UpstreamError
+from disagg_mesh.server.common.runtime.observability import metrics
+from disagg_mesh.server.router.node_health import NodeHealth
+from disagg_mesh.server.router.request import Attempt, Request
+from disagg_mesh.server.router.summary import FailedAttempt
 
 log = structlog.get_logger("router")
 

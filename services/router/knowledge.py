@@ -6,13 +6,13 @@ The selection policy reads it; the chain and the migrations write it as requests
 
 from __future__ import annotations
 
-from services.common.config.topology import Node
-from services.common.engines.prefix_keys import PREFIX_BLOCK_TOKENS
-from services.common.types import DecodeStats, KvTransferKind, PrefillResult
-from services.router.costs import Costs, Observation
-from services.router.prefixes import PrefixTable
-from services.router.request import Attempt, Request
-from services.router.summary import RouteMethod, RouteSummary
+from disagg_mesh.server.common.config.topology import Node
+from disagg_mesh.server.common.engines.prefix_keys import PREFIX_BLOCK_TOKENS
+from disagg_mesh.server.common.types import DecodeStats, KvTransferKind, PrefillResult
+from disagg_mesh.server.router.costs import Costs, Observation
+from disagg_mesh.server.router.prefixes import PrefixTable
+from disagg_mesh.server.router.request import Attempt, Request
+from disagg_mesh.server.router.summary import RouteMethod, RouteSummary
 
 
 class Knowledge:

@@ -6,17 +6,17 @@ import asyncio
 
 import grpc
 
-from disagg.v1 import router_pb2, router_pb2_grpc
-from services.common.config.topology import Node, Topology
-from services.common.runtime.node_info import SERVICE_NAME as NODE_SERVICE_NAME
-from services.common.runtime.node_info import add_node_service, router_describer
-from services.common.runtime.server import metrics_address, serve
-from services.common.runtime.tls import tls_for, tls_paths
-from services.common.wire.node_clients import ChannelPool
-from services.router.http import HttpFrontDoor
-from services.router.node_health import NodeHealth
-from services.router.routing import Router
-from services.router.servicer import RouterServicer
+from disagg_mesh.proto.v1 import router_pb2, router_pb2_grpc
+from disagg_mesh.server.common.config.topology import Node, Topology
+from disagg_mesh.server.common.runtime.node_info import SERVICE_NAME as NODE_SERVICE_NAME
+from disagg_mesh.server.common.runtime.node_info import add_node_service, router_describer
+from disagg_mesh.server.common.runtime.server import metrics_address, serve
+from disagg_mesh.server.common.runtime.tls import tls_for, tls_paths
+from disagg_mesh.server.common.wire.node_clients import ChannelPool
+from disagg_mesh.server.router.http import HttpFrontDoor
+from disagg_mesh.server.router.node_health import NodeHealth
+from disagg_mesh.server.router.routing import Router
+from disagg_mesh.server.router.servicer import RouterServicer
 
 SERVICE_NAME = router_pb2.DESCRIPTOR.services_by_name["RouterService"].full_name
 

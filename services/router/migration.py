@@ -19,10 +19,10 @@ from dataclasses import dataclass
 import grpc
 import structlog
 
-from services.common.config.topology import Node
-from services.common.errors import MeshError, Unavailable
-from services.common.runtime.observability import metrics
-from services.common.types import (
+from disagg_mesh.server.common.config.topology import Node
+from disagg_mesh.server.common.errors import MeshError, Unavailable
+from disagg_mesh.server.common.runtime.observability import metrics
+from disagg_mesh.server.common.types import (
     Continuation,
     DecodeCandidate,
     DecodeStats,
@@ -30,20 +30,20 @@ from services.common.types import (
     Prompt,
     TextChunk,
 )
-from services.router.failures import (
+from disagg_mesh.server.router.failures import (
     blame,
     blames_node,
     can_migrate,
     is_final,
     midstream_error,
 )
-from services.router.knowledge import Knowledge
-from services.router.request import Attempt, Delivered, Request
-from services.router.selection import Selection
-from services.router.stages.decode import DecodeStage, required
-from services.router.stages.direct_ollama import DirectOllama
-from services.router.stages.prefill import PrefillStage, kv_source
-from services.router.summary import Migration, ResumeInfo, RouteMethod, RouteSummary
+from disagg_mesh.server.router.knowledge import Knowledge
+from disagg_mesh.server.router.request import Attempt, Delivered, Request
+from disagg_mesh.server.router.selection import Selection
+from disagg_mesh.server.router.stages.decode import DecodeStage, required
+from disagg_mesh.server.router.stages.direct_ollama import DirectOllama
+from disagg_mesh.server.router.stages.prefill import PrefillStage, kv_source
+from disagg_mesh.server.router.summary import Migration, ResumeInfo, RouteMethod, RouteSummary
 
 log = structlog.get_logger("router")
 

@@ -20,8 +20,8 @@ from contextlib import contextmanager
 
 import structlog
 
-from services.common.config.topology import Node
-from services.common.wire.node_clients import ChannelPool, health_status, node_slots
+from disagg_mesh.server.common.config.topology import Node
+from disagg_mesh.server.common.wire.node_clients import ChannelPool, health_status, node_slots
 
 log = structlog.get_logger("node_health")
 CHECK_TIMEOUT_S = 1.0

@@ -16,8 +16,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
-from services.common.engines.prefix_keys import chained_hashes, leading_blocks
-from services.common.types import Prompt
+from disagg_mesh.server.common.engines.prefix_keys import chained_hashes, leading_blocks
+from disagg_mesh.server.common.types import Prompt
 
 # Characters of a prompt's text block (text_blocks): about 64 tokens.
 TEXT_BLOCK_CHARS = 256

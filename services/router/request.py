@@ -8,10 +8,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from services.common.config.topology import ModelRoute, Node
-from services.common.errors import MeshError
-from services.common.types import Prompt, Sampling, TextChunk
-from services.router.summary import FailedAttempt, ResumeInfo, RouteMethod, RouteSummary
+from disagg_mesh.server.common.config.topology import ModelRoute, Node
+from disagg_mesh.server.common.errors import MeshError
+from disagg_mesh.server.common.types import Prompt, Sampling, TextChunk
+from disagg_mesh.server.router.summary import FailedAttempt, ResumeInfo, RouteMethod, RouteSummary
 
 
 class Clock:

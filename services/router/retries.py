@@ -23,7 +23,7 @@ from tenacity import (
     wait_exponential_jitter,
 )
 
-from services.router.failures import is_retryable
+from disagg_mesh.server.router.failures import is_retryable
 
 T = TypeVar("T")
 ATTEMPTS = 3

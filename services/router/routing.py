@@ -16,24 +16,24 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
 
-from services.common.config.topology import ModelRoute, Node, Topology
-from services.common.errors import MeshError, NotFound
-from services.common.runtime.observability import metrics
-from services.common.types import Continuation, Prompt, Sampling, TextChunk
-from services.common.validation import validate_prompt, validate_sampling
-from services.common.wire.node_clients import ChannelPool
-from services.router.chain import Chain
-from services.router.knowledge import Knowledge
-from services.router.migration import Migrator, Stages
-from services.router.node_health import NodeHealth
-from services.router.prefixes import prompt_bytes, text_blocks
-from services.router.request import Clock, Request
-from services.router.selection import Selection
-from services.router.stages import NodeClients, PooledClients
-from services.router.stages.decode import DecodeStage
-from services.router.stages.direct_ollama import DirectOllama
-from services.router.stages.prefill import PrefillStage
-from services.router.summary import (
+from disagg_mesh.server.common.config.topology import ModelRoute, Node, Topology
+from disagg_mesh.server.common.errors import MeshError, NotFound
+from disagg_mesh.server.common.runtime.observability import metrics
+from disagg_mesh.server.common.types import Continuation, Prompt, Sampling, TextChunk
+from disagg_mesh.server.common.validation import validate_prompt, validate_sampling
+from disagg_mesh.server.common.wire.node_clients import ChannelPool
+from disagg_mesh.server.router.chain import Chain
+from disagg_mesh.server.router.knowledge import Knowledge
+from disagg_mesh.server.router.migration import Migrator, Stages
+from disagg_mesh.server.router.node_health import NodeHealth
+from disagg_mesh.server.router.prefixes import prompt_bytes, text_blocks
+from disagg_mesh.server.router.request import Clock, Request
+from disagg_mesh.server.router.selection import Selection
+from disagg_mesh.server.router.stages import NodeClients, PooledClients
+from disagg_mesh.server.router.stages.decode import DecodeStage
+from disagg_mesh.server.router.stages.direct_ollama import DirectOllama
+from disagg_mesh.server.router.stages.prefill import PrefillStage
+from disagg_mesh.server.router.summary import (
     FailedAttempt,
     Migration,
     ResumeInfo,

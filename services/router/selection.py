@@ -17,15 +17,15 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
-from services.common.config.topology import ModelRoute, Node, Step, Topology
-from services.common.runtime.observability import metrics
-from services.common.types import DecodeCandidate
-from services.router.costs import Candidate
-from services.router.knowledge import Knowledge
-from services.router.node_health import NodeHealth
-from services.router.prefixes import TEXT_BLOCK_CHARS
-from services.router.request import Attempt, Delivered, Request
-from services.router.summary import RouteMethod
+from disagg_mesh.server.common.config.topology import ModelRoute, Node, Step, Topology
+from disagg_mesh.server.common.runtime.observability import metrics
+from disagg_mesh.server.common.types import DecodeCandidate
+from disagg_mesh.server.router.costs import Candidate
+from disagg_mesh.server.router.knowledge import Knowledge
+from disagg_mesh.server.router.node_health import NodeHealth
+from disagg_mesh.server.router.prefixes import TEXT_BLOCK_CHARS
+from disagg_mesh.server.router.request import Attempt, Delivered, Request
+from disagg_mesh.server.router.summary import RouteMethod
 
 
 class Selection:

@@ -8,11 +8,11 @@ from typing import Any
 
 import grpc
 
-from disagg.v1 import router_pb2, router_pb2_grpc
-from services.common.config.topology import Node
-from services.common.wire import convert
-from services.common.wire.mirror import duration, register, register_enum, to_proto
-from services.router.routing import (
+from disagg_mesh.proto.v1 import router_pb2, router_pb2_grpc
+from disagg_mesh.server.common.config.topology import Node
+from disagg_mesh.server.common.wire import convert
+from disagg_mesh.server.common.wire.mirror import duration, register, register_enum, to_proto
+from disagg_mesh.server.router.routing import (
     FailedAttempt,
     Migration,
     ResumeInfo,

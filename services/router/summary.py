@@ -7,8 +7,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from services.common.runtime.observability import metrics
-from services.common.types import DecodeStats, FinishReason, KvTransferKind
+from disagg_mesh.server.common.runtime.observability import metrics
+from disagg_mesh.server.common.types import DecodeStats, FinishReason, KvTransferKind
 
 
 class RouteMethod(enum.Enum):

@@ -22,14 +22,14 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
-from disagg.v1 import types_pb2 as disagg_dot_v1_dot_types__pb2
+from disagg_mesh.proto.v1 import types_pb2 as disagg_dot_v1_dot_types__pb2
 
 
 DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14\x64isagg/v1/node.proto\x12\tdisagg.v1\x1a\x15\x64isagg/v1/types.proto\"\x14\n\x12GetNodeInfoRequest\"\x83\x05\n\x13GetNodeInfoResponse\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0e\n\x06\x65ngine\x18\x03 \x01(\t\x12\x14\n\x0c\x65ngine_model\x18\x04 \x01(\t\x12\x0e\n\x06models\x18\x05 \x03(\t\x12-\n\x0b\x66ingerprint\x18\x06 \x01(\x0b\x32\x18.disagg.v1.KvFingerprint\x12*\n\x0bkv_transfer\x18\x07 \x01(\x0e\x32\x15.disagg.v1.KvTransfer\x12\r\n\x05ready\x18\x08 \x01(\x08\x12\x0f\n\x07problem\x18\t \x01(\t\x12\x1e\n\x16model_loaded_in_memory\x18\n \x01(\x08\x12\x18\n\x10kv_store_handles\x18\x0b \x01(\x05\x12\x16\n\x0ekv_store_bytes\x18\x0c \x01(\x03\x12\r\n\x05slots\x18\r \x01(\x05\x12\x12\n\nslots_busy\x18\x0e \x01(\x05\x12\x13\n\x0bqueue_depth\x18\x0f \x01(\x05\x12\x11\n\tmax_queue\x18\x10 \x01(\x05\x12 \n\x18prompt_tokens_per_second\x18\x11 \x01(\x01\x12 \n\x18\x64\x65\x63ode_tokens_per_second\x18\x12 \x01(\x01\x12\x16\n\x0ekv_cache_bytes\x18\x13 \x01(\x03\x12\x1b\n\x13kv_cache_used_bytes\x18\x14 \x01(\x03\x12\x0f\n\x07\x62\x61\x63kend\x18\x15 \x01(\t\x12\x12\n\ngpu_layers\x18\x16 \x01(\x05\x12\x14\n\x0cmodel_layers\x18\x17 \x01(\x05\x12\x1b\n\x13prefix_cache_tokens\x18\x18 \x01(\x05\x12\x1f\n\x17prefix_cache_max_tokens\x18\x19 \x01(\x05\x12\x10\n\x08restarts\x18\x1a \x01(\x05\x32[\n\x0bNodeService\x12L\n\x0bGetNodeInfo\x12\x1d.disagg.v1.GetNodeInfoRequest\x1a\x1e.disagg.v1.GetNodeInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
-_builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'disagg.v1.node_pb2', _globals)
+_builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'disagg_mesh.proto.v1.node_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GETNODEINFOREQUEST']._serialized_start=58

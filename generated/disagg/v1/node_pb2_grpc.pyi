@@ -4,7 +4,7 @@ isort:skip_file
 """
 
 from collections import abc as _abc
-from disagg.v1 import node_pb2 as _node_pb2
+from disagg_mesh.proto.v1 import node_pb2 as _node_pb2
 from grpc import aio as _aio
 import abc as _abc_1
 import grpc as _grpc

@@ -22,7 +22,7 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
-from disagg.v1 import types_pb2 as disagg_dot_v1_dot_types__pb2
+from disagg_mesh.proto.v1 import types_pb2 as disagg_dot_v1_dot_types__pb2
 from google.protobuf import duration_pb2 as google_dot_protobuf_dot_duration__pb2
 
 
@@ -30,7 +30,7 @@ DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x64isagg/v1/p
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
-_builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'disagg.v1.prefill_pb2', _globals)
+_builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'disagg_mesh.proto.v1.prefill_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_DECODECANDIDATE']._serialized_start=93

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from disagg.v1 import prefill_pb2 as disagg_dot_v1_dot_prefill__pb2
+from disagg_mesh.proto.v1 import prefill_pb2 as disagg_dot_v1_dot_prefill__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__

@@ -1,6 +1,6 @@
 import datetime
 
-from disagg.v1 import types_pb2 as _types_pb2
+from disagg_mesh.proto.v1 import types_pb2 as _types_pb2
 from google.protobuf import duration_pb2 as _duration_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper

@@ -28,7 +28,7 @@ DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x64isagg/v1/t
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
-_builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'disagg.v1.types_pb2', _globals)
+_builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'disagg_mesh.proto.v1.types_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_RESPONSEFORMATTYPE']._serialized_start=883

@@ -14,7 +14,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from services.common.types import Fingerprint
+from disagg_mesh.server.common.types import Fingerprint
 
 Role = Literal["router", "prefill", "decode"]
 EngineName = Literal["llama_cpp", "ollama"]

@@ -6,11 +6,11 @@ import asyncio
 
 import structlog
 
-from services.common.config.topology import Node, Topology
-from services.common.engines.base import Engine
-from services.common.errors import MeshError
-from services.common.models import locate_model
-from services.common.models.gptoss import Progress
+from disagg_mesh.server.common.config.topology import Node, Topology
+from disagg_mesh.server.common.engines.base import Engine
+from disagg_mesh.server.common.errors import MeshError
+from disagg_mesh.server.common.models import locate_model
+from disagg_mesh.server.common.models.gptoss import Progress
 
 log = structlog.get_logger("engine")
 
@@ -23,7 +23,7 @@ async def open_engine(topology: Topology, node: Node) -> Engine:
     """Load the engine the topology names for this node."""
     assert node.model is not None
     if node.engine == "llama_cpp":
-        from services.common.engines.llama_cpp import EngineSettings, LlamaCppEngine
+        from disagg_mesh.server.common.engines.llama_cpp import EngineSettings, LlamaCppEngine
 
         located = await asyncio.to_thread(
             locate_model,
@@ -54,7 +54,7 @@ async def open_engine(topology: Topology, node: Node) -> Engine:
         )
         return await LlamaCppEngine.open(node.name, located.path, settings, located.sha256)
     if node.engine == "ollama":
-        from services.common.engines.ollama_engine import OllamaEngine
+        from disagg_mesh.server.common.engines.ollama_engine import OllamaEngine
 
         return OllamaEngine(
             url=node.ollama_url,

@@ -13,7 +13,7 @@ from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from services.common.types import (
+from disagg_mesh.server.common.types import (
     Continuation,
     DecodeCandidate,
     Fingerprint,

@@ -30,14 +30,14 @@ from typing import Any
 import httpx
 import ollama
 
-from services.common.engines.base import (
+from disagg_mesh.server.common.engines.base import (
     EngineLoad,
     Generation,
     Placement,
     PrefillOutput,
     TokenRates,
 )
-from services.common.errors import (
+from disagg_mesh.server.common.errors import (
     DataLoss,
     FailedPrecondition,
     InvalidArgument,
@@ -46,7 +46,7 @@ from services.common.errors import (
     ResourceExhausted,
     Unavailable,
 )
-from services.common.types import (
+from disagg_mesh.server.common.types import (
     Continuation,
     DecodeCandidate,
     Fingerprint,

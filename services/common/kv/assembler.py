@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import hashlib
 
-from services.common.errors import DataLoss, FailedPrecondition
-from services.common.kv.store import KvChunk
-from services.common.types import Fingerprint
+from disagg_mesh.server.common.errors import DataLoss, FailedPrecondition
+from disagg_mesh.server.common.kv.store import KvChunk
+from disagg_mesh.server.common.types import Fingerprint
 
 
 class KvAssembler:

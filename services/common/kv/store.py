@@ -9,8 +9,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from services.common.errors import NotFound, ResourceExhausted
-from services.common.types import Fingerprint
+from disagg_mesh.server.common.errors import NotFound, ResourceExhausted
+from disagg_mesh.server.common.types import Fingerprint
 
 CHUNK_BYTES = 1 << 20
 # Handles remembered after they are gone, so a second fetch can say why it fails.

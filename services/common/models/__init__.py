@@ -11,10 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.common.models import gptoss, ollama_store
-from services.common.models.files import ModelFileError, cached_sha256, resolve_model_path
-from services.common.models.gguf_header import check_loadable
-from services.common.models.gptoss import Progress
+from disagg_mesh.server.common.models import gptoss, ollama_store
+from disagg_mesh.server.common.models.files import ModelFileError, cached_sha256, resolve_model_path
+from disagg_mesh.server.common.models.gguf_header import check_loadable
+from disagg_mesh.server.common.models.gptoss import Progress
 
 __all__ = ["LocatedModel", "ModelFileError", "locate_model", "resolve_model_path"]
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, BinaryIO
 
-from services.common.models.files import ModelFileError
+from disagg_mesh.server.common.models.files import ModelFileError
 
 
 @cache

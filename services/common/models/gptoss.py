@@ -42,8 +42,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-from services.common.models.files import ModelFileError, cache_dir
-from services.common.models.gguf_header import OLLAMA_GPT_OSS, Reader, gguf
+from disagg_mesh.server.common.models.files import ModelFileError, cache_dir
+from disagg_mesh.server.common.models.gguf_header import OLLAMA_GPT_OSS, Reader, gguf
 
 SOURCE_ARCH = OLLAMA_GPT_OSS
 TARGET_ARCH = "gpt-oss"

@@ -20,7 +20,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.common.models.files import ModelFileError
+from disagg_mesh.server.common.models.files import ModelFileError
 
 PREFIX = "ollama:"
 MODEL_MEDIA_TYPE = "application/vnd.ollama.image.model"

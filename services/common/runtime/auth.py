@@ -14,7 +14,7 @@ from typing import Any
 
 import grpc
 
-from services.common.config.topology import Topology
+from disagg_mesh.server.common.config.topology import Topology
 
 HEADER = "authorization"
 DENIED = "missing or invalid token"

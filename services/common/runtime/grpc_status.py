@@ -16,9 +16,9 @@ from typing import Any
 import grpc
 import structlog
 
-from services.common.errors import MeshError
-from services.common.runtime.observability import metrics
-from services.common.runtime.observability.logging import REQUEST_ID_KEY, new_request_id
+from disagg_mesh.server.common.errors import MeshError
+from disagg_mesh.server.common.runtime.observability import metrics
+from disagg_mesh.server.common.runtime.observability.logging import REQUEST_ID_KEY, new_request_id
 
 log = structlog.get_logger("rpc")
 

@@ -9,13 +9,13 @@ from typing import Any
 
 import grpc
 
-from disagg.v1 import node_pb2, node_pb2_grpc
-from services.common.config.topology import Node, Topology
-from services.common.engines.base import Engine, EngineLoad, Placement
-from services.common.kv.store import KvStore
-from services.common.runtime.readiness import Ready
-from services.common.types import Fingerprint, KvTransferKind
-from services.common.wire import convert
+from disagg_mesh.proto.v1 import node_pb2, node_pb2_grpc
+from disagg_mesh.server.common.config.topology import Node, Topology
+from disagg_mesh.server.common.engines.base import Engine, EngineLoad, Placement
+from disagg_mesh.server.common.kv.store import KvStore
+from disagg_mesh.server.common.runtime.readiness import Ready
+from disagg_mesh.server.common.types import Fingerprint, KvTransferKind
+from disagg_mesh.server.common.wire import convert
 
 SERVICE_NAME = node_pb2.DESCRIPTOR.services_by_name["NodeService"].full_name
 

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import grpc
 
-from services.common.config.topology import Node, Topology, load_topology
-from services.common.runtime.tls import tls_for
-from services.common.wire.node_clients import health_status, open_channel
+from disagg_mesh.server.common.config.topology import Node, Topology, load_topology
+from disagg_mesh.server.common.runtime.tls import tls_for
+from disagg_mesh.server.common.wire.node_clients import health_status, open_channel
 
 _ISSUED: set[int] = set()
 
@@ -61,7 +61,7 @@ class MeshProcesses:
             [
                 sys.executable,
                 "-m",
-                "services.node",
+                "disagg_mesh.server.node",
                 "--topology",
                 str(self.topology.source),
                 "--node",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Generic, TypeVar
 
-from services.common.errors import Unavailable
+from disagg_mesh.server.common.errors import Unavailable
 
 T = TypeVar("T")
 

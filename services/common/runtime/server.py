@@ -19,11 +19,11 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from services.common.config.topology import Node
-from services.common.runtime.auth import TokenInterceptor, configured_token
-from services.common.runtime.grpc_status import RequestScopeInterceptor
-from services.common.runtime.observability.metrics import serve_metrics
-from services.common.wire.node_clients import MAX_MESSAGE_BYTES
+from disagg_mesh.server.common.config.topology import Node
+from disagg_mesh.server.common.runtime.auth import TokenInterceptor, configured_token
+from disagg_mesh.server.common.runtime.grpc_status import RequestScopeInterceptor
+from disagg_mesh.server.common.runtime.observability.metrics import serve_metrics
+from disagg_mesh.server.common.wire.node_clients import MAX_MESSAGE_BYTES
 
 log = structlog.get_logger("server")
 

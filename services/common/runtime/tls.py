@@ -8,7 +8,7 @@ from pathlib import Path
 
 import grpc
 
-from services.common.config.topology import Node, Topology, TopologyError
+from disagg_mesh.server.common.config.topology import Node, Topology, TopologyError
 
 
 @dataclass(frozen=True)

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from disagg.v1 import decode_pb2, prefill_pb2, types_pb2
-from services.common.errors import InvalidArgument
-from services.common.types import (
+from disagg_mesh.proto.v1 import decode_pb2, prefill_pb2, types_pb2
+from disagg_mesh.server.common.errors import InvalidArgument
+from disagg_mesh.server.common.types import (
     DEFAULT_TEMPERATURE,
     DEFAULT_TOP_P,
     ChatTurn,
@@ -27,7 +27,7 @@ from services.common.types import (
     Sampling,
     TextChunk,
 )
-from services.common.wire.mirror import (
+from disagg_mesh.server.common.wire.mirror import (
     from_proto,
     register,
     register_enum,

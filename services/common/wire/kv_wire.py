@@ -11,11 +11,11 @@ skipped as protobuf does.
 
 from __future__ import annotations
 
-from disagg.v1 import types_pb2
-from services.common.errors import DataLoss
-from services.common.kv.store import KvChunk, split_chunks
-from services.common.types import Fingerprint
-from services.common.wire import convert
+from disagg_mesh.proto.v1 import types_pb2
+from disagg_mesh.server.common.errors import DataLoss
+from disagg_mesh.server.common.kv.store import KvChunk, split_chunks
+from disagg_mesh.server.common.types import Fingerprint
+from disagg_mesh.server.common.wire import convert
 
 _VARINT, _I64, _LEN, _I32 = 0, 1, 2, 5
 

@@ -12,7 +12,7 @@ from typing import Any, NoReturn
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from disagg.v1 import (
+from disagg_mesh.proto.v1 import (
     decode_pb2,
     decode_pb2_grpc,
     node_pb2,
@@ -20,10 +20,10 @@ from disagg.v1 import (
     prefill_pb2,
     prefill_pb2_grpc,
 )
-from services.common.errors import UpstreamError
-from services.common.kv.store import KvChunk
-from services.common.runtime.observability.logging import outgoing_metadata
-from services.common.types import (
+from disagg_mesh.server.common.errors import UpstreamError
+from disagg_mesh.server.common.kv.store import KvChunk
+from disagg_mesh.server.common.runtime.observability.logging import outgoing_metadata
+from disagg_mesh.server.common.types import (
     Continuation,
     DecodeCandidate,
     DecodeStats,
@@ -33,9 +33,9 @@ from services.common.types import (
     Sampling,
     TextChunk,
 )
-from services.common.wire import convert
-from services.common.wire.kv_wire import parse_fetch_kv_response
-from services.common.wire.mirror import from_proto, to_proto
+from disagg_mesh.server.common.wire import convert
+from disagg_mesh.server.common.wire.kv_wire import parse_fetch_kv_response
+from disagg_mesh.server.common.wire.mirror import from_proto, to_proto
 
 MAX_MESSAGE_BYTES = 8 * 1024 * 1024
 FETCH_KV_METHOD = "/disagg.v1.PrefillService/FetchKv"

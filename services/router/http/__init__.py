@@ -19,10 +19,10 @@ import ssl
 import structlog
 from aiohttp import web
 
-from services.common.runtime.tls import TlsPaths
-from services.router.http.ollama_api import OllamaApi
-from services.router.http.openai_api import OpenAiApi
-from services.router.routing import Router
+from disagg_mesh.server.common.runtime.tls import TlsPaths
+from disagg_mesh.server.router.http.ollama_api import OllamaApi
+from disagg_mesh.server.router.http.openai_api import OpenAiApi
+from disagg_mesh.server.router.routing import Router
 
 log = structlog.get_logger("http")
 

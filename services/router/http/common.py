@@ -18,12 +18,12 @@ import grpc
 import structlog
 from aiohttp import web
 
-from services.common.engines.llama_cpp.grammar import check as check_response_format
-from services.common.errors import InvalidArgument, MeshError
-from services.common.runtime.auth import configured_token
-from services.common.runtime.observability import metrics
-from services.common.runtime.observability.logging import REQUEST_ID_KEY, new_request_id
-from services.common.types import (
+from disagg_mesh.server.common.engines.llama_cpp.grammar import check as check_response_format
+from disagg_mesh.server.common.errors import InvalidArgument, MeshError
+from disagg_mesh.server.common.runtime.auth import configured_token
+from disagg_mesh.server.common.runtime.observability import metrics
+from disagg_mesh.server.common.runtime.observability.logging import REQUEST_ID_KEY, new_request_id
+from disagg_mesh.server.common.types import (
     DEFAULT_TEMPERATURE,
     DEFAULT_TOP_P,
     REASONING_EFFORTS,
@@ -32,7 +32,7 @@ from services.common.types import (
     Sampling,
     TextChunk,
 )
-from services.router.routing import Router, RouteSummary
+from disagg_mesh.server.router.routing import Router, RouteSummary
 
 log = structlog.get_logger("http")
 

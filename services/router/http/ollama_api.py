@@ -20,9 +20,9 @@ from typing import Any
 
 from aiohttp import web
 
-from services.common.errors import InvalidArgument, MeshError, NotFound
-from services.common.types import ChatTurn, Prompt, ResponseFormat, Sampling
-from services.router.http.common import (
+from disagg_mesh.server.common.errors import InvalidArgument, MeshError, NotFound
+from disagg_mesh.server.common.types import ChatTurn, Prompt, ResponseFormat, Sampling
+from disagg_mesh.server.router.http.common import (
     Events,
     Fields,
     collect,
@@ -35,7 +35,7 @@ from services.router.http.common import (
     schema_format,
     scoped,
 )
-from services.router.routing import Router, RouteSummary
+from disagg_mesh.server.router.routing import Router, RouteSummary
 
 VERSION = "0.1.0"  # disagg-mesh's own version, not Ollama's
 NDJSON = "application/x-ndjson"

@@ -14,10 +14,10 @@ from typing import Any
 import grpc
 from aiohttp import web
 
-from services.common.errors import InvalidArgument, MeshError
-from services.common.runtime.observability.logging import current_request_id
-from services.common.types import ChatTurn, Prompt, ResponseFormat, Sampling
-from services.router.http.common import (
+from disagg_mesh.server.common.errors import InvalidArgument, MeshError
+from disagg_mesh.server.common.runtime.observability.logging import current_request_id
+from disagg_mesh.server.common.types import ChatTurn, Prompt, ResponseFormat, Sampling
+from disagg_mesh.server.router.http.common import (
     Events,
     Fields,
     collect,
@@ -31,7 +31,7 @@ from services.router.http.common import (
     schema_format,
     scoped,
 )
-from services.router.routing import Router, RouteSummary
+from disagg_mesh.server.router.routing import Router, RouteSummary
 
 # OpenAI's error types by HTTP status (what its SDK turns into BadRequestError, ...).
 ERROR_TYPES = {

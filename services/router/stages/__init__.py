@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator, Sequence
 from typing import Protocol
 
-from services.common.types import (
+from disagg_mesh.server.common.types import (
     Continuation,
     DecodeCandidate,
     DecodeStats,
@@ -19,7 +19,7 @@ from services.common.types import (
     Sampling,
     TextChunk,
 )
-from services.common.wire.node_clients import ChannelPool, DecodeClient, PrefillClient
+from disagg_mesh.server.common.wire.node_clients import ChannelPool, DecodeClient, PrefillClient
 
 
 class PrefillCalls(Protocol):

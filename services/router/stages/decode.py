@@ -8,13 +8,13 @@ from contextlib import aclosing
 
 import grpc
 
-from services.common.config.topology import Node
-from services.common.errors import UpstreamError
-from services.common.types import Continuation, DecodeStats, KvSource, Prompt, TextChunk
-from services.router.failures import stage_error
-from services.router.node_health import NodeHealth
-from services.router.request import Request
-from services.router.stages import NodeClients
+from disagg_mesh.server.common.config.topology import Node
+from disagg_mesh.server.common.errors import UpstreamError
+from disagg_mesh.server.common.types import Continuation, DecodeStats, KvSource, Prompt, TextChunk
+from disagg_mesh.server.router.failures import stage_error
+from disagg_mesh.server.router.node_health import NodeHealth
+from disagg_mesh.server.router.request import Request
+from disagg_mesh.server.router.stages import NodeClients
 
 
 class DecodeStage:

@@ -6,9 +6,9 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
 
-from services.common.config.topology import ModelRoute
-from services.common.engines.ollama_engine import OllamaEngine
-from services.common.types import (
+from disagg_mesh.server.common.config.topology import ModelRoute
+from disagg_mesh.server.common.engines.ollama_engine import OllamaEngine
+from disagg_mesh.server.common.types import (
     Continuation,
     DecodeStats,
     GenerationEnd,
@@ -16,7 +16,7 @@ from services.common.types import (
     Sampling,
     TextChunk,
 )
-from services.router.request import Attempt, Request
+from disagg_mesh.server.router.request import Attempt, Request
 
 MAX_IN_FLIGHT = 64
 

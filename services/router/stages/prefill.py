@@ -5,24 +5,24 @@ from __future__ import annotations
 
 import time
 
-from services.common.config.topology import Node
-from services.common.errors import MeshError, UpstreamError
-from services.common.types import (
+from disagg_mesh.server.common.config.topology import Node
+from disagg_mesh.server.common.errors import MeshError, UpstreamError
+from disagg_mesh.server.common.types import (
     Continuation,
     DecodeCandidate,
     KvSource,
     PrefillResult,
 )
-from services.router.failures import (
+from disagg_mesh.server.router.failures import (
     StageDeadlineExceeded,
     attempt_failed,
     is_retryable,
     stage_error,
 )
-from services.router.node_health import NodeHealth
-from services.router.request import Attempt, Request
-from services.router.retries import call_with_retries
-from services.router.stages import NodeClients
+from disagg_mesh.server.router.node_health import NodeHealth
+from disagg_mesh.server.router.request import Attempt, Request
+from disagg_mesh.server.router.retries import call_with_retries
+from disagg_mesh.server.router.stages import NodeClients
 
 
 class PrefillStage:

@@ -15,6 +15,6 @@ thread runs a step loop over them (continuous batching, as llama.cpp's own serve
 - `engine.py`     the asynchronous `Engine` nodes use
 """
 
-from services.common.engines.llama_cpp.engine import EngineSettings, LlamaCppEngine
+from disagg_mesh.server.common.engines.llama_cpp.engine import EngineSettings, LlamaCppEngine
 
 __all__ = ["EngineSettings", "LlamaCppEngine"]

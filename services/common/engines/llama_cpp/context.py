@@ -37,7 +37,11 @@ from typing import Any, NamedTuple
 
 import llama_cpp
 
-from services.common.engines.llama_cpp.model import KV_CACHE_TYPES, LlamaModel, ModelLoadError
+from disagg_mesh.server.common.engines.llama_cpp.model import (
+    KV_CACHE_TYPES,
+    LlamaModel,
+    ModelLoadError,
+)
 
 
 @dataclass(frozen=True)

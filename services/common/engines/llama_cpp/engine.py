@@ -20,17 +20,17 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.common.engines.base import EngineLoad, Generation, PrefillOutput
-from services.common.engines.llama_cpp.context import ContextSettings, SlotContext
-from services.common.engines.llama_cpp.host_threads import HostThreads
-from services.common.engines.llama_cpp.model import (
+from disagg_mesh.server.common.engines.base import EngineLoad, Generation, PrefillOutput
+from disagg_mesh.server.common.engines.llama_cpp.context import ContextSettings, SlotContext
+from disagg_mesh.server.common.engines.llama_cpp.host_threads import HostThreads
+from disagg_mesh.server.common.engines.llama_cpp.model import (
     ENGINE_VERSION,
     LlamaModel,
     ModelLoadError,
     attended_from,
 )
-from services.common.engines.llama_cpp.prefix_cache import PrefixCache
-from services.common.engines.llama_cpp.scheduler import (
+from disagg_mesh.server.common.engines.llama_cpp.prefix_cache import PrefixCache
+from disagg_mesh.server.common.engines.llama_cpp.scheduler import (
     Event,
     Job,
     JobKind,
@@ -38,14 +38,14 @@ from services.common.engines.llama_cpp.scheduler import (
     Scheduler,
     SchedulerSettings,
 )
-from services.common.engines.prefix_keys import (
+from disagg_mesh.server.common.engines.prefix_keys import (
     PREFIX_BLOCK_TOKENS,
     block_hashes,
     leading_blocks,
     reusable_blocks,
 )
-from services.common.errors import InvalidArgument, MeshError
-from services.common.types import (
+from disagg_mesh.server.common.errors import InvalidArgument, MeshError
+from disagg_mesh.server.common.types import (
     Continuation,
     DecodeCandidate,
     Fingerprint,

@@ -18,9 +18,9 @@ from typing import Any
 
 from llama_cpp.llama_grammar import JSON_GBNF, json_schema_to_gbnf
 
-from services.common.engines.llama_cpp.harmony import HarmonyTokens
-from services.common.errors import InvalidArgument
-from services.common.types import ResponseFormat
+from disagg_mesh.server.common.engines.llama_cpp.harmony import HarmonyTokens
+from disagg_mesh.server.common.errors import InvalidArgument
+from disagg_mesh.server.common.types import ResponseFormat
 
 # Keywords the converter turns into grammar rules.
 ENFORCED = frozenset(

@@ -16,15 +16,15 @@ import llama_cpp
 from llama_cpp import _internals, _logger
 from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
-from services.common.engines.base import Placement
-from services.common.engines.llama_cpp.harmony import (
+from disagg_mesh.server.common.engines.base import Placement
+from disagg_mesh.server.common.engines.llama_cpp.harmony import (
     HARMONY_TEMPLATE,
     HarmonyParser,
     HarmonyTokens,
 )
-from services.common.engines.llama_cpp.sampling import end_tokens
-from services.common.errors import FailedPrecondition, InvalidArgument, MeshError
-from services.common.types import REASONING_EFFORTS, Prompt
+from disagg_mesh.server.common.engines.llama_cpp.sampling import end_tokens
+from disagg_mesh.server.common.errors import FailedPrecondition, InvalidArgument, MeshError
+from disagg_mesh.server.common.types import REASONING_EFFORTS, Prompt
 
 ENGINE_VERSION = (
     f"llama-cpp-python/{llama_cpp.__version__} "

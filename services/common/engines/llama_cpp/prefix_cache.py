@@ -35,8 +35,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from services.common.engines.llama_cpp.model import attended_from
-from services.common.engines.prefix_keys import PREFIX_BLOCK_TOKENS, reusable_blocks
+from disagg_mesh.server.common.engines.llama_cpp.model import attended_from
+from disagg_mesh.server.common.engines.prefix_keys import PREFIX_BLOCK_TOKENS, reusable_blocks
 
 
 class Sequences(Protocol):

@@ -15,10 +15,10 @@ from typing import Any
 import llama_cpp
 import numpy as np
 
-from services.common.engines.llama_cpp.grammar import HARMONY_ROOT, grammar, harmony_rules
-from services.common.engines.llama_cpp.harmony import HarmonyTokens
-from services.common.errors import FailedPrecondition, InvalidArgument
-from services.common.types import Sampling
+from disagg_mesh.server.common.engines.llama_cpp.grammar import HARMONY_ROOT, grammar, harmony_rules
+from disagg_mesh.server.common.engines.llama_cpp.harmony import HarmonyTokens
+from disagg_mesh.server.common.errors import FailedPrecondition, InvalidArgument
+from disagg_mesh.server.common.types import Sampling
 
 # llama_token_data, as numpy sees it.
 TOKEN_DATA = np.dtype([("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])

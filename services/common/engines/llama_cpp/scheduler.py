@@ -46,23 +46,23 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from services.common.engines.base import EngineLoad, PrefillOutput, TokenRates
-from services.common.engines.llama_cpp.context import Row, SlotContext
-from services.common.engines.llama_cpp.host_threads import HostThreads
-from services.common.engines.llama_cpp.model import LlamaModel, attended_from
-from services.common.engines.llama_cpp.prefix_cache import Entry, PrefixCache
-from services.common.engines.llama_cpp.sampling import SlotSampler
-from services.common.engines.llama_cpp.step_plan import SlotPhase, plan_step
-from services.common.engines.llama_cpp.text import GeneratedToken, TextStream
-from services.common.errors import (
+from disagg_mesh.server.common.engines.base import EngineLoad, PrefillOutput, TokenRates
+from disagg_mesh.server.common.engines.llama_cpp.context import Row, SlotContext
+from disagg_mesh.server.common.engines.llama_cpp.host_threads import HostThreads
+from disagg_mesh.server.common.engines.llama_cpp.model import LlamaModel, attended_from
+from disagg_mesh.server.common.engines.llama_cpp.prefix_cache import Entry, PrefixCache
+from disagg_mesh.server.common.engines.llama_cpp.sampling import SlotSampler
+from disagg_mesh.server.common.engines.llama_cpp.step_plan import SlotPhase, plan_step
+from disagg_mesh.server.common.engines.llama_cpp.text import GeneratedToken, TextStream
+from disagg_mesh.server.common.errors import (
     Aborted,
     FailedPrecondition,
     MeshError,
     ResourceExhausted,
     Unavailable,
 )
-from services.common.runtime.observability import metrics
-from services.common.types import FinishReason, GenerationEnd, Sampling, TextChunk
+from disagg_mesh.server.common.runtime.observability import metrics
+from disagg_mesh.server.common.types import FinishReason, GenerationEnd, Sampling, TextChunk
 
 log = structlog.get_logger("engine")
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import codecs
 from dataclasses import dataclass
 
-from services.common.engines.llama_cpp.harmony import HarmonyParser, Part
-from services.common.types import FinishReason, GenerationEnd, TextChunk
+from disagg_mesh.server.common.engines.llama_cpp.harmony import HarmonyParser, Part
+from disagg_mesh.server.common.types import FinishReason, GenerationEnd, TextChunk
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from typing import Any
 
 import structlog
 
-from services.common.runtime.auth import outgoing_auth
+from disagg_mesh.server.common.runtime.auth import outgoing_auth
 
 REQUEST_ID_KEY = "x-request-id"
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from prometheus_client import Counter, Gauge, Histogram, start_http_server
 
 if TYPE_CHECKING:
-    from services.common.engines.base import EngineLoad
+    from disagg_mesh.server.common.engines.base import EngineLoad
 
 _SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 180)
 
