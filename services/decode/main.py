@@ -7,7 +7,6 @@ import grpc
 from disagg_mesh.proto.v1 import decode_pb2, decode_pb2_grpc
 from disagg_mesh.server.common.config.topology import Node, Topology
 from disagg_mesh.server.common.engines import open_engine
-from disagg_mesh.server.common.runtime.node_info import SERVICE_NAME as NODE_SERVICE_NAME
 from disagg_mesh.server.common.runtime.node_info import (
     add_node_service,
     describer,
@@ -16,7 +15,7 @@ from disagg_mesh.server.common.runtime.node_info import (
 )
 from disagg_mesh.server.common.runtime.observability.metrics import watch_engine
 from disagg_mesh.server.common.runtime.readiness import Ready
-from disagg_mesh.server.common.runtime.server import metrics_address, serve
+from disagg_mesh.server.common.runtime.server import serve_engine_node
 from disagg_mesh.server.common.runtime.tls import tls_for
 from disagg_mesh.server.common.wire.node_clients import ChannelPool
 from disagg_mesh.server.decode.node import DecodeNode
@@ -46,21 +45,4 @@ async def run(topology: Topology, node: Node) -> None:
             )
         )
 
-    async def problem() -> str | None:
-        return await ready.get().engine.problem()
-
-    async def close() -> None:
-        await pool.close()
-        if ready.is_set():
-            await ready.get().engine.close()
-
-    await serve(
-        bind_address=node.bind_address,
-        service_names=[SERVICE_NAME, NODE_SERVICE_NAME],
-        register=register,
-        load=load,
-        problem=problem,
-        close=close,
-        credentials=tls.server_credentials() if tls else None,
-        metrics_address=metrics_address(node),
-    )
+    await serve_engine_node(node, tls, SERVICE_NAME, ready, register, load, pool.close)

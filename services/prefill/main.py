@@ -10,7 +10,6 @@ import grpc
 from disagg_mesh.server.common.config.topology import Node, Topology
 from disagg_mesh.server.common.engines import open_engine
 from disagg_mesh.server.common.kv.store import KvStore
-from disagg_mesh.server.common.runtime.node_info import SERVICE_NAME as NODE_SERVICE_NAME
 from disagg_mesh.server.common.runtime.node_info import (
     add_node_service,
     describer,
@@ -19,7 +18,7 @@ from disagg_mesh.server.common.runtime.node_info import (
 )
 from disagg_mesh.server.common.runtime.observability.metrics import watch_engine, watch_kv_store
 from disagg_mesh.server.common.runtime.readiness import Ready
-from disagg_mesh.server.common.runtime.server import metrics_address, serve
+from disagg_mesh.server.common.runtime.server import serve_engine_node
 from disagg_mesh.server.common.runtime.tls import tls_for
 from disagg_mesh.server.prefill.node import PrefillNode
 from disagg_mesh.server.prefill.servicer import SERVICE_NAME, PrefillServicer, add_prefill_service
@@ -54,22 +53,8 @@ async def run(topology: Topology, node: Node) -> None:
             )
         )
 
-    async def problem() -> str | None:
-        return await ready.get().engine.problem()
-
-    async def close() -> None:
+    async def cancel_background() -> None:
         for task in background:
             task.cancel()
-        if ready.is_set():
-            await ready.get().engine.close()
 
-    await serve(
-        bind_address=node.bind_address,
-        service_names=[SERVICE_NAME, NODE_SERVICE_NAME],
-        register=register,
-        load=load,
-        problem=problem,
-        close=close,
-        credentials=tls.server_credentials() if tls else None,
-        metrics_address=metrics_address(node),
-    )
+    await serve_engine_node(node, tls, SERVICE_NAME, ready, register, load, cancel_background)

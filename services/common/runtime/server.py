@@ -12,7 +12,7 @@ import asyncio
 import signal
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import grpc
 import structlog
@@ -22,7 +22,10 @@ from grpc_reflection.v1alpha import reflection
 from disagg_mesh.server.common.config.topology import Node
 from disagg_mesh.server.common.runtime.auth import TokenInterceptor, configured_token
 from disagg_mesh.server.common.runtime.grpc_status import RequestScopeInterceptor
+from disagg_mesh.server.common.runtime.node_info import SERVICE_NAME as NODE_SERVICE_NAME
 from disagg_mesh.server.common.runtime.observability.metrics import serve_metrics
+from disagg_mesh.server.common.runtime.readiness import Ready
+from disagg_mesh.server.common.runtime.tls import NodeTls
 from disagg_mesh.server.common.wire.node_clients import MAX_MESSAGE_BYTES
 
 log = structlog.get_logger("server")
@@ -114,6 +117,54 @@ async def serve(
 
 async def _no_problem() -> str | None:
     return None
+
+
+class _Engine(Protocol):
+    async def problem(self) -> str | None: ...
+
+    async def close(self) -> None: ...
+
+
+class _EngineNode(Protocol):
+    @property
+    def engine(self) -> _Engine: ...
+
+
+N = TypeVar("N", bound=_EngineNode)
+
+
+async def serve_engine_node(
+    node: Node,
+    tls: NodeTls | None,
+    service_name: str,
+    ready: Ready[N],
+    register: Callable[[grpc.aio.Server], None],
+    load: Callable[[], Coroutine[Any, Any, None]],
+    release: Callable[[], Awaitable[None]] | None = None,
+) -> None:
+    """`serve` for a prefill or decode node: its service and NodeService, health following
+    its engine's problem, and on the way out `release` (what the node opened beside its
+    engine), then the engine closed."""
+
+    async def problem() -> str | None:
+        return await ready.get().engine.problem()
+
+    async def close() -> None:
+        if release is not None:
+            await release()
+        if ready.is_set():
+            await ready.get().engine.close()
+
+    await serve(
+        bind_address=node.bind_address,
+        service_names=[service_name, NODE_SERVICE_NAME],
+        register=register,
+        load=load,
+        problem=problem,
+        close=close,
+        credentials=tls.server_credentials() if tls else None,
+        metrics_address=metrics_address(node),
+    )
 
 
 async def _watch_health(
