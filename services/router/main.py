@@ -8,9 +8,8 @@ import grpc
 
 from disagg_mesh.proto.v1 import router_pb2, router_pb2_grpc
 from disagg_mesh.server.common.config.topology import Node, Topology
-from disagg_mesh.server.common.runtime.node_info import SERVICE_NAME as NODE_SERVICE_NAME
 from disagg_mesh.server.common.runtime.node_info import add_node_service, router_describer
-from disagg_mesh.server.common.runtime.server import metrics_address, serve
+from disagg_mesh.server.common.runtime.server import serve_node
 from disagg_mesh.server.common.runtime.tls import tls_for, tls_paths
 from disagg_mesh.server.common.wire.node_clients import ChannelPool
 from disagg_mesh.server.router.http import HttpFrontDoor
@@ -59,12 +58,4 @@ async def run(topology: Topology, node: Node) -> None:
         await router.close()
         await pool.close()
 
-    await serve(
-        bind_address=node.bind_address,
-        service_names=[SERVICE_NAME, NODE_SERVICE_NAME],
-        register=register,
-        load=load,
-        close=close,
-        credentials=tls.server_credentials() if tls else None,
-        metrics_address=metrics_address(node),
-    )
+    await serve_node(node, tls, SERVICE_NAME, register, load, close)

@@ -133,28 +133,17 @@ class _EngineNode(Protocol):
 N = TypeVar("N", bound=_EngineNode)
 
 
-async def serve_engine_node(
+async def serve_node(
     node: Node,
     tls: NodeTls | None,
     service_name: str,
-    ready: Ready[N],
     register: Callable[[grpc.aio.Server], None],
     load: Callable[[], Coroutine[Any, Any, None]],
-    release: Callable[[], Awaitable[None]] | None = None,
+    close: Callable[[], Awaitable[None]],
+    problem: Callable[[], Awaitable[str | None]] | None = None,
 ) -> None:
-    """`serve` for a prefill or decode node: its service and NodeService, health following
-    its engine's problem, and on the way out `release` (what the node opened beside its
-    engine), then the engine closed."""
-
-    async def problem() -> str | None:
-        return await ready.get().engine.problem()
-
-    async def close() -> None:
-        if release is not None:
-            await release()
-        if ready.is_set():
-            await ready.get().engine.close()
-
+    """`serve` for a topology's node: its service and NodeService, at its address, with its
+    TLS and metrics port."""
     await serve(
         bind_address=node.bind_address,
         service_names=[service_name, NODE_SERVICE_NAME],
@@ -165,6 +154,30 @@ async def serve_engine_node(
         credentials=tls.server_credentials() if tls else None,
         metrics_address=metrics_address(node),
     )
+
+
+async def serve_engine_node(
+    node: Node,
+    tls: NodeTls | None,
+    service_name: str,
+    ready: Ready[N],
+    register: Callable[[grpc.aio.Server], None],
+    load: Callable[[], Coroutine[Any, Any, None]],
+    release: Callable[[], Awaitable[None]] | None = None,
+) -> None:
+    """`serve_node` for a prefill or decode node: health follows its engine's problem; on
+    the way out `release` (what the node opened beside its engine), then the engine closed."""
+
+    async def problem() -> str | None:
+        return await ready.get().engine.problem()
+
+    async def close() -> None:
+        if release is not None:
+            await release()
+        if ready.is_set():
+            await ready.get().engine.close()
+
+    await serve_node(node, tls, service_name, register, load, close, problem)
 
 
 async def _watch_health(
