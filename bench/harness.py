@@ -154,15 +154,7 @@ class Bench:
     def _kv_request(self, reply: Any, max_tokens: int) -> Any:
         return decode_pb2.DecodeServiceGenerateRequest(
             model=self.model,
-            kv=decode_pb2.KvSource(
-                prefill_address=self.prefill.address,
-                kv_handle=reply.kv_handle,
-                first_token_id=reply.first_token_id,
-                prompt_tokens=reply.prompt_tokens,
-                fingerprint=reply.fingerprint,
-                kv_size_bytes=reply.kv_size_bytes,
-                first_token_text=reply.first_token_text,
-            ),
+            kv=decode_pb2.KvSource(prefill_address=self.prefill.address, reference=reply.reference),
             sampling=self.greedy(max_tokens),
         )
 

@@ -61,7 +61,8 @@ def kv_request(
     model: str, prefill_address: str, reply: prefill_pb2.PrefillResponse, **overrides: Any
 ) -> decode_pb2.DecodeServiceGenerateRequest:
     """A decode node's request for the state a Prefill reply describes (4 greedy tokens,
-    never ended by an end token); overrides replace KvSource fields."""
+    never ended by an end token); overrides replace KvSource fields. Written as a router of
+    the earlier version writes it: the flat fields, no `reference` (read all the same)."""
     fields: dict[str, Any] = dict(
         prefill_address=prefill_address,
         kv_handle=reply.kv_handle,

@@ -309,9 +309,13 @@ def test_the_distribution_installs_one_name(tmp_path: Path) -> None:
         "disagg_mesh",
         wheel.name.split("-py")[0] + ".dist-info",
     }
-    services = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "services").rglob("*.py"))
-    stubs = sorted(
-        str(p.relative_to(ROOT / "generated")) for p in (ROOT / "generated").rglob("*.py*")
-    )
-    assert {"disagg_mesh/server/" + s.removeprefix("services/") for s in services} <= set(names)
-    assert {"disagg_mesh/proto/" + s.removeprefix("disagg/") for s in stubs} <= set(names)
+    services = sources(ROOT / "services")
+    stubs = sources(ROOT / "generated" / "disagg")
+    assert {f"disagg_mesh/server/{s}" for s in services} <= set(names)
+    assert {f"disagg_mesh/proto/{s}" for s in stubs} <= set(names)
+
+
+def sources(folder: Path) -> set[str]:
+    """The folder's Python modules and stubs, relative to it."""
+    found = (*folder.rglob("*.py"), *folder.rglob("*.pyi"))
+    return {str(p.relative_to(folder)) for p in found if "__pycache__" not in p.parts}

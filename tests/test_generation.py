@@ -177,12 +177,7 @@ async def test_decode_node_pulls_kv_directly_from_the_prefill_node(
             decode_pb2.DecodeServiceGenerateRequest(
                 model="qwen3-coder:30b",
                 kv=decode_pb2.KvSource(
-                    prefill_address=mesh.address("prefill-qwen"),
-                    kv_handle=reply.kv_handle,
-                    first_token_id=reply.first_token_id,
-                    prompt_tokens=reply.prompt_tokens,
-                    fingerprint=reply.fingerprint,
-                    kv_size_bytes=reply.kv_size_bytes,
+                    prefill_address=mesh.address("prefill-qwen"), reference=reply.reference
                 ),
                 sampling=greedy(8, ignore_eos=True),
             )

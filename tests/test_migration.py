@@ -29,7 +29,7 @@ from disagg_mesh.server.common.runtime.processes import MeshProcesses, free_port
 from disagg_mesh.server.common.types import (
     Continuation,
     GenerationEnd,
-    KvSource,
+    KvReference,
     Prompt,
     Sampling,
     TextChunk,
@@ -173,9 +173,8 @@ async def disaggregated(
     return chunks, end, out
 
 
-def source_of(engine: LlamaCppEngine, out: PrefillOutput) -> KvSource:
-    return KvSource(
-        prefill_address="in-process",
+def source_of(engine: LlamaCppEngine, out: PrefillOutput) -> KvReference:
+    return KvReference(
         kv_handle="-",
         first_token_id=out.first_token_id,
         prompt_tokens=out.prompt_tokens,

@@ -15,13 +15,20 @@ from google.protobuf.duration_pb2 import Duration
 from disagg_mesh.metrics import Metrics
 from disagg_mesh.proto.v1 import router_pb2, types_pb2
 from disagg_mesh.server.common.engines.base import PrefillOutput
-from disagg_mesh.server.common.types import Fingerprint, PrefillFigures, PrefillResult
+from disagg_mesh.server.common.types import (
+    Fingerprint,
+    KvReference,
+    KvSource,
+    PrefillFigures,
+    PrefillResult,
+)
 from disagg_mesh.server.common.wire import mirror
 from disagg_mesh.server.prefill.node import REPORTED
 from disagg_mesh.server.router import servicer  # noqa: F401  (registers the router's summary)
 
 EXPECTED = {
     "Fingerprint": "disagg.v1.KvFingerprint",
+    "KvReference": "disagg.v1.KvReference",
     "PrefillResult": "disagg.v1.PrefillResponse",
     "KvSource": "disagg.v1.KvSource",
     "DecodeStats": "disagg.v1.DecodeSummary",
@@ -38,7 +45,7 @@ def test_each_mirrored_dataclass_has_exactly_its_messages_fields() -> None:
         fields = mirror.field_map(m)
         names = [f.name for f in dataclasses.fields(m.plain)]
         assert list(fields) == names
-        assert sorted(fields.values()) == sorted(m.message.DESCRIPTOR.fields_by_name)
+        assert mirror.covered(m) == set(m.message.DESCRIPTOR.fields_by_name)
 
 
 def test_a_field_added_on_one_side_only_is_refused() -> None:
@@ -94,7 +101,7 @@ def test_every_field_survives_the_wire(m: mirror.Mirror) -> None:
     assert isinstance(message, m.message)
     # Every field of the message was set (no default left behind).
     set_fields = {fd.name for fd, _ in message.ListFields()}
-    assert set_fields == set(mirror.field_map(m).values())
+    assert set_fields == mirror.covered(m)
     assert mirror.from_proto(m.message.FromString(message.SerializeToString()), m.plain) == (
         original
     )
@@ -145,3 +152,40 @@ def test_a_prefill_figure_goes_from_the_engine_to_the_wire_by_its_name() -> None
     assert set(REPORTED) == figures
     node_adds = {"kv_handle", "kv_size_bytes", "fingerprint", "kv_ttl_seconds", "kv_transfer"}
     assert {f.name for f in dataclasses.fields(PrefillResult)} - figures == node_adds
+
+
+@pytest.mark.parametrize("plain", [KvSource, PrefillResult])
+def test_the_kv_reference_is_written_grouped_and_flat_and_read_from_either(plain: type) -> None:
+    """PrefillResponse and KvSource carry the KvReference as `reference` and, for nodes of an
+    earlier version, its values flat: a message from such a node (no reference) reads the
+    same, and one from this version reads the same with its flat copies cleared."""
+    original = instance(plain)
+    message = mirror.to_proto(original)
+    group = mirror.mirrors()[[m.plain for m in mirror.mirrors()].index(plain)].group
+    assert group is not None and message.HasField("reference")
+    earlier = type(message)()
+    earlier.CopyFrom(message)
+    earlier.ClearField("reference")
+    assert mirror.from_proto(earlier, plain) == original
+    grouped_only = type(message)()
+    grouped_only.CopyFrom(message)
+    for _, flat in group.flat:
+        grouped_only.ClearField(flat)
+    assert mirror.from_proto(grouped_only, plain) == original
+    # The group wins where the two disagree (a router of this version reads `reference`).
+    message.reference.kv_handle = "from the group"
+    got: Any = mirror.from_proto(message, plain)
+    reference = got.reference
+    assert isinstance(reference, KvReference) and reference.kv_handle == "from the group"
+
+
+def test_the_router_hands_on_the_prefill_nodes_reference_unchanged() -> None:
+    """What a prefill node said of its state reaches the decode node as it is: a new KV
+    reference field is written in the proto and KvReference, and nowhere in between."""
+    result = instance(PrefillResult)
+    assert mirror.to_proto(KvSource("p:1", result.reference)).reference == (
+        mirror.to_proto(result).reference
+    )
+    assert {f.name for f in dataclasses.fields(KvReference)} <= {
+        f.name for f in dataclasses.fields(PrefillResult)
+    }

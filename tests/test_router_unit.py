@@ -215,7 +215,7 @@ async def test_disaggregated_request_hands_the_prefill_state_to_the_decode_node(
     assert (summary.prefill_node, summary.decode_node) == ("p1", "d1")
     assert summary.failed_attempts == [] and summary.migrations == []
     source = nodes.calls["d1"][0].source
-    assert isinstance(source, KvSource) and source.kv_handle == "p1-1"
+    assert isinstance(source, KvSource) and source.reference.kv_handle == "p1-1"
     assert source.prefill_address == "127.0.0.1:7001"
     # The prefill node chose among the free decode nodes, with what each is believed to hold.
     assert [c.node for c in nodes.calls["p1"][0].candidates] == ["d1", "d2"]
@@ -317,7 +317,7 @@ async def test_a_decode_node_failing_mid_answer_hands_over_with_nothing_lost(via
     source = nodes.calls["d2"][0].source
     if via == "prefill":
         assert migration.via_prefill_node == "p1"  # the node that holds the prompt
-        assert isinstance(source, KvSource) and source.kv_handle == "p1-2"
+        assert isinstance(source, KvSource) and source.reference.kv_handle == "p1-2"
         assert nodes.calls["p1"][1].continuation == continuation
     else:
         assert migration.via_prefill_node == "" and source == PROMPT

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass, field
 from typing import ClassVar
@@ -126,6 +127,27 @@ class TextChunk:
 
 
 @dataclass(frozen=True, kw_only=True)
+class KvReference:
+    """A prompt's KV state kept by a prefill node, as a decode node needs it (the proto's
+    KvReference). PrefillResult holds these values among its own, by the same names, and
+    hands them on as `reference`."""
+
+    kv_handle: str
+    first_token_id: int
+    first_token_text: str = ""
+    # Positions the state covers.
+    prompt_tokens: int
+    fingerprint: Fingerprint
+    kv_size_bytes: int
+    # The prompt's block hashes, and where the state starts: positions before
+    # kv_prefix_tokens are in the decode node's prefix cache (0: the state holds them all).
+    block_hashes: tuple[bytes, ...] = ()
+    kv_prefix_tokens: int = 0
+    # A harmony model's: the prompt's open message header (HarmonyParser.opening).
+    open_message: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, kw_only=True)
 class PrefillFigures:
     """What a prefill engine reports of a prompt, passed on by name: the engine's
     PrefillOutput and the node's PrefillResult (and so PrefillResponse, wire/mirror.py) both
@@ -163,6 +185,13 @@ class PrefillResult(PrefillFigures):
     kv_ttl_seconds: float
     kv_transfer: KvTransferKind
 
+    @property
+    def reference(self) -> KvReference:
+        """The state as a decode node needs it: this result's values of KvReference's
+        fields, by name."""
+        names = (f.name for f in dataclasses.fields(KvReference))
+        return KvReference(**{name: getattr(self, name) for name in names})
+
 
 @dataclass(frozen=True)
 class DecodeCandidate:
@@ -194,21 +223,11 @@ class Continuation:
 
 @dataclass(frozen=True)
 class KvSource:
-    """Where a decode node pulls a prompt's KV state from."""
+    """Where a decode node pulls a prompt's KV state from: the prefill node, and the state
+    as that node described it (PrefillResult.reference, passed on unchanged)."""
 
     prefill_address: str
-    kv_handle: str
-    first_token_id: int
-    prompt_tokens: int
-    fingerprint: Fingerprint
-    kv_size_bytes: int
-    first_token_text: str = ""
-    # The prompt's block hashes, and where the state starts: positions before prefix_tokens
-    # are in the decode node's prefix cache (0: the state holds them all).
-    block_hashes: tuple[bytes, ...] = ()
-    prefix_tokens: int = 0
-    # PrefillResult.open_message.
-    open_message: tuple[int, ...] = ()
+    reference: KvReference
 
 
 @dataclass(frozen=True)

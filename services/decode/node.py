@@ -59,7 +59,9 @@ class DecodeNode:
         stats = DecodeStats(kv_transfer=self.engine.kv_transfer)
         if isinstance(source, KvSource):
             state = await self._fetch_state(source, time_remaining, stats)
-            generation = self.engine.continue_from_state(state, source, sampling, continuation)
+            generation = self.engine.continue_from_state(
+                state, source.reference, sampling, continuation
+            )
         else:
             validate_prompt(source)
             stats.kv_transfer = KvTransferKind.NONE
@@ -82,18 +84,20 @@ class DecodeNode:
     ) -> memoryview:
         if not source.prefill_address:
             raise InvalidArgument("kv.prefill_address", "must be set")
-        if not source.kv_handle:
+        reference = source.reference
+        if not reference.kv_handle:
             raise InvalidArgument("kv.kv_handle", "must be set")
-        if not 0 < source.kv_size_bytes <= MAX_KV_BYTES:
+        if not 0 < reference.kv_size_bytes <= MAX_KV_BYTES:
             raise InvalidArgument(
-                "kv.kv_size_bytes", f"must be in 1..{MAX_KV_BYTES}, got {source.kv_size_bytes}"
+                "kv.kv_size_bytes",
+                f"must be in 1..{MAX_KV_BYTES}, got {reference.kv_size_bytes}",
             )
         # Refuse a state this engine cannot load before moving any byte of it.
-        check_fingerprint(source.fingerprint, self.engine.fingerprint)
+        check_fingerprint(reference.fingerprint, self.engine.fingerprint)
         started = time.perf_counter()
-        assembler = KvAssembler(source.kv_size_bytes, self.engine.fingerprint)
+        assembler = KvAssembler(reference.kv_size_bytes, self.engine.fingerprint)
         client = PrefillClient(self.pool, source.prefill_address)
-        async with aclosing(client.fetch_kv(source.kv_handle, time_remaining)) as chunks:
+        async with aclosing(client.fetch_kv(reference.kv_handle, time_remaining)) as chunks:
             async for chunk in chunks:
                 assembler.add(chunk)
         state = assembler.finish()

@@ -26,7 +26,7 @@ from disagg_mesh.proto.v1 import types_pb2 as disagg_dot_v1_dot_types__pb2
 from google.protobuf import duration_pb2 as google_dot_protobuf_dot_duration__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x64isagg/v1/decode.proto\x12\tdisagg.v1\x1a\x15\x64isagg/v1/types.proto\x1a\x1egoogle/protobuf/duration.proto\"\x92\x02\n\x08KvSource\x12\x17\n\x0fprefill_address\x18\x01 \x01(\t\x12\x11\n\tkv_handle\x18\x02 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x03 \x01(\x05\x12\x15\n\rprompt_tokens\x18\x04 \x01(\x05\x12-\n\x0b\x66ingerprint\x18\x05 \x01(\x0b\x32\x18.disagg.v1.KvFingerprint\x12\x15\n\rkv_size_bytes\x18\x06 \x01(\x03\x12\x18\n\x10\x66irst_token_text\x18\x07 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x08 \x03(\x0c\x12\x15\n\rprefix_tokens\x18\t \x01(\x05\x12\x1e\n\x16open_message_token_ids\x18\n \x03(\x05\"\x9a\x02\n\x1c\x44\x65\x63odeServiceGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x1f\n\x02kv\x18\x02 \x01(\x0b\x32\x13.disagg.v1.KvSource\x12\x0e\n\x06prompt\x18\x03 \x01(\t\x12(\n\x08messages\x18\x04 \x03(\x0b\x32\x16.disagg.v1.ChatMessage\x12+\n\x08sampling\x18\x05 \x01(\x0b\x32\x19.disagg.v1.SamplingParams\x12-\n\x0c\x63ontinuation\x18\x06 \x01(\x0b\x32\x17.disagg.v1.Continuation\x12\x34\n\x10reasoning_effort\x18\x07 \x01(\x0e\x32\x1a.disagg.v1.ReasoningEffort\"\xff\x03\n\rDecodeSummary\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12.\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x17.disagg.v1.FinishReason\x12*\n\x0bkv_transfer\x18\x04 \x01(\x0e\x32\x15.disagg.v1.KvTransfer\x12\x34\n\x11kv_fetch_duration\x18\x05 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x16\n\x0ekv_fetch_bytes\x18\x06 \x01(\x03\x12\x33\n\x10kv_load_duration\x18\x07 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x37\n\x14prompt_eval_duration\x18\x08 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x32\n\x0f\x64\x65\x63ode_duration\x18\t \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x36\n\x13time_to_first_token\x18\n \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x0b \x01(\x05\x12\x1a\n\x12kept_prefix_tokens\x18\x0c \x01(\x05\"|\n\x1d\x44\x65\x63odeServiceGenerateResponse\x12%\n\x05\x64\x65lta\x18\x01 \x01(\x0b\x32\x14.disagg.v1.TextDeltaH\x00\x12+\n\x07summary\x18\x02 \x01(\x0b\x32\x18.disagg.v1.DecodeSummaryH\x00\x42\x07\n\x05\x65vent2p\n\rDecodeService\x12_\n\x08Generate\x12\'.disagg.v1.DecodeServiceGenerateRequest\x1a(.disagg.v1.DecodeServiceGenerateResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x64isagg/v1/decode.proto\x12\tdisagg.v1\x1a\x15\x64isagg/v1/types.proto\x1a\x1egoogle/protobuf/duration.proto\"\xbd\x02\n\x08KvSource\x12\x17\n\x0fprefill_address\x18\x01 \x01(\t\x12)\n\treference\x18\x0b \x01(\x0b\x32\x16.disagg.v1.KvReference\x12\x11\n\tkv_handle\x18\x02 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x03 \x01(\x05\x12\x15\n\rprompt_tokens\x18\x04 \x01(\x05\x12-\n\x0b\x66ingerprint\x18\x05 \x01(\x0b\x32\x18.disagg.v1.KvFingerprint\x12\x15\n\rkv_size_bytes\x18\x06 \x01(\x03\x12\x18\n\x10\x66irst_token_text\x18\x07 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x08 \x03(\x0c\x12\x15\n\rprefix_tokens\x18\t \x01(\x05\x12\x1e\n\x16open_message_token_ids\x18\n \x03(\x05\"\x9a\x02\n\x1c\x44\x65\x63odeServiceGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x1f\n\x02kv\x18\x02 \x01(\x0b\x32\x13.disagg.v1.KvSource\x12\x0e\n\x06prompt\x18\x03 \x01(\t\x12(\n\x08messages\x18\x04 \x03(\x0b\x32\x16.disagg.v1.ChatMessage\x12+\n\x08sampling\x18\x05 \x01(\x0b\x32\x19.disagg.v1.SamplingParams\x12-\n\x0c\x63ontinuation\x18\x06 \x01(\x0b\x32\x17.disagg.v1.Continuation\x12\x34\n\x10reasoning_effort\x18\x07 \x01(\x0e\x32\x1a.disagg.v1.ReasoningEffort\"\xff\x03\n\rDecodeSummary\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12.\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x17.disagg.v1.FinishReason\x12*\n\x0bkv_transfer\x18\x04 \x01(\x0e\x32\x15.disagg.v1.KvTransfer\x12\x34\n\x11kv_fetch_duration\x18\x05 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x16\n\x0ekv_fetch_bytes\x18\x06 \x01(\x03\x12\x33\n\x10kv_load_duration\x18\x07 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x37\n\x14prompt_eval_duration\x18\x08 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x32\n\x0f\x64\x65\x63ode_duration\x18\t \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x36\n\x13time_to_first_token\x18\n \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x0b \x01(\x05\x12\x1a\n\x12kept_prefix_tokens\x18\x0c \x01(\x05\"|\n\x1d\x44\x65\x63odeServiceGenerateResponse\x12%\n\x05\x64\x65lta\x18\x01 \x01(\x0b\x32\x14.disagg.v1.TextDeltaH\x00\x12+\n\x07summary\x18\x02 \x01(\x0b\x32\x18.disagg.v1.DecodeSummaryH\x00\x42\x07\n\x05\x65vent2p\n\rDecodeService\x12_\n\x08Generate\x12\'.disagg.v1.DecodeServiceGenerateRequest\x1a(.disagg.v1.DecodeServiceGenerateResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,13 +34,13 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'disagg_mesh.proto.v1.decode
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_KVSOURCE']._serialized_start=93
-  _globals['_KVSOURCE']._serialized_end=367
-  _globals['_DECODESERVICEGENERATEREQUEST']._serialized_start=370
-  _globals['_DECODESERVICEGENERATEREQUEST']._serialized_end=652
-  _globals['_DECODESUMMARY']._serialized_start=655
-  _globals['_DECODESUMMARY']._serialized_end=1166
-  _globals['_DECODESERVICEGENERATERESPONSE']._serialized_start=1168
-  _globals['_DECODESERVICEGENERATERESPONSE']._serialized_end=1292
-  _globals['_DECODESERVICE']._serialized_start=1294
-  _globals['_DECODESERVICE']._serialized_end=1406
+  _globals['_KVSOURCE']._serialized_end=410
+  _globals['_DECODESERVICEGENERATEREQUEST']._serialized_start=413
+  _globals['_DECODESERVICEGENERATEREQUEST']._serialized_end=695
+  _globals['_DECODESUMMARY']._serialized_start=698
+  _globals['_DECODESUMMARY']._serialized_end=1209
+  _globals['_DECODESERVICEGENERATERESPONSE']._serialized_start=1211
+  _globals['_DECODESERVICEGENERATERESPONSE']._serialized_end=1335
+  _globals['_DECODESERVICE']._serialized_start=1337
+  _globals['_DECODESERVICE']._serialized_end=1449
 # @@protoc_insertion_point(module_scope)

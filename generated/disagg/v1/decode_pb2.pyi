@@ -11,8 +11,9 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class KvSource(_message.Message):
-    __slots__ = ("prefill_address", "kv_handle", "first_token_id", "prompt_tokens", "fingerprint", "kv_size_bytes", "first_token_text", "block_hashes", "prefix_tokens", "open_message_token_ids")
+    __slots__ = ("prefill_address", "reference", "kv_handle", "first_token_id", "prompt_tokens", "fingerprint", "kv_size_bytes", "first_token_text", "block_hashes", "prefix_tokens", "open_message_token_ids")
     PREFILL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    REFERENCE_FIELD_NUMBER: _ClassVar[int]
     KV_HANDLE_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -23,6 +24,7 @@ class KvSource(_message.Message):
     PREFIX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     OPEN_MESSAGE_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     prefill_address: str
+    reference: _types_pb2.KvReference
     kv_handle: str
     first_token_id: int
     prompt_tokens: int
@@ -32,7 +34,7 @@ class KvSource(_message.Message):
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     prefix_tokens: int
     open_message_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, prefill_address: _Optional[str] = ..., kv_handle: _Optional[str] = ..., first_token_id: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., fingerprint: _Optional[_Union[_types_pb2.KvFingerprint, _Mapping]] = ..., kv_size_bytes: _Optional[int] = ..., first_token_text: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., prefix_tokens: _Optional[int] = ..., open_message_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    def __init__(self, prefill_address: _Optional[str] = ..., reference: _Optional[_Union[_types_pb2.KvReference, _Mapping]] = ..., kv_handle: _Optional[str] = ..., first_token_id: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., fingerprint: _Optional[_Union[_types_pb2.KvFingerprint, _Mapping]] = ..., kv_size_bytes: _Optional[int] = ..., first_token_text: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., prefix_tokens: _Optional[int] = ..., open_message_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DecodeServiceGenerateRequest(_message.Message):
     __slots__ = ("model", "kv", "prompt", "messages", "sampling", "continuation", "reasoning_effort")

@@ -101,6 +101,28 @@ class KvFingerprint(_message.Message):
     swa_full: bool
     def __init__(self, model_sha256: _Optional[str] = ..., n_ctx_tokens: _Optional[int] = ..., engine_version: _Optional[str] = ..., type_k: _Optional[str] = ..., type_v: _Optional[str] = ..., flash_attn: _Optional[bool] = ..., kv_unified: _Optional[bool] = ..., swa_full: _Optional[bool] = ...) -> None: ...
 
+class KvReference(_message.Message):
+    __slots__ = ("kv_handle", "first_token_id", "first_token_text", "prompt_tokens", "fingerprint", "kv_size_bytes", "block_hashes", "kv_prefix_tokens", "open_message_token_ids")
+    KV_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_TEXT_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    KV_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    KV_PREFIX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    OPEN_MESSAGE_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    kv_handle: str
+    first_token_id: int
+    first_token_text: str
+    prompt_tokens: int
+    fingerprint: KvFingerprint
+    kv_size_bytes: int
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    kv_prefix_tokens: int
+    open_message_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, kv_handle: _Optional[str] = ..., first_token_id: _Optional[int] = ..., first_token_text: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., fingerprint: _Optional[_Union[KvFingerprint, _Mapping]] = ..., kv_size_bytes: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., kv_prefix_tokens: _Optional[int] = ..., open_message_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class TextDelta(_message.Message):
     __slots__ = ("text", "token_ids", "reasoning")
     TEXT_FIELD_NUMBER: _ClassVar[int]

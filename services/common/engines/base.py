@@ -18,7 +18,7 @@ from disagg_mesh.server.common.types import (
     DecodeCandidate,
     Fingerprint,
     GenerationEnd,
-    KvSource,
+    KvReference,
     KvTransferKind,
     PrefillFigures,
     Prompt,
@@ -127,11 +127,12 @@ class Engine(Protocol):
     def continue_from_state(
         self,
         kv_state: memoryview,
-        source: KvSource,
+        reference: KvReference,
         sampling: Sampling,
         continuation: Continuation | None = None,
     ) -> Generation:
-        """Continue a prefill node's work: text chunks from the first token on, then the end.
+        """Continue a prefill node's work (`kv_state`, fetched by what `reference` says):
+        text chunks from the first token on, then the end.
         With a continuation, the state holds its tokens but the last (a prefill node's
         continuation): they are taken in, not sent, and generation goes on after them."""
         ...

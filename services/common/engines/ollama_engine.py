@@ -52,7 +52,7 @@ from disagg_mesh.server.common.types import (
     Fingerprint,
     FinishReason,
     GenerationEnd,
-    KvSource,
+    KvReference,
     KvTransferKind,
     Prompt,
     ResponseFormat,
@@ -168,7 +168,7 @@ class OllamaEngine:
     async def continue_from_state(
         self,
         kv_state: memoryview,
-        source: KvSource,
+        reference: KvReference,
         sampling: Sampling,
         continuation: Continuation | None = None,
     ) -> Generation:
@@ -176,11 +176,13 @@ class OllamaEngine:
             raise FailedPrecondition(_NO_STATE_CONTINUATION)
         ids = _bytes_to_ids(kv_state)
         completion = 0
-        if source.first_token_text:
+        if reference.first_token_text:
             completion = 1
-            yield TextChunk(text=source.first_token_text)
+            yield TextChunk(text=reference.first_token_text)
         if sampling.max_tokens <= completion:
-            yield GenerationEnd(completion, FinishReason.LENGTH, prompt_tokens=source.prompt_tokens)
+            yield GenerationEnd(
+                completion, FinishReason.LENGTH, prompt_tokens=reference.prompt_tokens
+            )
             return
         async with self._admitted():
             async for item in self._stream(

@@ -19,6 +19,7 @@ from disagg_mesh.server.common.types import (
     DecodeStats,
     Fingerprint,
     FinishReason,
+    KvReference,
     KvSource,
     KvTransferKind,
     PrefillResult,
@@ -185,5 +186,17 @@ register_enum(FinishReason, FINISH_REASON_TO_PROTO)
 register_enum(KvTransferKind, KV_TRANSFER_TO_PROTO)
 register(Fingerprint, types_pb2.KvFingerprint)
 register(DecodeStats, decode_pb2.DecodeSummary)
-register(KvSource, decode_pb2.KvSource, open_message="open_message_token_ids")
-register(PrefillResult, prefill_pb2.PrefillResponse, open_message="open_message_token_ids")
+register(KvReference, types_pb2.KvReference, open_message="open_message_token_ids")
+# Both carry a KvReference and, for nodes of earlier versions, its values flat (mirror.py).
+register(
+    KvSource,
+    decode_pb2.KvSource,
+    grouped="reference",
+    flat_renames={"kv_prefix_tokens": "prefix_tokens"},
+)
+register(
+    PrefillResult,
+    prefill_pb2.PrefillResponse,
+    grouped="reference",
+    open_message="open_message_token_ids",
+)

@@ -13,7 +13,13 @@ The rules, for each field of the dataclass:
 - a mirrored dataclass, or a list of them: converted by the same rules.
 
 Every message field must be the image of one dataclass field, and the other way round:
-`register` refuses a pair that differs (at import), and tests/test_mirrors.py checks every pair."""
+`register` refuses a pair that differs (at import), and tests/test_mirrors.py checks every pair.
+
+One exception, for a mesh whose nodes run different versions: a sub-message that groups
+values the message still repeats flat for peers of an earlier version (`grouped`: the
+KvReference in PrefillResponse and KvSource). Both are written; reading takes the group, or
+the flat copies from a peer that leaves the group unset. The dataclass holds the group as a
+field of that name, or holds its values flat and offers the group as a property."""
 
 from __future__ import annotations
 
@@ -50,20 +56,72 @@ class Pair:
 
 
 @dataclass(frozen=True)
+class Group:
+    """A sub-message (mirrored by `plain`) whose values the message repeats flat: each of
+    its pairs with the message field of its flat copy. `nested`: the dataclass holds the
+    group as a field; else it holds the values flat and the group is a property."""
+
+    target: str
+    plain: type
+    flat: tuple[tuple[Pair, str], ...]
+    nested: bool
+
+
+@dataclass(frozen=True)
 class Mirror:
     plain: type
     message: type[Message]
     pairs: tuple[Pair, ...]
+    group: Group | None = None
 
 
 _MIRRORS: dict[type, Mirror] = {}
 _ENUMS: dict[type[enum.Enum], tuple[Mapping[Any, Any], dict[Any, Any]]] = {}
 
 
-def register(plain: type, message: type[Message], **renames: str) -> None:
+def register(
+    plain: type,
+    message: type[Message],
+    *,
+    grouped: str | None = None,
+    flat_renames: Mapping[str, str] | None = None,
+    **renames: str,
+) -> None:
     """Mirror `plain` on `message`; `renames`: dataclass field -> message field, where the
-    rules above do not find it. MirrorError unless their fields pair off exactly."""
-    _MIRRORS[plain] = Mirror(plain, message, _pairs(plain, message.DESCRIPTOR, renames))
+    rules above do not find it. `grouped`: a sub-message field whose values the message also
+    repeats flat (under the group's field names, or `flat_renames`: group dataclass field ->
+    flat message field). MirrorError unless their fields pair off exactly."""
+    group = None
+    skip: set[str] = set()
+    if grouped is not None:
+        group = _group(plain, message.DESCRIPTOR, grouped, flat_renames or {})
+        skip = {flat for _, flat in group.flat} if group.nested else {grouped}
+    pairs = _pairs(plain, message.DESCRIPTOR, renames, skip)
+    _MIRRORS[plain] = Mirror(plain, message, pairs, group)
+
+
+def _group(plain: type, descriptor: Any, target: str, flat_renames: Mapping[str, str]) -> Group:
+    fd = descriptor.fields_by_name.get(target)
+    inner = next(
+        (m for m in _MIRRORS.values() if fd and m.message.DESCRIPTOR is fd.message_type), None
+    )
+    if inner is None:
+        raise MirrorError(f"{descriptor.full_name}.{target} is not a registered mirror's message")
+    names = set(descriptor.fields_by_name)
+    flat = tuple((p, flat_renames.get(p.name, p.target)) for p in inner.pairs)
+    missing = [name for _, name in flat if name not in names]
+    if missing:
+        raise MirrorError(f"{descriptor.full_name} lacks flat copies of {target}: {missing}")
+    nested = target in {f.name for f in dataclasses.fields(plain)}
+    if not nested:
+        own = {f.name for f in dataclasses.fields(plain)}
+        lacking = [p.name for p, _ in flat if p.name not in own]
+        if lacking or not isinstance(getattr(plain, target, None), property):
+            raise MirrorError(
+                f"{plain.__name__} needs a property {target} and the fields {lacking} of "
+                f"{inner.plain.__name__}"
+            )
+    return Group(target, inner.plain, flat, nested)
 
 
 def register_enum(plain: type[enum.Enum], to_proto: Mapping[Any, Any]) -> None:
@@ -79,8 +137,18 @@ def field_map(mirror: Mirror) -> dict[str, str]:
     return {p.name: p.target for p in mirror.pairs}
 
 
-def _pairs(plain: type, descriptor: Any, renames: Mapping[str, str]) -> tuple[Pair, ...]:
-    names = set(descriptor.fields_by_name)
+def covered(mirror: Mirror) -> set[str]:
+    """The message fields the mirror writes: its pairs', and a group's other side."""
+    names = set(field_map(mirror).values())
+    if mirror.group is not None:
+        names |= {flat for _, flat in mirror.group.flat} | {mirror.group.target}
+    return names
+
+
+def _pairs(
+    plain: type, descriptor: Any, renames: Mapping[str, str], skip: set[str]
+) -> tuple[Pair, ...]:
+    names = set(descriptor.fields_by_name) - skip
     hints = typing.get_type_hints(plain)
     pairs = []
     for f in dataclasses.fields(plain):
@@ -127,6 +195,14 @@ def to_proto(obj: Any) -> Any:
         value = _to_wire(getattr(obj, pair.name), pair)
         if value is not None:
             values[pair.target] = value
+    group = mirror.group
+    if group is not None:
+        inner = getattr(obj, group.target)
+        if group.nested:  # the flat copies
+            for pair, flat in group.flat:
+                values[flat] = _to_wire(getattr(inner, pair.name), pair)
+        else:
+            values[group.target] = to_proto(inner)
     return mirror.message(**values)
 
 
@@ -146,6 +222,14 @@ def from_proto(message: Any, plain: type[T]) -> T:
     """The registered dataclass mirroring a message."""
     mirror = _MIRRORS[plain]
     values = {p.name: _from_wire(getattr(message, p.target), p) for p in mirror.pairs}
+    group = mirror.group
+    if group is not None and message.HasField(group.target) != group.nested:
+        if group.nested:  # an earlier peer's message: the flat copies only
+            flat = {p.name: _from_wire(getattr(message, name), p) for p, name in group.flat}
+            values[group.target] = group.plain(**flat)
+        else:  # the group's values, over their flat copies
+            inner = getattr(message, group.target)
+            values.update({p.name: _from_wire(getattr(inner, p.target), p) for p, _ in group.flat})
     return plain(**values)
 
 

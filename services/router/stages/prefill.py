@@ -98,15 +98,4 @@ class PrefillStage:
 
 def kv_source(prefill: Node, result: PrefillResult) -> KvSource:
     """Where the decode node pulls the state the prefill node kept."""
-    return KvSource(
-        prefill_address=prefill.address,
-        kv_handle=result.kv_handle,
-        first_token_id=result.first_token_id,
-        prompt_tokens=result.prompt_tokens,
-        fingerprint=result.fingerprint,
-        kv_size_bytes=result.kv_size_bytes,
-        first_token_text=result.first_token_text,
-        block_hashes=result.block_hashes,
-        prefix_tokens=result.kv_prefix_tokens,
-        open_message=result.open_message,
-    )
+    return KvSource(prefill.address, result.reference)

@@ -50,7 +50,7 @@ from disagg_mesh.server.common.types import (
     DecodeCandidate,
     Fingerprint,
     GenerationEnd,
-    KvSource,
+    KvReference,
     KvTransferKind,
     Prompt,
     Sampling,
@@ -244,39 +244,39 @@ class LlamaCppEngine:
     async def continue_from_state(
         self,
         kv_state: memoryview,
-        source: KvSource,
+        reference: KvReference,
         sampling: Sampling,
         continuation: Continuation | None = None,
     ) -> Generation:
         replay: list[int] = []
         if continuation is not None:
-            replay = self._replay_ids(continuation, source.prompt_tokens)
-            if source.first_token_id != replay[-1]:
+            replay = self._replay_ids(continuation, reference.prompt_tokens)
+            if reference.first_token_id != replay[-1]:
                 raise InvalidArgument(
                     "kv.first_token_id",
                     f"must be the continuation's last generated token {replay[-1]} (a prefill "
-                    f"node's continuation), got {source.first_token_id}",
+                    f"node's continuation), got {reference.first_token_id}",
                 )
-        if not 0 < source.prompt_tokens < self.n_ctx:
+        if not 0 < reference.prompt_tokens < self.n_ctx:
             raise InvalidArgument(
-                "kv.prompt_tokens", f"must be in 1..{self.n_ctx - 1}, got {source.prompt_tokens}"
+                "kv.prompt_tokens", f"must be in 1..{self.n_ctx - 1}, got {reference.prompt_tokens}"
             )
-        if not 0 <= source.first_token_id < self._model.n_vocab:
+        if not 0 <= reference.first_token_id < self._model.n_vocab:
             raise InvalidArgument(
                 "kv.first_token_id",
-                f"must be in 0..{self._model.n_vocab - 1}, got {source.first_token_id}",
+                f"must be in 0..{self._model.n_vocab - 1}, got {reference.first_token_id}",
             )
-        if len(source.block_hashes) > source.prompt_tokens // PREFIX_BLOCK_TOKENS:
+        if len(reference.block_hashes) > reference.prompt_tokens // PREFIX_BLOCK_TOKENS:
             raise InvalidArgument(
                 "kv.block_hashes",
-                f"{len(source.block_hashes)} hashes for {source.prompt_tokens} prompt tokens "
+                f"{len(reference.block_hashes)} hashes for {reference.prompt_tokens} prompt tokens "
                 f"(one per whole block of {PREFIX_BLOCK_TOKENS})",
             )
-        prefix = source.prefix_tokens
+        prefix = reference.kv_prefix_tokens
         if prefix and (
             prefix % PREFIX_BLOCK_TOKENS
-            or not 0 < prefix < source.prompt_tokens
-            or prefix // PREFIX_BLOCK_TOKENS > len(source.block_hashes)
+            or not 0 < prefix < reference.prompt_tokens
+            or prefix // PREFIX_BLOCK_TOKENS > len(reference.block_hashes)
         ):
             raise InvalidArgument(
                 "kv.prefix_tokens",
@@ -287,9 +287,9 @@ class LlamaCppEngine:
             JobKind.CONTINUE,
             sampling,
             loaded=LoadedState(
-                kv_state, source.prompt_tokens, source.first_token_id, source.open_message
+                kv_state, reference.prompt_tokens, reference.first_token_id, reference.open_message
             ),
-            hashes=source.block_hashes,
+            hashes=reference.block_hashes,
             prefix_tokens=prefix,
             replay=replay,
             first_token_from_prefill=continuation is None or continuation.first_token_from_prefill,
