@@ -589,8 +589,14 @@ async def test_a_killed_embedded_node_hands_over_to_direct_ollama_with_raw_gener
         os.kill(mesh.pid("decode-x"), signal.SIGKILL)
 
     # Ollama has no ignore_eos (a node refuses it): the answer to this prompt runs long.
-    got = await stream(mesh.router, 40, frozenset({5}), kill, ignore_eos=False)
-    assert got.error is None and got.summary is not None, got.error
+    for _ in range(3):
+        got = await stream(mesh.router, 40, frozenset({5}), kill, ignore_eos=False)
+        assert got.error is None and got.summary is not None, got.error
+        if got.summary.migrations:
+            break
+        # The node had sent all 40 tokens before the kill landed (a loaded machine delivers
+        # late): the run tells nothing of a takeover; again, with the node back.
+        await mesh.restart("decode-x")
     (m,) = got.summary.migrations
     assert m.failed_node == "decode-x" and m.resumed_on == ollama.url
     # The embedded node evaluated the prompt text as it is (no template), so Ollama gets it
