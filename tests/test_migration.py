@@ -597,7 +597,9 @@ async def test_a_killed_embedded_node_hands_over_to_direct_ollama_with_raw_gener
         # The node had sent all 40 tokens before the kill landed (a loaded machine delivers
         # late): the run tells nothing of a takeover; again, with the node back.
         await mesh.restart("decode-x")
-    (m,) = got.summary.migrations
+    summary = got.summary
+    assert summary is not None
+    (m,) = summary.migrations
     assert m.failed_node == "decode-x" and m.resumed_on == ollama.url
     # The embedded node evaluated the prompt text as it is (no template), so Ollama gets it
     # raw, with the text delivered appended, and only the tokens still allowed.
@@ -609,7 +611,7 @@ async def test_a_killed_embedded_node_hands_over_to_direct_ollama_with_raw_gener
     # What followed is exactly what Ollama generated from there: nothing twice.
     made = "".join(WordModel().run(body["prompt"], body["options"]).pieces)
     assert "".join(got.deltas) == received + made
-    assert got.summary.completion_tokens == 40
+    assert summary.completion_tokens == 40
 
 
 @pytest.mark.parametrize("seed", [None, 11], ids=["greedy", "seeded"])
