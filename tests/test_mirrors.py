@@ -161,7 +161,7 @@ def test_the_kv_reference_is_written_grouped_and_flat_and_read_from_either(plain
     same, and one from this version reads the same with its flat copies cleared."""
     original = instance(plain)
     message = mirror.to_proto(original)
-    group = mirror.mirrors()[[m.plain for m in mirror.mirrors()].index(plain)].group
+    group = next(m.group for m in mirror.mirrors() if m.plain is plain)
     assert group is not None and message.HasField("reference")
     earlier = type(message)()
     earlier.CopyFrom(message)

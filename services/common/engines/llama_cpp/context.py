@@ -167,8 +167,10 @@ class SlotContext:
             raise ValueError(f"a step holds 1..{self.n_batch} tokens, got {len(rows)}")
         for row in rows:
             self.check_slot(row.slot)
+        if not self._pair_lone_rows:
+            return self._decode(rows)
         self._note_cells(len(rows) + 1)  # + the scratch row, if it joins
-        if len(rows) == 1 and self._pair_lone_rows and self._threads > 1 and self._view_may_split():
+        if len(rows) == 1 and self._threads > 1 and self._view_may_split():
             result = self._decode([*rows, Row(rows[0].token, 0, self._scratch, False)])
             llama_cpp.llama_memory_seq_rm(self._mem, self._scratch, -1, -1)
             if result != 1:
@@ -194,15 +196,16 @@ class SlotContext:
             held += int(llama_cpp.llama_memory_seq_pos_max(self._mem, seq)) + 1
         return held
 
-    def _note_cells(self, new: int) -> None:
-        """Keep `_cells_high` above the highest cell in use once `new` cells are placed.
+    def _note_cells(self, new: int, held: int | None = None) -> None:
+        """Keep `_cells_high` above the highest cell in use once `new` cells are placed
+        (`held`: the cells in use before, when already counted).
 
         llama.cpp places cells from its head, which it moves back to 0 when more than
         2 * new cells below it are free, so no placed cell is beyond 2 * in use + 3 * new
         (a decode's later micro-batches count the earlier ones as in use: 5 * new). A
         bound, not a reading: llama.cpp does not say where its cells are. It drops back only
         when the cache is empty."""
-        held = self._held()
+        held = self._held() if held is None else held
         if held == 0:
             self._cells_high = 0
         self._cells_high = max(self._cells_high, 2 * held + 5 * new)
@@ -271,12 +274,11 @@ class SlotContext:
     def import_state(self, slot: int, state: memoryview) -> int:
         """Load a one-sequence state into the slot; the bytes llama.cpp read (0 if refused)."""
         self.check_slot(slot)
-        held = self._held()
+        held = self._held() if self._pair_lone_rows else 0
         buffer = (ctypes.c_uint8 * len(state)).from_buffer(state)
         read = int(llama_cpp.llama_state_seq_set_data(self._ctx, buffer, len(state), slot))
-        # Its cells were placed as a decode's are (one micro-batch of the state's cells).
-        new = int(llama_cpp.llama_memory_seq_pos_max(self._mem, slot)) + 1
-        self._cells_high = max(self._cells_high, 2 * held + 5 * new)
+        if self._pair_lone_rows:  # its cells were placed as a decode's are
+            self._note_cells(int(llama_cpp.llama_memory_seq_pos_max(self._mem, slot)) + 1, held)
         return read
 
     def close(self) -> None:
