@@ -29,6 +29,7 @@ from disagg_mesh.server.router import servicer  # noqa: F401  (registers the rou
 EXPECTED = {
     "Fingerprint": "disagg.v1.KvFingerprint",
     "KvReference": "disagg.v1.KvReference",
+    "PrefillStats": "disagg.v1.PrefillStats",
     "PrefillResult": "disagg.v1.PrefillResponse",
     "KvSource": "disagg.v1.KvSource",
     "DecodeStats": "disagg.v1.DecodeSummary",
@@ -154,29 +155,42 @@ def test_a_prefill_figure_goes_from_the_engine_to_the_wire_by_its_name() -> None
     assert {f.name for f in dataclasses.fields(PrefillResult)} - figures == node_adds
 
 
-@pytest.mark.parametrize("plain", [KvSource, PrefillResult])
-def test_the_kv_reference_is_written_grouped_and_flat_and_read_from_either(plain: type) -> None:
-    """PrefillResponse and KvSource carry the KvReference as `reference` and, for nodes of an
-    earlier version, its values flat: a message from such a node (no reference) reads the
-    same, and one from this version reads the same with its flat copies cleared."""
+@pytest.mark.parametrize(
+    ("plain", "target", "changed"),
+    [
+        (KvSource, "reference", ("kv_handle", "from the group")),
+        (PrefillResult, "reference", ("kv_handle", "from the group")),
+        (PrefillResult, "stats", ("cached_prompt_tokens", 4096)),
+    ],
+)
+def test_a_group_is_written_grouped_and_flat_and_read_from_either(
+    plain: type, target: str, changed: tuple[str, Any]
+) -> None:
+    """PrefillResponse and KvSource carry the KvReference as `reference` (PrefillResponse
+    its PrefillStats as `stats`) and, for nodes of an earlier version, their values flat: a
+    message from such a node (no group) reads the same, and one from this version reads the
+    same with its flat copies cleared."""
     original = instance(plain)
     message = mirror.to_proto(original)
-    group = next(m.group for m in mirror.mirrors() if m.plain is plain)
-    assert group is not None and message.HasField("reference")
+    group = next(
+        g for m in mirror.mirrors() if m.plain is plain for g in m.groups if g.target == target
+    )
+    assert message.HasField(target)
     earlier = type(message)()
     earlier.CopyFrom(message)
-    earlier.ClearField("reference")
+    earlier.ClearField(target)
     assert mirror.from_proto(earlier, plain) == original
     grouped_only = type(message)()
     grouped_only.CopyFrom(message)
     for _, flat in group.flat:
         grouped_only.ClearField(flat)
     assert mirror.from_proto(grouped_only, plain) == original
-    # The group wins where the two disagree (a router of this version reads `reference`).
-    message.reference.kv_handle = "from the group"
+    # The group wins where the two disagree (a router of this version reads the group).
+    name, value = changed
+    setattr(getattr(message, target), name, value)
     got: Any = mirror.from_proto(message, plain)
-    reference = got.reference
-    assert isinstance(reference, KvReference) and reference.kv_handle == "from the group"
+    assert isinstance(getattr(got, target), group.plain)
+    assert getattr(getattr(got, target), name) == value
 
 
 def test_the_router_hands_on_the_prefill_nodes_reference_unchanged() -> None:

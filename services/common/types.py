@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar
 
 DEFAULT_TEMPERATURE = 0.8
 DEFAULT_TOP_P = 0.95
@@ -148,6 +148,23 @@ class KvReference:
 
 
 @dataclass(frozen=True, kw_only=True)
+class PrefillStats:
+    """What evaluating a prompt took on a prefill node (the proto's PrefillStats).
+    PrefillFigures holds these values among its own, by the same names, and offers them as
+    `stats`."""
+
+    prefill_seconds: float
+    # Prompt tokens taken from the engine's prefix cache.
+    cached_prompt_tokens: int = 0
+    # The prompt's whole KV state's size.
+    kv_state_bytes: int = 0
+    # A continuation's generated tokens evaluated after the prompt (one step each), and the
+    # seconds that took (part of prefill_seconds).
+    replayed_tokens: int = 0
+    replay_seconds: float = 0.0
+
+
+@dataclass(frozen=True, kw_only=True)
 class PrefillFigures:
     """What a prefill engine reports of a prompt, passed on by name: the engine's
     PrefillOutput and the node's PrefillResult (and so PrefillResponse, wire/mirror.py) both
@@ -174,6 +191,11 @@ class PrefillFigures:
     # A harmony model's: the prompt's open message header (HarmonyParser.opening).
     open_message: tuple[int, ...] = ()
 
+    @property
+    def stats(self) -> PrefillStats:
+        """What the prompt took: these figures' values of PrefillStats's fields, by name."""
+        return PrefillStats(**_values(self, PrefillStats))
+
 
 @dataclass(frozen=True, kw_only=True)
 class PrefillResult(PrefillFigures):
@@ -189,8 +211,12 @@ class PrefillResult(PrefillFigures):
     def reference(self) -> KvReference:
         """The state as a decode node needs it: this result's values of KvReference's
         fields, by name."""
-        names = (f.name for f in dataclasses.fields(KvReference))
-        return KvReference(**{name: getattr(self, name) for name in names})
+        return KvReference(**_values(self, KvReference))
+
+
+def _values(obj: object, group: type) -> dict[str, Any]:
+    """`obj`'s values of the dataclass `group`'s fields, by name."""
+    return {f.name: getattr(obj, f.name) for f in dataclasses.fields(group)}
 
 
 @dataclass(frozen=True)

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from disagg_mesh.server.common.engines.llama_cpp.grammar import check as check_response_format
 from disagg_mesh.server.common.errors import InvalidArgument, NotFound
+from disagg_mesh.server.common.response_format import check as check_response_format
 from disagg_mesh.server.common.types import Prompt, Sampling
 
 MAX_PROMPT_BYTES = 4 * 1024 * 1024

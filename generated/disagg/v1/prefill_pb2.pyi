@@ -36,9 +36,24 @@ class PrefillRequest(_message.Message):
     reasoning_effort: _types_pb2.ReasoningEffort
     def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[_types_pb2.ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[_types_pb2.SamplingParams, _Mapping]] = ..., decode_candidates: _Optional[_Iterable[_Union[DecodeCandidate, _Mapping]]] = ..., continuation: _Optional[_Union[_types_pb2.Continuation, _Mapping]] = ..., reasoning_effort: _Optional[_Union[_types_pb2.ReasoningEffort, str]] = ...) -> None: ...
 
+class PrefillStats(_message.Message):
+    __slots__ = ("prefill_duration", "cached_prompt_tokens", "kv_state_bytes", "replayed_tokens", "replay_duration")
+    PREFILL_DURATION_FIELD_NUMBER: _ClassVar[int]
+    CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_STATE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    REPLAYED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    REPLAY_DURATION_FIELD_NUMBER: _ClassVar[int]
+    prefill_duration: _duration_pb2.Duration
+    cached_prompt_tokens: int
+    kv_state_bytes: int
+    replayed_tokens: int
+    replay_duration: _duration_pb2.Duration
+    def __init__(self, prefill_duration: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., cached_prompt_tokens: _Optional[int] = ..., kv_state_bytes: _Optional[int] = ..., replayed_tokens: _Optional[int] = ..., replay_duration: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
+
 class PrefillResponse(_message.Message):
-    __slots__ = ("reference", "kv_handle", "first_token_id", "prompt_tokens", "prefill_duration", "kv_size_bytes", "fingerprint", "kv_ttl", "kv_transfer", "first_token_text", "cached_prompt_tokens", "block_hashes", "kv_prefix_tokens", "kv_prefix_node", "kv_state_bytes", "replayed_tokens", "replay_duration", "open_message_token_ids")
+    __slots__ = ("reference", "stats", "kv_handle", "first_token_id", "prompt_tokens", "prefill_duration", "kv_size_bytes", "fingerprint", "kv_ttl", "kv_transfer", "first_token_text", "cached_prompt_tokens", "block_hashes", "kv_prefix_tokens", "kv_prefix_node", "kv_state_bytes", "replayed_tokens", "replay_duration", "open_message_token_ids")
     REFERENCE_FIELD_NUMBER: _ClassVar[int]
+    STATS_FIELD_NUMBER: _ClassVar[int]
     KV_HANDLE_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -57,6 +72,7 @@ class PrefillResponse(_message.Message):
     REPLAY_DURATION_FIELD_NUMBER: _ClassVar[int]
     OPEN_MESSAGE_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     reference: _types_pb2.KvReference
+    stats: PrefillStats
     kv_handle: str
     first_token_id: int
     prompt_tokens: int
@@ -74,7 +90,7 @@ class PrefillResponse(_message.Message):
     replayed_tokens: int
     replay_duration: _duration_pb2.Duration
     open_message_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, reference: _Optional[_Union[_types_pb2.KvReference, _Mapping]] = ..., kv_handle: _Optional[str] = ..., first_token_id: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., prefill_duration: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., kv_size_bytes: _Optional[int] = ..., fingerprint: _Optional[_Union[_types_pb2.KvFingerprint, _Mapping]] = ..., kv_ttl: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., kv_transfer: _Optional[_Union[_types_pb2.KvTransfer, str]] = ..., first_token_text: _Optional[str] = ..., cached_prompt_tokens: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., kv_prefix_tokens: _Optional[int] = ..., kv_prefix_node: _Optional[str] = ..., kv_state_bytes: _Optional[int] = ..., replayed_tokens: _Optional[int] = ..., replay_duration: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., open_message_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    def __init__(self, reference: _Optional[_Union[_types_pb2.KvReference, _Mapping]] = ..., stats: _Optional[_Union[PrefillStats, _Mapping]] = ..., kv_handle: _Optional[str] = ..., first_token_id: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., prefill_duration: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., kv_size_bytes: _Optional[int] = ..., fingerprint: _Optional[_Union[_types_pb2.KvFingerprint, _Mapping]] = ..., kv_ttl: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., kv_transfer: _Optional[_Union[_types_pb2.KvTransfer, str]] = ..., first_token_text: _Optional[str] = ..., cached_prompt_tokens: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., kv_prefix_tokens: _Optional[int] = ..., kv_prefix_node: _Optional[str] = ..., kv_state_bytes: _Optional[int] = ..., replayed_tokens: _Optional[int] = ..., replay_duration: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., open_message_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class FetchKvRequest(_message.Message):
     __slots__ = ("kv_handle",)

@@ -23,6 +23,7 @@ from disagg_mesh.server.common.types import (
     KvSource,
     KvTransferKind,
     PrefillResult,
+    PrefillStats,
     Prompt,
     ResponseFormat,
     Sampling,
@@ -187,16 +188,18 @@ register_enum(KvTransferKind, KV_TRANSFER_TO_PROTO)
 register(Fingerprint, types_pb2.KvFingerprint)
 register(DecodeStats, decode_pb2.DecodeSummary)
 register(KvReference, types_pb2.KvReference, open_message="open_message_token_ids")
-# Both carry a KvReference and, for nodes of earlier versions, its values flat (mirror.py).
+register(PrefillStats, prefill_pb2.PrefillStats)
+# Both carry a KvReference (and PrefillResponse its PrefillStats) and, for nodes of earlier
+# versions, their values flat (mirror.py).
 register(
     KvSource,
     decode_pb2.KvSource,
-    grouped="reference",
+    grouped=("reference",),
     flat_renames={"kv_prefix_tokens": "prefix_tokens"},
 )
 register(
     PrefillResult,
     prefill_pb2.PrefillResponse,
-    grouped="reference",
+    grouped=("reference", "stats"),
     open_message="open_message_token_ids",
 )

@@ -17,9 +17,10 @@ Every message field must be the image of one dataclass field, and the other way 
 
 One exception, for a mesh whose nodes run different versions: a sub-message that groups
 values the message still repeats flat for peers of an earlier version (`grouped`: the
-KvReference in PrefillResponse and KvSource). Both are written; reading takes the group, or
-the flat copies from a peer that leaves the group unset. The dataclass holds the group as a
-field of that name, or holds its values flat and offers the group as a property."""
+KvReference in PrefillResponse and KvSource, the PrefillStats in PrefillResponse). Both
+are written; reading takes the group, or the flat copies from a peer that leaves the group
+unset. The dataclass holds the group as a field of that name, or holds its values flat and
+offers the group as a property."""
 
 from __future__ import annotations
 
@@ -72,7 +73,7 @@ class Mirror:
     plain: type
     message: type[Message]
     pairs: tuple[Pair, ...]
-    group: Group | None = None
+    groups: tuple[Group, ...] = ()
 
 
 _MIRRORS: dict[type, Mirror] = {}
@@ -83,21 +84,20 @@ def register(
     plain: type,
     message: type[Message],
     *,
-    grouped: str | None = None,
+    grouped: tuple[str, ...] = (),
     flat_renames: Mapping[str, str] | None = None,
     **renames: str,
 ) -> None:
     """Mirror `plain` on `message`; `renames`: dataclass field -> message field, where the
-    rules above do not find it. `grouped`: a sub-message field whose values the message also
+    rules above do not find it. `grouped`: sub-message fields whose values the message also
     repeats flat (under the group's field names, or `flat_renames`: group dataclass field ->
     flat message field). MirrorError unless their fields pair off exactly."""
-    group = None
+    groups = tuple(_group(plain, message.DESCRIPTOR, g, flat_renames or {}) for g in grouped)
     skip: set[str] = set()
-    if grouped is not None:
-        group = _group(plain, message.DESCRIPTOR, grouped, flat_renames or {})
-        skip = {flat for _, flat in group.flat} if group.nested else {grouped}
+    for group in groups:
+        skip |= {flat for _, flat in group.flat} if group.nested else {group.target}
     pairs = _pairs(plain, message.DESCRIPTOR, renames, skip)
-    _MIRRORS[plain] = Mirror(plain, message, pairs, group)
+    _MIRRORS[plain] = Mirror(plain, message, pairs, groups)
 
 
 def _group(plain: type, descriptor: Any, target: str, flat_renames: Mapping[str, str]) -> Group:
@@ -140,8 +140,8 @@ def field_map(mirror: Mirror) -> dict[str, str]:
 def covered(mirror: Mirror) -> set[str]:
     """The message fields the mirror writes: its pairs', and a group's other side."""
     names = set(field_map(mirror).values())
-    if mirror.group is not None:
-        names |= {flat for _, flat in mirror.group.flat} | {mirror.group.target}
+    for group in mirror.groups:
+        names |= {flat for _, flat in group.flat} | {group.target}
     return names
 
 
@@ -195,8 +195,7 @@ def to_proto(obj: Any) -> Any:
         value = _to_wire(getattr(obj, pair.name), pair)
         if value is not None:
             values[pair.target] = value
-    group = mirror.group
-    if group is not None:
+    for group in mirror.groups:
         inner = getattr(obj, group.target)
         if group.nested:  # the flat copies
             for pair, flat in group.flat:
@@ -222,8 +221,9 @@ def from_proto(message: Any, plain: type[T]) -> T:
     """The registered dataclass mirroring a message."""
     mirror = _MIRRORS[plain]
     values = {p.name: _from_wire(getattr(message, p.target), p) for p in mirror.pairs}
-    group = mirror.group
-    if group is not None and message.HasField(group.target) != group.nested:
+    for group in mirror.groups:
+        if message.HasField(group.target) == group.nested:
+            continue
         if group.nested:  # an earlier peer's message: the flat copies only
             flat = {p.name: _from_wire(getattr(message, name), p) for p, name in group.flat}
             values[group.target] = group.plain(**flat)

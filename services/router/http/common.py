@@ -18,8 +18,8 @@ import grpc
 import structlog
 from aiohttp import web
 
-from disagg_mesh.server.common.engines.llama_cpp.grammar import check as check_response_format
 from disagg_mesh.server.common.errors import InvalidArgument, MeshError
+from disagg_mesh.server.common.response_format import check as check_response_format
 from disagg_mesh.server.common.runtime.auth import configured_token
 from disagg_mesh.server.common.runtime.observability import metrics
 from disagg_mesh.server.common.runtime.observability.logging import REQUEST_ID_KEY, new_request_id

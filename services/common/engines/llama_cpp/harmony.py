@@ -196,3 +196,22 @@ class HarmonyParser:
         name = b"".join(self._piece(token) for token in self._header[channel_at[-1] + 1 :])
         channel = name.split(b" ")[0].strip() if name.strip() else b""
         return Part.REASONING if channel == b"analysis" else Part.ANSWER
+
+
+# The start rule of harmony_rules.
+HARMONY_ROOT = "harmony-answer"
+
+
+def harmony_rules(tokens: HarmonyTokens) -> str:
+    """Rules for a harmony model (gpt-oss), start rule HARMONY_ROOT: its reasoning messages
+    free, then the final channel's message constrained by `root` (as llama.cpp's own
+    gpt-oss response-format grammar): token references, so a header is its control tokens,
+    never text spelling them."""
+    ch, msg, end, start = (
+        f"<[{t}]>" for t in (tokens.channel, tokens.message, tokens.end, tokens.start)
+    )
+    constrain = f' (" " <[{tokens.constrain}]> [A-Za-z0-9_-]+)?' if tokens.constrain else ""
+    return (
+        f'{HARMONY_ROOT} ::= harmony-analysis* {ch} "final"{constrain} {msg} root\n'
+        f'harmony-analysis ::= {ch} "analysis" {msg} !{end}* {end} {start} "assistant"\n'
+    )

@@ -15,9 +15,13 @@ from typing import Any
 import llama_cpp
 import numpy as np
 
-from disagg_mesh.server.common.engines.llama_cpp.grammar import HARMONY_ROOT, grammar, harmony_rules
-from disagg_mesh.server.common.engines.llama_cpp.harmony import HarmonyTokens
+from disagg_mesh.server.common.engines.llama_cpp.harmony import (
+    HARMONY_ROOT,
+    HarmonyTokens,
+    harmony_rules,
+)
 from disagg_mesh.server.common.errors import FailedPrecondition, InvalidArgument
+from disagg_mesh.server.common.response_format import grammar
 from disagg_mesh.server.common.types import Sampling
 
 # llama_token_data, as numpy sees it.

@@ -1,5 +1,6 @@
-"""Structured output: a response format to the GBNF grammar llama.cpp's grammar sampler
-takes. The JSON-Schema conversion is llama-cpp-python's (`llama_cpp.llama_grammar`, a port
+"""Structured output's response format: whether it can be enforced, and the GBNF grammar
+llama.cpp's grammar sampler takes for it (shared by the router's checks and the engine's
+samplers). The JSON-Schema conversion is llama-cpp-python's (`llama_cpp.llama_grammar`, a port
 of llama.cpp's json_schema_to_grammar.py); this module only reads the schema first, so a
 keyword the converter would silently leave unenforced is refused by name instead.
 
@@ -18,7 +19,6 @@ from typing import Any
 
 from llama_cpp.llama_grammar import JSON_GBNF, json_schema_to_gbnf
 
-from disagg_mesh.server.common.engines.llama_cpp.harmony import HarmonyTokens
 from disagg_mesh.server.common.errors import InvalidArgument
 from disagg_mesh.server.common.types import ResponseFormat
 
@@ -67,7 +67,6 @@ FORMATS = frozenset({"date", "time", "date-time", "uuid", "uuid1", "uuid2", "uui
 BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 # llama.cpp's (common/json-schema-to-grammar.cpp) JSON string character.
 CHAR_RULE = r'char ::= [^"\\\x7F\x00-\x1F] | [\\] (["\\/bfnrt] | "u" [0-9a-fA-F]{4})'
-HARMONY_ROOT = "harmony-answer"
 # An integer range enforced as an enum of at most this many values.
 MAX_INTEGER_RANGE = 1024
 
@@ -91,21 +90,6 @@ def grammar(fmt: ResponseFormat, field: str = "sampling.response_format.json_sch
         return _grammar_for_schema(fmt.json_schema)
     except _Refused as exc:
         raise InvalidArgument(field, str(exc)) from None
-
-
-def harmony_rules(tokens: HarmonyTokens) -> str:
-    """Rules for a harmony model (gpt-oss), start rule HARMONY_ROOT: its reasoning messages
-    free, then the final channel's message constrained by `root` (as llama.cpp's own
-    gpt-oss response-format grammar): token references, so a header is its control tokens,
-    never text spelling them."""
-    ch, msg, end, start = (
-        f"<[{t}]>" for t in (tokens.channel, tokens.message, tokens.end, tokens.start)
-    )
-    constrain = f' (" " <[{tokens.constrain}]> [A-Za-z0-9_-]+)?' if tokens.constrain else ""
-    return (
-        f'{HARMONY_ROOT} ::= harmony-analysis* {ch} "final"{constrain} {msg} root\n'
-        f'harmony-analysis ::= {ch} "analysis" {msg} !{end}* {end} {start} "assistant"\n'
-    )
 
 
 @functools.lru_cache(maxsize=64)
