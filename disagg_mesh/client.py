@@ -309,7 +309,35 @@ class _Collector:
         return Result("".join(self.parts), self.metrics, reasoning="".join(self.reasoning))
 
 
-class AsyncMeshClient:
+class _Client:
+    """What both clients hold: the settings, the routers' order and a channel and stub per
+    router (`_channels`: grpc, or grpc.aio for the asyncio client)."""
+
+    _channels_module: Any = grpc
+
+    def __init__(
+        self,
+        address: str | Sequence[str],
+        timeout: float,
+        tls: TlsFiles | None,
+        token: str | None,
+        cooldown: float,
+    ) -> None:
+        self._settings = _Settings(router_addresses(address), timeout, tls, token)
+        self._routers = Routers(self._settings.addresses, cooldown)
+        self._channels = {a: self._open(a) for a in self._settings.addresses}
+        self._stubs: dict[str, Any] = {
+            a: router_pb2_grpc.RouterServiceStub(c) for a, c in self._channels.items()
+        }
+
+    def _open(self, address: str) -> Any:
+        tls, channels = self._settings.tls, self._channels_module
+        if tls is not None:
+            return channels.secure_channel(address, tls.credentials(), options=CHANNEL_OPTIONS)
+        return channels.insecure_channel(address, options=CHANNEL_OPTIONS)
+
+
+class AsyncMeshClient(_Client):
     """asyncio client. Use `async with AsyncMeshClient(...) as mesh:` or call close().
 
     address: one router, or several (a list, or one comma-separated string). A call that
@@ -319,6 +347,8 @@ class AsyncMeshClient:
     a router that sends nothing for this many seconds once its stream has started is taken
     for hung (SIGSTOP, a frozen machine) and left for another; before the first text, and
     with None, the call's own deadline applies."""
+
+    _channels_module = grpc.aio
 
     def __init__(
         self,
@@ -330,19 +360,8 @@ class AsyncMeshClient:
         idle_timeout: float | None = None,
         cooldown: float = DEFAULT_COOLDOWN_S,
     ) -> None:
-        self._settings = _Settings(router_addresses(address), timeout, tls, token)
-        self._routers = Routers(self._settings.addresses, cooldown)
+        super().__init__(address, timeout, tls, token, cooldown)
         self._idle_timeout = idle_timeout
-        self._channels = {a: self._open(a) for a in self._settings.addresses}
-        self._stubs: dict[str, Any] = {
-            a: router_pb2_grpc.RouterServiceStub(c) for a, c in self._channels.items()
-        }
-
-    def _open(self, address: str) -> grpc.aio.Channel:
-        tls = self._settings.tls
-        if tls is not None:
-            return grpc.aio.secure_channel(address, tls.credentials(), options=CHANNEL_OPTIONS)
-        return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
 
     async def __aenter__(self) -> AsyncMeshClient:
         return self
@@ -529,7 +548,7 @@ class AsyncMeshClient:
         raise AssertionError("unreachable: a client has at least one router")
 
 
-class MeshClient:
+class MeshClient(_Client):
     """Blocking client. Use `with MeshClient(...) as mesh:` or call close(). Several router
     addresses fail over as with AsyncMeshClient (a hung router: at the call's deadline, as
     the blocking stream has no idle timeout)."""
@@ -543,18 +562,7 @@ class MeshClient:
         token: str | None = None,
         cooldown: float = DEFAULT_COOLDOWN_S,
     ) -> None:
-        self._settings = _Settings(router_addresses(address), timeout, tls, token)
-        self._routers = Routers(self._settings.addresses, cooldown)
-        self._channels = {a: self._open(a) for a in self._settings.addresses}
-        self._stubs: dict[str, Any] = {
-            a: router_pb2_grpc.RouterServiceStub(c) for a, c in self._channels.items()
-        }
-
-    def _open(self, address: str) -> grpc.Channel:
-        tls = self._settings.tls
-        if tls is not None:
-            return grpc.secure_channel(address, tls.credentials(), options=CHANNEL_OPTIONS)
-        return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        super().__init__(address, timeout, tls, token, cooldown)
 
     def __enter__(self) -> MeshClient:
         return self
