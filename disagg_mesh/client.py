@@ -30,6 +30,9 @@ from disagg_mesh.routers import Routers
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 DEFAULT_TIMEOUT_S = 300.0
+# Tokens per text delta for an answer read whole (generate, gather); the router's HTTP doors
+# use the same for a request that does not stream.
+WHOLE_ANSWER_INTERVAL_TOKENS = 16
 MAX_MESSAGE_BYTES = 8 * 1024 * 1024
 CHANNEL_OPTIONS = (
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -82,6 +85,9 @@ class GenerateCall:
     # Structured output, as Ollama's `format`: "json" (any JSON object) or a JSON Schema
     # (a dict, e.g. a pydantic model's model_json_schema()); None: free text.
     format: str | Mapping[str, Any] | None = None
+    # Tokens per text delta (the first token and the end go at once); None: 1 for stream(),
+    # WHOLE_ANSWER_INTERVAL_TOKENS for generate() and gather(), which read the whole answer.
+    stream_interval_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if (self.reasoning_effort or "") not in _EFFORTS:
@@ -116,6 +122,7 @@ class GenerateCall:
                 stop=list(self.stop),
                 ignore_eos=self.ignore_eos or None,
                 response_format=self._response_format(),
+                stream_interval_tokens=self.stream_interval_tokens,
             ),
             reasoning_effort=_EFFORTS[self.reasoning_effort or ""],
         )
@@ -275,6 +282,15 @@ def _call(
     )
 
 
+def _whole(model: str | GenerateCall, prompt: str, kwargs: dict[str, Any]) -> GenerateCall:
+    """The call for an answer read whole: text in deltas of WHOLE_ANSWER_INTERVAL_TOKENS
+    unless the call says otherwise (fewer messages through the mesh, nothing lost)."""
+    call = _call(model, prompt, kwargs)
+    if call.stream_interval_tokens is not None:
+        return call
+    return dataclasses.replace(call, stream_interval_tokens=WHOLE_ANSWER_INTERVAL_TOKENS)
+
+
 def _items(
     reply: router_pb2.GenerateResponse, reasoning: bool, progress: _Progress
 ) -> list[str | Metrics]:
@@ -420,7 +436,7 @@ class AsyncMeshClient(_Client):
     async def generate(self, model: str | GenerateCall, prompt: str = "", **kwargs: Any) -> Result:
         """The whole text and its metrics."""
         collector = _Collector()
-        async for item in self.stream(model, prompt, reasoning=True, **kwargs):
+        async for item in self.stream(_whole(model, prompt, kwargs), reasoning=True):
             collector.add(item)
         return collector.result(",".join(self._settings.addresses))
 
@@ -600,7 +616,7 @@ class MeshClient(_Client):
     def generate(self, model: str | GenerateCall, prompt: str = "", **kwargs: Any) -> Result:
         """The whole text and its metrics."""
         collector = _Collector()
-        for item in self.stream(model, prompt, reasoning=True, **kwargs):
+        for item in self.stream(_whole(model, prompt, kwargs), reasoning=True):
             collector.add(item)
         return collector.result(",".join(self._settings.addresses))
 

@@ -59,6 +59,10 @@ async def still_serves(
         (request("qwen3-coder:30b", PROMPT, -3), "sampling.max_tokens"),
         (request("qwen3-coder:30b", PROMPT, 4097), "sampling.max_tokens"),
         (
+            request("qwen3-coder:30b", PROMPT, 8, stream_interval_tokens=-2),
+            "sampling.stream_interval_tokens",
+        ),
+        (
             router_pb2.GenerateRequest(
                 model="qwen3-coder:30b",
                 prompt=PROMPT,

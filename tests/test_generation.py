@@ -17,7 +17,7 @@ from disagg_mesh.proto.v1 import (
     types_pb2,
 )
 from tests.conftest import Mesh
-from tests.streams import collect, greedy, late_word, reference_tokens, request
+from tests.streams import Collected, collect, greedy, late_word, reference_tokens, request
 
 SHORT_PROMPT = "def fibonacci(n):"
 
@@ -186,3 +186,30 @@ async def test_decode_node_pulls_kv_directly_from_the_prefill_node(
     assert got.token_ids == reference_tokens(reference_llm, SHORT_PROMPT, 8, ignore_eos=True)
     assert got.token_ids[0] == reply.first_token_id
     assert got.summary.kv_fetch_bytes == reply.kv_size_bytes
+
+
+@pytest.mark.parametrize("model", ["qwen3-coder:30b", "test/decode-only"])
+async def test_a_stream_interval_sends_fewer_deltas_with_the_same_tokens(
+    router: router_pb2_grpc.RouterServiceAsyncStub, reference_llm: llama_cpp.Llama, model: str
+) -> None:
+    """sampling.stream_interval_tokens: the first token at once, then deltas of at least
+    that many tokens (the last holds the rest), the same tokens and text as token by token."""
+    expected = reference_tokens(reference_llm, SHORT_PROMPT, 40, ignore_eos=True)
+    call = router.Generate(
+        request(model, SHORT_PROMPT, 40, ignore_eos=True, stream_interval_tokens=8)
+    )
+    sizes = []
+    got = Collected()
+    async for reply in call:
+        if reply.HasField("delta"):
+            sizes.append(len(reply.delta.token_ids))
+            got.text += reply.delta.text
+            got.token_ids.extend(reply.delta.token_ids)
+        else:
+            got.summary = reply.summary
+    assert got.token_ids == expected
+    assert got.text == reference_llm.detokenize(expected).decode()
+    assert sizes[0] == 1 and all(n >= 8 for n in sizes[1:-1]) and 1 <= sizes[-1]
+    assert sum(sizes) == 40 and len(sizes) <= 1 + -(-39 // 8)  # 1, then deltas of 8
+    assert got.summary.completion_tokens == 40
+    assert got.summary.time_to_first_token.ToNanoseconds() > 0

@@ -23,7 +23,8 @@ class ResponseFormat:
 
 @dataclass(frozen=True)
 class Sampling:
-    """How tokens are chosen. temperature 0 is greedy and deterministic."""
+    """How tokens are chosen (temperature 0 is greedy and deterministic), and how the text
+    is delivered."""
 
     max_tokens: int
     temperature: float = DEFAULT_TEMPERATURE
@@ -34,6 +35,9 @@ class Sampling:
     ignore_eos: bool = False
     # None: free text.
     response_format: ResponseFormat | None = None
+    # Each text chunk carries at least this many tokens (the first token and the end go
+    # at once): fewer messages for a caller that reads the whole answer.
+    stream_interval_tokens: int = 1
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,11 @@ def validate_sampling(sampling: Sampling, max_tokens_limit: int) -> None:
         raise InvalidArgument(
             "sampling.stop", f"at most {MAX_STOP_STRINGS} strings, got {len(sampling.stop)}"
         )
+    if sampling.stream_interval_tokens < 1:
+        raise InvalidArgument(
+            "sampling.stream_interval_tokens",
+            f"must be >= 0 (0: every token), got {sampling.stream_interval_tokens}",
+        )
     if any(not s for s in sampling.stop):
         raise InvalidArgument("sampling.stop", "stop strings must not be empty")
     if sampling.response_format is not None:

@@ -24,33 +24,33 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x64isagg/v1/types.proto\x12\tdisagg.v1\"\x86\x02\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\rH\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x17\n\nignore_eos\x18\x06 \x01(\x08H\x04\x88\x01\x01\x12\x32\n\x0fresponse_format\x18\x07 \x01(\x0b\x32\x19.disagg.v1.ResponseFormatB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\r\n\x0b_ignore_eos\"R\n\x0eResponseFormat\x12+\n\x04type\x18\x01 \x01(\x0e\x32\x1d.disagg.v1.ResponseFormatType\x12\x13\n\x0bjson_schema\x18\x02 \x01(\t\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xad\x01\n\rKvFingerprint\x12\x14\n\x0cmodel_sha256\x18\x01 \x01(\t\x12\x14\n\x0cn_ctx_tokens\x18\x02 \x01(\x05\x12\x16\n\x0e\x65ngine_version\x18\x03 \x01(\t\x12\x0e\n\x06type_k\x18\x04 \x01(\t\x12\x0e\n\x06type_v\x18\x05 \x01(\t\x12\x12\n\nflash_attn\x18\x06 \x01(\x08\x12\x12\n\nkv_unified\x18\x07 \x01(\x08\x12\x10\n\x08swa_full\x18\x08 \x01(\x08\"\xff\x01\n\x0bKvReference\x12\x11\n\tkv_handle\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\x05\x12\x18\n\x10\x66irst_token_text\x18\x03 \x01(\t\x12\x15\n\rprompt_tokens\x18\x04 \x01(\x05\x12-\n\x0b\x66ingerprint\x18\x05 \x01(\x0b\x32\x18.disagg.v1.KvFingerprint\x12\x15\n\rkv_size_bytes\x18\x06 \x01(\x03\x12\x14\n\x0c\x62lock_hashes\x18\x07 \x03(\x0c\x12\x18\n\x10kv_prefix_tokens\x18\x08 \x01(\x05\x12\x1e\n\x16open_message_token_ids\x18\t \x03(\x05\"?\n\tTextDelta\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x11\n\treasoning\x18\x03 \x01(\t\"\xcf\x01\n\x0c\x43ontinuation\x12\x1b\n\x13generated_token_ids\x18\x01 \x03(\x05\x12\x16\n\x0egenerated_text\x18\x02 \x01(\t\x12 \n\x18\x66irst_token_from_prefill\x18\x03 \x01(\x08\x12\x12\n\nraw_prompt\x18\x04 \x01(\x08\x12\x18\n\x10generated_tokens\x18\x05 \x01(\x05\x12!\n\x14prompt_cached_tokens\x18\x06 \x01(\x05H\x00\x88\x01\x01\x42\x17\n\x15_prompt_cached_tokens*\x86\x01\n\x12ResponseFormatType\x12$\n RESPONSE_FORMAT_TYPE_UNSPECIFIED\x10\x00\x12$\n RESPONSE_FORMAT_TYPE_JSON_OBJECT\x10\x01\x12$\n RESPONSE_FORMAT_TYPE_JSON_SCHEMA\x10\x02*\x85\x01\n\x0fReasoningEffort\x12 \n\x1cREASONING_EFFORT_UNSPECIFIED\x10\x00\x12\x18\n\x14REASONING_EFFORT_LOW\x10\x01\x12\x1b\n\x17REASONING_EFFORT_MEDIUM\x10\x02\x12\x19\n\x15REASONING_EFFORT_HIGH\x10\x03*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02*q\n\nKvTransfer\x12\x1b\n\x17KV_TRANSFER_UNSPECIFIED\x10\x00\x12\x14\n\x10KV_TRANSFER_NONE\x10\x01\x12\x15\n\x11KV_TRANSFER_STATE\x10\x02\x12\x19\n\x15KV_TRANSFER_TOKEN_IDS\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x64isagg/v1/types.proto\x12\tdisagg.v1\"\xc6\x02\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\rH\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x17\n\nignore_eos\x18\x06 \x01(\x08H\x04\x88\x01\x01\x12\x32\n\x0fresponse_format\x18\x07 \x01(\x0b\x32\x19.disagg.v1.ResponseFormat\x12#\n\x16stream_interval_tokens\x18\x08 \x01(\x05H\x05\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\r\n\x0b_ignore_eosB\x19\n\x17_stream_interval_tokens\"R\n\x0eResponseFormat\x12+\n\x04type\x18\x01 \x01(\x0e\x32\x1d.disagg.v1.ResponseFormatType\x12\x13\n\x0bjson_schema\x18\x02 \x01(\t\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xad\x01\n\rKvFingerprint\x12\x14\n\x0cmodel_sha256\x18\x01 \x01(\t\x12\x14\n\x0cn_ctx_tokens\x18\x02 \x01(\x05\x12\x16\n\x0e\x65ngine_version\x18\x03 \x01(\t\x12\x0e\n\x06type_k\x18\x04 \x01(\t\x12\x0e\n\x06type_v\x18\x05 \x01(\t\x12\x12\n\nflash_attn\x18\x06 \x01(\x08\x12\x12\n\nkv_unified\x18\x07 \x01(\x08\x12\x10\n\x08swa_full\x18\x08 \x01(\x08\"\xff\x01\n\x0bKvReference\x12\x11\n\tkv_handle\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\x05\x12\x18\n\x10\x66irst_token_text\x18\x03 \x01(\t\x12\x15\n\rprompt_tokens\x18\x04 \x01(\x05\x12-\n\x0b\x66ingerprint\x18\x05 \x01(\x0b\x32\x18.disagg.v1.KvFingerprint\x12\x15\n\rkv_size_bytes\x18\x06 \x01(\x03\x12\x14\n\x0c\x62lock_hashes\x18\x07 \x03(\x0c\x12\x18\n\x10kv_prefix_tokens\x18\x08 \x01(\x05\x12\x1e\n\x16open_message_token_ids\x18\t \x03(\x05\"?\n\tTextDelta\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x11\n\treasoning\x18\x03 \x01(\t\"\xcf\x01\n\x0c\x43ontinuation\x12\x1b\n\x13generated_token_ids\x18\x01 \x03(\x05\x12\x16\n\x0egenerated_text\x18\x02 \x01(\t\x12 \n\x18\x66irst_token_from_prefill\x18\x03 \x01(\x08\x12\x12\n\nraw_prompt\x18\x04 \x01(\x08\x12\x18\n\x10generated_tokens\x18\x05 \x01(\x05\x12!\n\x14prompt_cached_tokens\x18\x06 \x01(\x05H\x00\x88\x01\x01\x42\x17\n\x15_prompt_cached_tokens*\x86\x01\n\x12ResponseFormatType\x12$\n RESPONSE_FORMAT_TYPE_UNSPECIFIED\x10\x00\x12$\n RESPONSE_FORMAT_TYPE_JSON_OBJECT\x10\x01\x12$\n RESPONSE_FORMAT_TYPE_JSON_SCHEMA\x10\x02*\x85\x01\n\x0fReasoningEffort\x12 \n\x1cREASONING_EFFORT_UNSPECIFIED\x10\x00\x12\x18\n\x14REASONING_EFFORT_LOW\x10\x01\x12\x1b\n\x17REASONING_EFFORT_MEDIUM\x10\x02\x12\x19\n\x15REASONING_EFFORT_HIGH\x10\x03*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02*q\n\nKvTransfer\x12\x1b\n\x17KV_TRANSFER_UNSPECIFIED\x10\x00\x12\x14\n\x10KV_TRANSFER_NONE\x10\x01\x12\x15\n\x11KV_TRANSFER_STATE\x10\x02\x12\x19\n\x15KV_TRANSFER_TOKEN_IDS\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'disagg_mesh.proto.v1.types_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_RESPONSEFORMATTYPE']._serialized_start=1141
-  _globals['_RESPONSEFORMATTYPE']._serialized_end=1275
-  _globals['_REASONINGEFFORT']._serialized_start=1278
-  _globals['_REASONINGEFFORT']._serialized_end=1411
-  _globals['_FINISHREASON']._serialized_start=1413
-  _globals['_FINISHREASON']._serialized_end=1508
-  _globals['_KVTRANSFER']._serialized_start=1510
-  _globals['_KVTRANSFER']._serialized_end=1623
+  _globals['_RESPONSEFORMATTYPE']._serialized_start=1205
+  _globals['_RESPONSEFORMATTYPE']._serialized_end=1339
+  _globals['_REASONINGEFFORT']._serialized_start=1342
+  _globals['_REASONINGEFFORT']._serialized_end=1475
+  _globals['_FINISHREASON']._serialized_start=1477
+  _globals['_FINISHREASON']._serialized_end=1572
+  _globals['_KVTRANSFER']._serialized_start=1574
+  _globals['_KVTRANSFER']._serialized_end=1687
   _globals['_SAMPLINGPARAMS']._serialized_start=37
-  _globals['_SAMPLINGPARAMS']._serialized_end=299
-  _globals['_RESPONSEFORMAT']._serialized_start=301
-  _globals['_RESPONSEFORMAT']._serialized_end=383
-  _globals['_CHATMESSAGE']._serialized_start=385
-  _globals['_CHATMESSAGE']._serialized_end=429
-  _globals['_KVFINGERPRINT']._serialized_start=432
-  _globals['_KVFINGERPRINT']._serialized_end=605
-  _globals['_KVREFERENCE']._serialized_start=608
-  _globals['_KVREFERENCE']._serialized_end=863
-  _globals['_TEXTDELTA']._serialized_start=865
-  _globals['_TEXTDELTA']._serialized_end=928
-  _globals['_CONTINUATION']._serialized_start=931
-  _globals['_CONTINUATION']._serialized_end=1138
+  _globals['_SAMPLINGPARAMS']._serialized_end=363
+  _globals['_RESPONSEFORMAT']._serialized_start=365
+  _globals['_RESPONSEFORMAT']._serialized_end=447
+  _globals['_CHATMESSAGE']._serialized_start=449
+  _globals['_CHATMESSAGE']._serialized_end=493
+  _globals['_KVFINGERPRINT']._serialized_start=496
+  _globals['_KVFINGERPRINT']._serialized_end=669
+  _globals['_KVREFERENCE']._serialized_start=672
+  _globals['_KVREFERENCE']._serialized_end=927
+  _globals['_TEXTDELTA']._serialized_start=929
+  _globals['_TEXTDELTA']._serialized_end=992
+  _globals['_CONTINUATION']._serialized_start=995
+  _globals['_CONTINUATION']._serialized_end=1202
 # @@protoc_insertion_point(module_scope)

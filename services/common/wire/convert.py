@@ -48,6 +48,7 @@ def sampling_from_proto(msg: types_pb2.SamplingParams, max_tokens_limit: int) ->
         stop=tuple(msg.stop),
         ignore_eos=msg.ignore_eos,
         response_format=response_format_from_proto(msg.response_format),
+        stream_interval_tokens=msg.stream_interval_tokens or 1,
     )
 
 
@@ -84,6 +85,7 @@ def sampling_to_proto(sampling: Sampling) -> types_pb2.SamplingParams:
         stop=list(sampling.stop),
         ignore_eos=sampling.ignore_eos or None,
         response_format=response_format_to_proto(sampling.response_format),
+        stream_interval_tokens=sampling.stream_interval_tokens,
     )
 
 

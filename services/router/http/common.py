@@ -205,6 +205,12 @@ class Fields:
             raise InvalidArgument(self._name(key), f"is not supported: {why}")
 
 
+# Tokens per delta from the nodes for an answer the door sends whole: the caller sees none
+# of them before the end, and each message through the mesh costs CPU time that a machine's
+# cores would otherwise spend on tokens (Sampling.stream_interval_tokens).
+WHOLE_ANSWER_INTERVAL_TOKENS = 16
+
+
 def sampling(
     *,
     max_tokens: int | None,
@@ -214,11 +220,13 @@ def sampling(
     seed: int | None,
     stop: tuple[str, ...],
     max_tokens_field: str,
+    stream: bool,
     ignore_eos: bool = False,
     response_format: ResponseFormat | None = None,
 ) -> Sampling:
     """A Sampling from an HTTP request; unset max_tokens (or Ollama's -1/-2) means until an
-    end token or a full context, bounded by the mesh's max_tokens_limit."""
+    end token or a full context, bounded by the mesh's max_tokens_limit. An answer sent
+    whole (not streamed) comes from the nodes in deltas of WHOLE_ANSWER_INTERVAL_TOKENS."""
     if max_tokens is None or max_tokens in (-1, -2):
         max_tokens = max_tokens_limit
     elif not 1 <= max_tokens <= max_tokens_limit:
@@ -235,6 +243,7 @@ def sampling(
         stop=stop,
         ignore_eos=ignore_eos,
         response_format=response_format,
+        stream_interval_tokens=1 if stream else WHOLE_ANSWER_INTERVAL_TOKENS,
     )
 
 

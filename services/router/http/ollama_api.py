@@ -112,6 +112,7 @@ class OllamaApi:
             seed=seed,
             stop=options.strings("stop"),
             max_tokens_field="options.num_predict",
+            stream=body.boolean("stream", True),
             response_format=_format(body.body.get("format")),
         )
 

@@ -130,6 +130,7 @@ class OpenAiApi:
             seed=body.integer("seed"),
             stop=body.strings("stop"),
             max_tokens_field=field,
+            stream=body.boolean("stream", False),
             # vLLM's extra parameter (the openai client's extra_body): fixed-length answers.
             ignore_eos=body.boolean("ignore_eos", False),
             response_format=_response_format(body.mapping("response_format")),

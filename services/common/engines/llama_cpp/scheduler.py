@@ -182,6 +182,9 @@ class Slot:
     # Sliding-window models: the lowest position from which the window layers hold every
     # position of this slot (prefix_cache.Entry.window_from).
     window_from: int = 0
+    # Text made but not sent yet (under the stream interval), and whether any was sent.
+    held: TextChunk | None = None
+    sent: bool = False
 
     @property
     def prompt_tokens_total(self) -> int:
@@ -572,8 +575,30 @@ class Scheduler:
                 self._finish_generation(slot, event)
                 return
             if send:
-                _emit(slot.job, event)
+                self._send(slot, event)
         slot.generate(token)
+
+    def _send(self, slot: Slot, chunk: TextChunk) -> None:
+        """Text to the caller, or held until the slot's text adds up to its stream interval
+        in tokens; the first text goes at once (the time to first token is the same)."""
+        held = slot.held
+        if held is not None:
+            chunk = TextChunk(
+                held.text + chunk.text,
+                held.token_ids + chunk.token_ids,
+                held.reasoning + chunk.reasoning,
+            )
+        if slot.sent and len(chunk.token_ids) < slot.job.sampling.stream_interval_tokens:
+            slot.held = chunk
+            return
+        slot.held, slot.sent = None, True
+        _emit(slot.job, chunk)
+
+    def _flush(self, slot: Slot) -> None:
+        """Send the held text (the stream ends or fails: nothing made is kept back)."""
+        if slot.held is not None:
+            _emit(slot.job, slot.held)
+            slot.held = None
 
     def _accept_replayed(self, slot: Slot) -> None:
         """The next token of an interrupted generation: through the slot's text stream, so
@@ -605,6 +630,7 @@ class Scheduler:
 
     def _finish_generation(self, slot: Slot, end: GenerationEnd) -> None:
         now = time.perf_counter()
+        self._flush(slot)
         loaded = slot.job.kind is JobKind.CONTINUE
         _emit(
             slot.job,
@@ -646,6 +672,7 @@ class Scheduler:
         self._free(slot)
 
     def _fail(self, slot: Slot, error: MeshError) -> None:
+        self._flush(slot)
         _emit(slot.job, error)
         self._free(slot)
 
