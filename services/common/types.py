@@ -129,6 +129,14 @@ class TextChunk:
     # the answer in `text`.
     reasoning: str = ""
 
+    def __add__(self, later: TextChunk) -> TextChunk:
+        """One chunk for this one and a later one's tokens (text and reasoning alike)."""
+        return TextChunk(
+            self.text + later.text,
+            self.token_ids + later.token_ids,
+            self.reasoning + later.reasoning,
+        )
+
 
 @dataclass(frozen=True, kw_only=True)
 class KvReference:

@@ -363,7 +363,7 @@ class LlamaCppEngine:
                     if not isinstance(after, TextChunk):
                         held = after
                         break
-                    event = TextChunk(event.text + after.text, event.token_ids + after.token_ids)
+                    event = event + after
                 if isinstance(event, MeshError):
                     finished = True
                     raise event

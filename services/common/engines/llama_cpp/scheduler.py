@@ -581,13 +581,8 @@ class Scheduler:
     def _send(self, slot: Slot, chunk: TextChunk) -> None:
         """Text to the caller, or held until the slot's text adds up to its stream interval
         in tokens; the first text goes at once (the time to first token is the same)."""
-        held = slot.held
-        if held is not None:
-            chunk = TextChunk(
-                held.text + chunk.text,
-                held.token_ids + chunk.token_ids,
-                held.reasoning + chunk.reasoning,
-            )
+        if slot.held is not None:
+            chunk = slot.held + chunk
         if slot.sent and len(chunk.token_ids) < slot.job.sampling.stream_interval_tokens:
             slot.held = chunk
             return
