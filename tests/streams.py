@@ -21,6 +21,8 @@ class Collected:
     reasoning: str = ""
     token_ids: list[int] = field(default_factory=list)
     deltas: int = 0
+    # Token ids in each delta, in order.
+    delta_tokens: list[int] = field(default_factory=list)
     summary: Any = None
     first_delta_at: float = 0.0
     summary_at: float = 0.0
@@ -34,6 +36,7 @@ async def collect(call: AsyncIterable[Any]) -> Collected:
             if not out.deltas:
                 out.first_delta_at = time.perf_counter()
             out.deltas += 1
+            out.delta_tokens.append(len(reply.delta.token_ids))
             out.text += reply.delta.text
             out.reasoning += reply.delta.reasoning
             out.token_ids.extend(reply.delta.token_ids)

@@ -17,7 +17,7 @@ from disagg_mesh.proto.v1 import (
     types_pb2,
 )
 from tests.conftest import Mesh
-from tests.streams import Collected, collect, greedy, late_word, reference_tokens, request
+from tests.streams import collect, greedy, late_word, reference_tokens, request
 
 SHORT_PROMPT = "def fibonacci(n):"
 
@@ -195,18 +195,10 @@ async def test_a_stream_interval_sends_fewer_deltas_with_the_same_tokens(
     """sampling.stream_interval_tokens: the first token at once, then deltas of at least
     that many tokens (the last holds the rest), the same tokens and text as token by token."""
     expected = reference_tokens(reference_llm, SHORT_PROMPT, 40, ignore_eos=True)
-    call = router.Generate(
-        request(model, SHORT_PROMPT, 40, ignore_eos=True, stream_interval_tokens=8)
+    got = await collect(
+        router.Generate(request(model, SHORT_PROMPT, 40, ignore_eos=True, stream_interval_tokens=8))
     )
-    sizes = []
-    got = Collected()
-    async for reply in call:
-        if reply.HasField("delta"):
-            sizes.append(len(reply.delta.token_ids))
-            got.text += reply.delta.text
-            got.token_ids.extend(reply.delta.token_ids)
-        else:
-            got.summary = reply.summary
+    sizes = got.delta_tokens
     assert got.token_ids == expected
     assert got.text == reference_llm.detokenize(expected).decode()
     assert sizes[0] == 1 and all(n >= 8 for n in sizes[1:-1]) and 1 <= sizes[-1]
