@@ -15,7 +15,10 @@ import sys
 import time
 from pathlib import Path
 
+from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_fixed
+
 from disagg_mesh import AsyncMeshClient, GenerateCall, MeshError, Metrics, TlsFiles
+from disagg_mesh.errors import Unavailable
 from disagg_mesh.server.common.config.topology import TopologyError, load_topology
 from disagg_mesh.server.common.runtime.auth import TokenError, token_from_topology
 from disagg_mesh.server.common.runtime.processes import MeshProcesses, MeshStartError
@@ -35,6 +38,8 @@ BACKOFF_MAX_S = 30.0
 STABLE_AFTER_S = 60.0
 # What a restarted node is told of its restarts (GetNodeInfo.restarts, disagg status).
 RESTARTS_ENV = "DISAGG_RESTARTS"
+# How long the first example tries again while the router's channels reconnect.
+START_RETRY_S = 10.0
 
 
 def say(line: str = "") -> None:
@@ -54,12 +59,29 @@ async def stream_example(
     )
     metrics: Metrics | None = None
     async with AsyncMeshClient(address, token=token, tls=tls) as mesh:
-        async for item in mesh.stream(call):
-            if isinstance(item, Metrics):
-                metrics = item
-            else:
-                sys.stdout.write(item)
-                sys.stdout.flush()
+        # The router dialled its nodes while they started; a channel that found one not
+        # listening yet waits out gRPC's reconnect back-off (up to 2 s) after the node says
+        # SERVING. So UNAVAILABLE before any text is tried again, for a few seconds.
+        async for attempt in AsyncRetrying(
+            retry=retry_if_exception_type(Unavailable),
+            stop=stop_after_delay(START_RETRY_S),
+            wait=wait_fixed(0.5),
+            reraise=True,
+        ):
+            with attempt:
+                started = False
+                try:
+                    async for item in mesh.stream(call):
+                        started = True
+                        if isinstance(item, Metrics):
+                            metrics = item
+                        else:
+                            sys.stdout.write(item)
+                            sys.stdout.flush()
+                except Unavailable as exc:
+                    if started:
+                        raise MeshError(exc.code, exc.message, exc.address) from None
+                    raise
     say()
     assert metrics is not None  # the client raises if the stream ends without them
     return metrics
