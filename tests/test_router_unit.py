@@ -2,7 +2,8 @@
 processes, no model. Each fake decode node "generates" the same answer, token ids 101, 102,
 ... with text "t101 t102 ...", and goes on from where a KvSource or a Continuation says, so
 a migration's text can be checked to have nothing repeated and nothing lost. The end-to-end
-tests (test_failover.py, test_migration.py, ...) run the same paths with real nodes."""
+tests (test_failover.py, test_migration.py, ...) run the same paths with real nodes. And
+the router's channels, against an in-process gRPC server that starts listening late."""
 
 from __future__ import annotations
 
@@ -13,9 +14,11 @@ from typing import Any
 
 import grpc
 import pytest
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from disagg_mesh.server.common.config.topology import Topology
 from disagg_mesh.server.common.errors import MeshError, UpstreamError
+from disagg_mesh.server.common.runtime.processes import free_port
 from disagg_mesh.server.common.types import (
     Continuation,
     DecodeCandidate,
@@ -381,3 +384,38 @@ def test_the_failure_table() -> None:
     assert failures.is_final(wrong) and not failures.can_migrate(wrong)
     gone = UpstreamError(grpc.StatusCode.ABORTED, "prefix gone")
     assert not any(f(gone) for f in (failures.is_final, failures.blames_node, failures.can_migrate))
+
+
+@pytest.mark.parametrize("listens_after_s", [2.2, 2.8, 3.6, 4.8])
+async def test_a_node_that_starts_listening_late_is_reached_within_a_second_or_less(
+    listens_after_s: float,
+) -> None:
+    """The router's channel to a node that was not listening yet (still loading its model,
+    or restarting) is in gRPC's reconnect back-off. The node must be reached soon after it
+    listens, not a back-off later (gRPC's default: 1 s growing to 120 s; 2 s with the old
+    cap), which made the first request after `make run`'s "all nodes SERVING" fail."""
+    loop = asyncio.get_running_loop()
+    address = f"127.0.0.1:{free_port()}"
+    pool = ChannelPool()
+    stub: Any = health_pb2_grpc.HealthStub(pool.get(address))
+    server = grpc.aio.server()
+    health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), server)
+    try:
+        until = loop.time() + listens_after_s
+        while loop.time() < until:  # the router checking a node that is not up yet
+            with pytest.raises(grpc.aio.AioRpcError):
+                await stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+            await asyncio.sleep(0.05)
+        server.add_insecure_port(address)  # gRPC binds and listens here
+        await server.start()
+        listening = loop.time()
+        while True:
+            try:
+                await stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+                break
+            except grpc.aio.AioRpcError:
+                await asyncio.sleep(0.05)
+        assert loop.time() - listening < 0.75
+    finally:
+        await server.stop(None)
+        await pool.close()
