@@ -13,7 +13,7 @@ import pytest_asyncio
 
 from disagg_mesh.server.common.engines.base import Generation
 from disagg_mesh.server.common.engines.llama_cpp import EngineSettings, LlamaCppEngine
-from disagg_mesh.server.common.engines.llama_cpp.context import ContextSettings, SlotContext
+from disagg_mesh.server.common.engines.llama_cpp.context import ContextSettings, Row, SlotContext
 from disagg_mesh.server.common.engines.llama_cpp.engine import plan_slots
 from disagg_mesh.server.common.engines.llama_cpp.model import LlamaModel, ModelLoadError
 from disagg_mesh.server.common.engines.llama_cpp.step_plan import (
@@ -108,6 +108,40 @@ async def test_a_full_kv_cache_ends_only_the_newest_stream() -> None:
         assert end.completion_tokens == 4 and text
     finally:
         await engine.close()
+
+
+async def test_short_prompts_admitted_together_share_a_pass_and_keep_their_text(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Prompts admitted at one step go through llama.cpp in one pass while it stays under
+    ALIKE_ROWS rows (one pass each cost ~1.1-1.25x more here), and each gives the tokens it
+    gives alone."""
+    prompts = ["The capital of France is", "def add(a, b):", "Name a prime:", "SELECT * FROM"]
+    engine = await open_engine(slots=5, max_queue=4)
+    try:
+        alone = [await drain(engine.generate(Prompt(p), SHORT)) for p in prompts]
+        passes: list[list[Row]] = []
+        real = SlotContext._decode
+
+        def counted(self: SlotContext, rows: list[Row]) -> int:
+            passes.append(list(rows))
+            return real(self, rows)
+
+        monkeypatch.setattr(SlotContext, "_decode", counted)
+        # A stream generating meanwhile: the four arrive during one of its steps and are
+        # admitted together at the next (each prompt is under the first piece's 8 tokens,
+        # so it is cut as alone: whole).
+        running = await started(engine.generate(Prompt("Count: 1, 2, 3,"), LONG))
+        together = await asyncio.gather(
+            *(drain(engine.generate(Prompt(p), SHORT)) for p in prompts)
+        )
+        await running.aclose()
+    finally:
+        await engine.close()
+    assert [t for t, _ in together] == [t for t, _ in alone]
+    shared = [rows for rows in passes if sum(1 for r in rows if not r.logits) >= 2 * 2]
+    slots_per_pass = [len({r.slot for r in rows}) for rows in shared]
+    assert max(slots_per_pass, default=0) >= 2, slots_per_pass
 
 
 def test_sequence_ids_are_checked_before_llama_cpp_sees_them() -> None:

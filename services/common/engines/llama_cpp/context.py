@@ -89,6 +89,11 @@ class Row(NamedTuple):
 # cells on, its CPU flash attention takes a lone row through the split-KV path.
 SPLIT_KV_VIEW_CELLS = 512
 VIEW_ROUNDING = 256
+# llama.cpp's CPU flash attention takes a pass of fewer query rows than this one row at a
+# time (its tiled kernel from GGML_FA_TILE_Q = 64 rows on), and the CPU matrix products
+# compute every row alike: in such a pass, each row's numbers are those it has in a pass of
+# its own, so several short prompts may share one.
+ALIKE_ROWS = 64
 
 
 class SlotContext:
@@ -145,6 +150,9 @@ class SlotContext:
         self._pair_lone_rows = settings.flash_attn and settings.cpu_attention
         self.n_ctx = settings.n_ctx
         self.n_batch = settings.n_batch
+        # Rows of a pass shared by several prompts: under ALIKE_ROWS on the CPU with flash
+        # attention; 1 (a pass each) where a GPU takes part, whose kernels go by batch size.
+        self.alike_rows = ALIKE_ROWS if settings.flash_attn and not settings.op_offload else 1
 
     @property
     def ptr(self) -> Any:

@@ -493,7 +493,7 @@ class Scheduler:
                 self._accept_replayed(slot)
             else:
                 self._accept(slot, slot.sampler.sample(self._ctx.ptr, i))
-        prompt_tokens = sum(self._prompt_pass(slot, end) for slot, end in plan.prompts)
+        prompt_tokens = sum(self._prompt_pass(group) for group in self._prompt_groups(plan.prompts))
         elapsed = time.perf_counter() - started
         self._rates.add(prompt_tokens, len(decoded))
         metrics.engine_step(elapsed, prompt_tokens, len(decoded))
@@ -518,48 +518,77 @@ class Scheduler:
             return []
         return []
 
-    def _prompt_pass(self, slot: Slot, end: int) -> int:
-        """Evaluate the slot's prompt up to `end`, in a pass of its own: a prompt's numbers
-        then depend on its own pieces only. The first token is sampled when the prompt is
-        done. Returns the tokens evaluated."""
-        tokens = slot.job.tokens
+    def _prompt_groups(self, prompts: list[tuple[Slot, int]]) -> list[list[tuple[Slot, int]]]:
+        """The step's prompt pieces, oldest first, packed into passes: several share one
+        while it stays under the context's `alike_rows` (each prompt's numbers are then those
+        of a pass of its own: llama.cpp's CPU attention computes every row of such a pass on
+        its own, and the matrix products every row alike), else one a pass."""
+        groups: list[list[tuple[Slot, int]]] = []
+        rows = 0
+        for slot, end in prompts:
+            n = end - slot.evaluated
+            if groups and rows + n < self._ctx.alike_rows:
+                groups[-1].append((slot, end))
+                rows += n
+            else:
+                groups.append([(slot, end)])
+                rows = n
+        return groups
+
+    def _prompt_pass(self, group: list[tuple[Slot, int]]) -> int:
+        """Evaluate each slot's prompt up to its `end`, in one pass. The first token is
+        sampled when a prompt is done. Returns the tokens evaluated."""
         rows = [
-            Row(tokens[p], p, slot.index, p == len(tokens) - 1) for p in range(slot.evaluated, end)
+            Row(slot.job.tokens[p], p, slot.index, p == len(slot.job.tokens) - 1)
+            for slot, end in group
+            for p in range(slot.evaluated, end)
         ]
         started = time.perf_counter()
         code = self._ctx.decode(rows)
         while code == 1 and self._make_room():
             code = self._ctx.decode(rows)
+        if code == 1 and len(group) > 1:  # no room for them together: each on its own
+            return sum(self._prompt_pass([piece]) for piece in group)
         if code != 0:
             # No room even so (the streams hold every cell), or llama.cpp failed: this
             # prompt, the newest work on the node, ends; the streams go on.
-            self._fail(
-                slot,
-                ResourceExhausted(self._full_message(slot))
-                if code == 1
-                else EngineError(f"llama_decode failed with code {code}"),
-            )
+            for slot, _ in group:
+                self._fail(
+                    slot,
+                    ResourceExhausted(self._full_message(slot))
+                    if code == 1
+                    else EngineError(f"llama_decode failed with code {code}"),
+                )
             return 0
-        slot.prompt_token_s = (time.perf_counter() - started) / len(rows)
-        slot.evaluated = slot.n_past = end
-        if end == len(tokens):
-            slot.first_at = time.perf_counter()
-            if self._cache is not None:
-                slot.kept = self._cache.keep(slot.index, slot.job.hashes, slot.window_from)
-            if slot.job.kind is JobKind.PREFILL and slot.job.replay:
-                self._replay_for_prefill(slot)
-                return len(rows)
-            if slot.job.replay:
-                if not slot.job.first_token_from_prefill:
-                    slot.sampler.skip(1)  # the draw that made the first token
-                self._accept_replayed(slot)
-                return len(rows)
-            token = slot.sampler.sample(self._ctx.ptr, len(rows) - 1)
-            if slot.job.kind is JobKind.PREFILL:
-                self._finish_prefill(slot, token)
-            else:
-                self._accept(slot, token)
+        token_s = (time.perf_counter() - started) / len(rows)
+        row = 0
+        for slot, end in group:
+            row += end - slot.evaluated
+            slot.prompt_token_s = token_s
+            slot.evaluated = slot.n_past = end
+            if end == len(slot.job.tokens):
+                self._prompt_done(slot, row - 1)
         return len(rows)
+
+    def _prompt_done(self, slot: Slot, row: int) -> None:
+        """The slot's prompt is evaluated, its last token at batch row `row`: its prefix
+        kept, then its replay, its state exported (a prefill) or its first token."""
+        slot.first_at = time.perf_counter()
+        if self._cache is not None:
+            slot.kept = self._cache.keep(slot.index, slot.job.hashes, slot.window_from)
+        if slot.job.kind is JobKind.PREFILL and slot.job.replay:
+            self._replay_for_prefill(slot)
+            return
+        if slot.job.replay:
+            if not slot.job.first_token_from_prefill:
+                slot.sampler.skip(1)  # the draw that made the first token
+            self._accept_replayed(slot)
+            return
+        token = slot.sampler.sample(self._ctx.ptr, row)
+        if slot.job.kind is JobKind.PREFILL:
+            self._finish_prefill(slot, token)
+        else:
+            self._accept(slot, token)
 
     def _accept(self, slot: Slot, token: int, send: bool = True) -> None:
         """A generated token: send its text (unless `send` is false: a replayed token, whose

@@ -1,6 +1,7 @@
 """What one step of the scheduler does, as a pure function of its slots (`plan_step`): which
 slots get a token in the step's decode pass, and how far each prompting slot's prompt gets,
-each in a pass of its own. No llama.cpp here: the scheduler carries the plan out.
+each in a pass of its own (the scheduler lets short pieces share one while it stays under
+`SlotContext.alike_rows`). No llama.cpp here: the scheduler carries the plan out.
 
 Each slot is in one phase (`SlotPhase`), set by the scheduler as it moves on: LOAD (a
 decode node's KV state going into the slot), PROMPT (its prompt evaluated in pieces),
@@ -97,7 +98,8 @@ S = TypeVar("S", bound=Planned)
 class StepPlan(Generic[S]):
     # One token each, in one pass.
     decode: list[S]
-    # Each slot's prompt evaluated up to that position, in a pass of its own, oldest first.
+    # Each slot's prompt evaluated up to that position, oldest first (in passes of their
+    # own, short ones sharing one: Scheduler._prompt_groups).
     prompts: list[tuple[S, int]]
 
 
