@@ -60,8 +60,9 @@ async def stream_example(
     metrics: Metrics | None = None
     async with AsyncMeshClient(address, token=token, tls=tls) as mesh:
         # The router dialled its nodes while they started; a channel that found one not
-        # listening yet waits out gRPC's reconnect back-off (up to 2 s) after the node says
-        # SERVING. So UNAVAILABLE before any text is tried again, for a few seconds.
+        # listening yet waits out gRPC's reconnect back-off (up to 0.5 s: node_clients.py)
+        # after the node says SERVING. So UNAVAILABLE before any text is tried again, for a
+        # few seconds.
         async for attempt in AsyncRetrying(
             retry=retry_if_exception_type(Unavailable),
             stop=stop_after_delay(START_RETRY_S),
