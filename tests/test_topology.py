@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -137,16 +140,79 @@ def test_engine_nodes_of_one_host_share_its_cores(tmp_path: Path) -> None:
     assert all(topology.host_peers(n) == tuple(e.name for e in engines) for n in engines)
     fixed = engines[0].model_copy(update={"n_threads": 1})
     assert (topology.threads_for(fixed), topology.host_peers(fixed)) == (1, ())
-    # The budget itself: a busy node takes the cores over the busy nodes.
+    # The lease itself: a busy node takes its share of the free cores, at least one.
     a, b = (HostThreads(["a", "b"], name, 4, folder=tmp_path) for name in "ab")
-    assert a.path == b.path and a.threads() == 4
-    b.set_busy(True)
-    assert a.threads() == 2 and b.threads() == 4  # a counts itself busy, b sees a idle
+    assert a.path == b.path
     a.set_busy(True)
-    assert b.threads() == 2
-    b.close()
-    assert a.threads() == 4
+    assert a.acquire(prompts=False, max_wait_s=0) == 4  # alone
+    a.release()
+    b.set_busy(True)
+    assert a.acquire(prompts=False, max_wait_s=0) == 2  # two busy nodes: half each
+    assert b.acquire(prompts=False, max_wait_s=0) == 2
+    a.release()
+    b.release()
+    b.close()  # idle (its record stays): a alone again
+    assert a.acquire(prompts=False, max_wait_s=0) == 4
+    a.release()
     a.close()
+
+
+def test_a_step_on_several_threads_holds_its_cores_alone(tmp_path: Path) -> None:
+    """A node that would start beside a step on several threads waits for it to end; one
+    step of a single thread each may share a core; a dead node's record holds nothing."""
+    a, b, c = (HostThreads(["a", "b", "c"], name, 2, folder=tmp_path) for name in "abc")
+    a.set_busy(True)
+    assert a.acquire(prompts=False, max_wait_s=0) == 2
+    b.set_busy(True)
+    started = time.perf_counter()
+    release = threading.Timer(0.3, a.release)
+    release.start()
+    assert b.acquire(prompts=False, max_wait_s=0) == 1  # waited for a's step
+    assert time.perf_counter() - started >= 0.25
+    assert a.acquire(prompts=False, max_wait_s=0) == 1  # beside b's single thread
+    c.set_busy(True)
+    assert c.acquire(prompts=False, max_wait_s=0) == 1  # three single threads on 2 cores
+    for node in (a, b, c):
+        node.release()
+    # A record left by a process that is gone (here: b's, rewritten with a dead pid).
+    b.set_busy(True)
+    assert b.acquire(prompts=False, max_wait_s=0) == 1
+    b._pid = dead_pid()
+    b._write()
+    c.set_busy(False)
+    assert a.acquire(prompts=False, max_wait_s=0) == 2
+    for node in (a, b, c):
+        node.close()
+
+
+def test_prompts_go_first_on_a_host_with_more_busy_nodes_than_cores(tmp_path: Path) -> None:
+    """A step of generated tokens waits for a node with prompt tokens while more nodes are
+    busy than there are cores, at most its max_wait_s; prompts never wait for it."""
+    decode, prefill, other = (
+        HostThreads(["d", "p", "o"], name, 2, folder=tmp_path) for name in "dpo"
+    )
+    decode.set_busy(True)
+    other.set_busy(True)
+    prefill.set_prompts(True)
+    started = time.perf_counter()
+    assert decode.acquire(prompts=False, max_wait_s=0.2) == 1  # waited out its 0.2 s
+    assert time.perf_counter() - started >= 0.2
+    decode.release()
+    assert prefill.acquire(prompts=True, max_wait_s=0) == 1
+    prefill.release()
+    other.set_busy(False)  # two busy nodes on 2 cores: nobody waits
+    started = time.perf_counter()
+    assert decode.acquire(prompts=False, max_wait_s=5) == 1
+    assert time.perf_counter() - started < 0.1
+    for node in (decode, prefill, other):
+        node.close()
+
+
+def dead_pid() -> int:
+    """The id of a process that has exited."""
+    child = subprocess.Popen(["true"])
+    child.wait()
+    return child.pid
 
 
 def test_the_kv_settings_a_topology_checks_are_the_fingerprints() -> None:

@@ -1,22 +1,57 @@
-"""A machine's cores, shared by the engine nodes on it.
+"""A machine's cores, shared by the engine nodes on it: a lease taken for every step.
 
 llama.cpp's CPU threads spin while they wait: two busy nodes whose threads add up to more
 than the cores slow each other down many times over, while a node alone on the machine is
 fastest with every core. So the engine nodes of one host (those the topology puts on it with
-no `n_threads` of their own) share a budget: each keeps one byte in a small shared file
-saying whether it is busy, and before each step a busy node takes the cores divided by the
-busy nodes (`llama_set_n_threads`). A request alone gets every core; many at once share them
-without oversubscription. A node that dies busy leaves its byte set: the others then take
-fewer cores than they could, never more, until it starts again and clears it.
+no `n_threads` of their own) share the cores through a small shared file, one record a node:
+whether it is busy (has work), whether that work is prompt tokens, how many threads its
+step runs on now, and its process id. Before each step a node takes a lease on threads
+(`acquire`) and gives it back after (`release`):
+
+- a busy node's share is the cores divided by the busy nodes; it takes its share of the
+  cores that no running step holds;
+- with no core free, a step of one thread starts anyway (the steps then take turns on the
+  cores), but never beside a step on several threads: it waits for that one to end (a
+  barrier of a step whose other thread lost its core waits for that thread's next turn, so
+  a shared step could take many times as long);
+- prompts first: while more nodes are busy than there are cores, a step of generated tokens
+  only waits for a node evaluating prompt tokens, at most `max_wait_s` (the node's
+  `max_itl_slowdown` over its decode pass, the time its own prompt work may add to a step).
+  New streams then start sooner and together, in fewer, fuller passes.
+
+A request alone gets every core; many at once share them without oversubscription. A node
+that dies leaves its record: the others skip records whose process is gone, and its next
+start clears it.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import mmap
 import os
+import struct
 import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import NamedTuple
+
+# One record a node: busy (0 idle, 1 busy, 2 busy with prompt tokens), threads of its step
+# now (0 between steps), padding, process id.
+_RECORD = struct.Struct("<BBxxI")
+IDLE, BUSY, PROMPTS = 0, 1, 2
+# How often a waiting node looks again.
+POLL_S = 0.0005
+# A step held up this long by another node's record takes one thread anyway (a record whose
+# process id went to another live process would otherwise hold the cores for ever).
+STALE_S = 30.0
+
+
+class _Peer(NamedTuple):
+    state: int
+    threads: int
 
 
 class HostThreads:
@@ -29,24 +64,102 @@ class HostThreads:
         key = hashlib.sha256("\n".join(ordered).encode()).hexdigest()[:16]
         shm = Path("/dev/shm")
         base = folder or (shm if shm.is_dir() else Path(tempfile.gettempdir()))
-        self.path = base / f"disagg-mesh-threads-{os.getuid()}-{key}"
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            if os.fstat(fd).st_size < self._count:
-                os.ftruncate(fd, self._count)
-            self._map = mmap.mmap(fd, self._count)
-        finally:
-            os.close(fd)
-        self.set_busy(False)
+        # v2: the records' layout (a node of an older release used one byte a node).
+        self.path = base / f"disagg-mesh-threads-v2-{os.getuid()}-{key}"
+        size = self._count * _RECORD.size
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        if os.fstat(self._fd).st_size < size:
+            os.ftruncate(self._fd, size)
+        self._map = mmap.mmap(self._fd, size)
+        self._pid = os.getpid()
+        self._state = IDLE
+        self._threads = 0
+        with self._locked():
+            self._write()
+
+    # -- this node's record ----------------------------------------------------------------
 
     def set_busy(self, busy: bool) -> None:
-        self._map[self._index] = 1 if busy else 0
+        self._state = BUSY if busy else IDLE
+        self._write()
 
-    def threads(self) -> int:
-        """This node's share of the cores now (counting itself as busy)."""
-        others = sum(1 for i, b in enumerate(self._map[: self._count]) if b and i != self._index)
-        return max(1, self.cores // (others + 1))
+    def set_prompts(self, prompts: bool) -> None:
+        """Whether this node's work now includes prompt tokens (it is busy either way)."""
+        self._state = PROMPTS if prompts else BUSY
+        self._write()
+
+    def acquire(self, prompts: bool, max_wait_s: float) -> int:
+        """The threads of this node's next step, taken from the host's free cores (waiting
+        while they are held as the module says); `release` gives them back."""
+        started = time.perf_counter()
+        while True:
+            with self._locked():
+                peers = self._peers()
+                waited = time.perf_counter() - started
+                threads = (
+                    1 if waited > STALE_S else self._grant(peers, prompts, waited < max_wait_s)
+                )
+                if threads:
+                    self._threads = threads
+                    self._write()
+                    return threads
+            time.sleep(POLL_S)
+
+    def release(self) -> None:
+        self._threads = 0
+        self._write()
 
     def close(self) -> None:
-        self.set_busy(False)
+        self._state, self._threads = IDLE, 0
+        self._write()
         self._map.close()
+        os.close(self._fd)
+
+    # -- the others' ---------------------------------------------------------------------
+
+    def _grant(self, peers: list[_Peer], prompts: bool, may_defer: bool) -> int:
+        """Threads for a step now, or 0: wait."""
+        busy = sum(1 for p in peers if p.state != IDLE) + 1
+        if not prompts and may_defer and busy > self.cores:
+            if any(p.state == PROMPTS for p in peers):
+                return 0  # prompts first
+        free = self.cores - sum(p.threads for p in peers)
+        if free < 1:  # steps of one thread may share a core, one on several never does
+            return 0 if any(p.threads > 1 for p in peers) else 1
+        return min(max(1, self.cores // busy), free)
+
+    def _peers(self) -> list[_Peer]:
+        """The other nodes' records, but for those whose process is gone."""
+        peers = []
+        for i in range(self._count):
+            if i == self._index:
+                continue
+            state, threads, pid = _RECORD.unpack_from(self._map, i * _RECORD.size)
+            if state != IDLE and pid and _alive(pid):
+                peers.append(_Peer(state, threads))
+        return peers
+
+    def _write(self) -> None:
+        _RECORD.pack_into(
+            self._map, self._index * _RECORD.size, self._state, self._threads, self._pid
+        )
+
+    @contextmanager
+    def _locked(self) -> Iterator[None]:
+        """The whole file, for a decision and its record (two nodes deciding at once would
+        both see the same free cores)."""
+        fcntl.flock(self._fd, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process with that id: not ours, but alive
+        return True
+    return True

@@ -52,7 +52,7 @@ from disagg_mesh.server.common.engines.llama_cpp.host_threads import HostThreads
 from disagg_mesh.server.common.engines.llama_cpp.model import LlamaModel, attended_from
 from disagg_mesh.server.common.engines.llama_cpp.prefix_cache import Entry, PrefixCache
 from disagg_mesh.server.common.engines.llama_cpp.sampling import SlotSampler
-from disagg_mesh.server.common.engines.llama_cpp.step_plan import SlotPhase, plan_step
+from disagg_mesh.server.common.engines.llama_cpp.step_plan import SlotPhase, StepPlan, plan_step
 from disagg_mesh.server.common.engines.llama_cpp.text import GeneratedToken, TextStream
 from disagg_mesh.server.common.errors import (
     Aborted,
@@ -316,9 +316,6 @@ class Scheduler:
                     self._start(slot)
                 self._reap_cancelled()
                 if any(self._slots):
-                    if self._threads is not None:
-                        self._threads.set_busy(True)
-                        self._ctx.set_threads(self._threads.threads())
                     self._step()
                 if self._parked_cells and not any(self._slots):
                     self._free_parked()
@@ -476,6 +473,24 @@ class Scheduler:
         plan = plan_step(
             active, self._ctx.n_batch, self._decode_pass_s, self._settings.max_itl_slowdown
         )
+        if self._threads is None:
+            self._run_step(plan)
+            return
+        # The host's cores, shared with the other engine nodes on it (host_threads.py). A
+        # step of generated tokens may wait for their prompts what its own prompt work may
+        # add to a step here (max_itl_slowdown).
+        prompts = bool(plan.prompts)
+        self._threads.set_prompts(prompts)
+        waited = time.perf_counter()
+        max_wait_s = (self._settings.max_itl_slowdown - 1) * (self._decode_pass_s or 0.0)
+        self._ctx.set_threads(self._threads.acquire(prompts, max_wait_s))
+        metrics.engine_core_wait(time.perf_counter() - waited)
+        try:
+            self._run_step(plan)
+        finally:
+            self._threads.release()
+
+    def _run_step(self, plan: StepPlan[Slot]) -> None:
         started = time.perf_counter()
         decoded = self._decode_pass(plan.decode) if plan.decode else []
         if decoded:

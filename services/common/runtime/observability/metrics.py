@@ -99,6 +99,13 @@ ENGINE_STEP_SECONDS = Histogram(
     buckets=_SECONDS,
 )
 
+ENGINE_CORE_WAIT_SECONDS = Histogram(
+    "disagg_engine_core_wait_seconds",
+    "Embedded engine on a host shared with other engine nodes: seconds a step waited for "
+    "the host's cores",
+    buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5, 30),
+)
+
 
 def serve_metrics(host: str, port: int) -> None:
     start_http_server(port, addr=host)
@@ -128,6 +135,10 @@ def watch_engine(load: Callable[[], EngineLoad | None]) -> None:
 
 def engine_cached(prompt_tokens: int) -> None:
     ENGINE_TOKENS.labels("cached").inc(prompt_tokens)
+
+
+def engine_core_wait(seconds: float) -> None:
+    ENGINE_CORE_WAIT_SECONDS.observe(seconds)
 
 
 def engine_step(seconds: float, prompt_tokens: int, decode_tokens: int) -> None:
