@@ -4,10 +4,13 @@ cancellation, a full KV cache, sequence ids out of range, and the KV memory a no
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import llama_cpp
+import numpy as np
 import pytest
 import pytest_asyncio
 
@@ -16,6 +19,7 @@ from disagg_mesh.server.common.engines.llama_cpp import EngineSettings, LlamaCpp
 from disagg_mesh.server.common.engines.llama_cpp.context import ContextSettings, Row, SlotContext
 from disagg_mesh.server.common.engines.llama_cpp.engine import plan_slots
 from disagg_mesh.server.common.engines.llama_cpp.model import LlamaModel, ModelLoadError
+from disagg_mesh.server.common.engines.llama_cpp.sampling import SlotSampler
 from disagg_mesh.server.common.engines.llama_cpp.step_plan import (
     FIRST_PIECE,
     SlotPhase,
@@ -158,6 +162,55 @@ def test_sequence_ids_are_checked_before_llama_cpp_sees_them() -> None:
                 context.export_state(bad)
         assert context.pos_max(1) == -1  # the process is still here
     finally:
+        context.close()
+        model.close()
+
+
+def test_greedy_picks_what_llama_cpps_greedy_chain_picks() -> None:
+    """SlotSampler's greedy pick (numpy's argmax over the row's logits) against llama.cpp's
+    own chain (a -inf logit bias on end tokens for ignore_eos, then its greedy sampler),
+    on the same rows: real logits, then the row changed so that an end token and then two
+    tokens at once are the most likely."""
+    model = LlamaModel(PATH)
+    context = SlotContext(
+        model, ContextSettings(slots=2, n_ctx=256, n_batch=32, n_ubatch=32, n_threads=1)
+    )
+    chains = []
+    try:
+        tokens = model.tokenize(Prompt(text="The capital of France is"), 256)
+        rows = [Row(t, p, slot, True) for slot in (0, 1) for p, t in enumerate(tokens)]
+        assert context.decode(rows) == 0
+        end = model.end_tokens[0]
+        for ignore_eos in (False, True):
+            sampling = Sampling(max_tokens=1, temperature=0.0, ignore_eos=ignore_eos)
+            ours = SlotSampler(sampling, 0, model.end_tokens, model.n_vocab)
+            chain = llama_cpp.llama_sampler_chain_init(
+                llama_cpp.llama_sampler_chain_default_params()
+            )
+            chains.append(chain)
+            if ignore_eos:
+                ends = model.end_tokens
+                biases = (llama_cpp.llama_logit_bias * len(ends))(
+                    *(llama_cpp.llama_logit_bias(token=t, bias=-math.inf) for t in ends)
+                )
+                bias = llama_cpp.llama_sampler_init_logit_bias(model.n_vocab, len(ends), biases)
+                llama_cpp.llama_sampler_chain_add(chain, bias)
+            llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_greedy())
+            for row in range(len(rows)):
+                logits = np.ctypeslib.as_array(
+                    llama_cpp.llama_get_logits_ith(context.ptr, row), shape=(model.n_vocab,)
+                )
+                for case in ("real", "end first", "a tie"):
+                    if case == "end first":
+                        logits[end] = logits.max() + 1
+                    if case == "a tie":
+                        logits[[7, 9]] = logits.max() + 2
+                    theirs = llama_cpp.llama_sampler_sample(chain, context.ptr, row)
+                    assert ours.sample(context.ptr, row) == theirs, (ignore_eos, row, case)
+            ours.close()
+    finally:
+        for chain in chains:
+            llama_cpp.llama_sampler_free(chain)
         context.close()
         model.close()
 

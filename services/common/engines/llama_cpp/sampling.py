@@ -72,9 +72,11 @@ class SlotSampler:
                 )
         # skip()'s one candidate: any id the bias leaves alone.
         self._skip_id = 0
+        self._end_ids: np.ndarray[Any, np.dtype[np.intp]] | None = None
         if sampling.ignore_eos and end_tokens:
             self._add(_end_token_bias(end_tokens, n_vocab))
             self._skip_id = next(t for t in range(len(end_tokens) + 1) if t not in end_tokens)
+            self._end_ids = np.array(end_tokens, dtype=np.intp)
         if self._greedy:
             self._add(llama_cpp.llama_sampler_init_greedy())
             return
@@ -96,11 +98,18 @@ class SlotSampler:
     def sample(self, ctx: Any, row: int) -> int:
         """Sample from the logits of batch row `row` (which must have asked for logits);
         the token is accepted into the chain's state."""
-        if self._grammar is None:
+        if self._grammar is None and not self._greedy:
             return int(llama_cpp.llama_sampler_sample(self._chain, ctx, row))
         logits = np.ctypeslib.as_array(
             llama_cpp.llama_get_logits_ith(ctx, row), shape=(self._n_vocab,)
         )
+        if self._grammar is None:
+            # What the greedy chain picks (end tokens at -inf for ignore_eos, then the first
+            # most likely token), without its copy of every logit: ~40 us less a row here.
+            # The chain keeps no state for a greedy pick to be accepted into.
+            if self._end_ids is not None:
+                logits[self._end_ids] = -np.inf
+            return int(np.argmax(logits))
         if self._greedy:
             # The most likely token, when the grammar allows it, is what greedy sampling of
             # the constrained logits picks: the grammar then looks at one candidate, not all.
