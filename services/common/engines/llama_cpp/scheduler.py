@@ -477,8 +477,8 @@ class Scheduler:
             self._run_step(plan)
             return
         # The host's cores, shared with the other engine nodes on it (host_threads.py). A
-        # step of generated tokens may wait for their prompts what its own prompt work may
-        # add to a step here (max_itl_slowdown).
+        # step of generated tokens may wait for another node's prompts as long as prompt
+        # work of its own may lengthen a step: (max_itl_slowdown - 1) x its decode pass.
         prompts = bool(plan.prompts)
         self._threads.set_prompts(prompts)
         waited = time.perf_counter()
