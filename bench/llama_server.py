@@ -3,14 +3,15 @@
     python -m bench.llama_server [--repeats 3] [--submissions 8]
 
 llama-server is built once, as a user would, from the llama.cpp that llama-cpp-python
-vendors (the sdist of the very version the nodes run: same llama.cpp, same compiler flags
-by default: -march=native, OpenMP) into ~/.cache/disagg-mesh/llama-server-<version>/; later
-runs reuse it. It runs as the issue's comparison ran it: `-np 16 -kvu -t <cores>` (16
-slots over one unified KV cache, every core), flash attention on and 512-token batches as
-the nodes have them, the same SmolLM2 file. The mesh is `topology/local.toml` on free
-ports: a router and, per model, a prefill and a decode node, default settings (their
-cores shared at run time). Both serve at once and take turns being asked (an idle side
-uses no CPU), repeat by repeat, so the machine's drift falls on both.
+vendors (the sdist of the very version the nodes run: same llama.cpp, the compiler flags
+`make venv` used: -march=native, OpenMP) into
+~/.cache/disagg-mesh/llama-server-<version>-<flags' hash>/; later runs reuse it. It runs as
+the issue's comparison ran it: `-np 16 -kvu -t <cores>` (16 slots over one unified KV cache,
+every core), flash attention on and 512-token batches as the nodes have them, the same
+SmolLM2 file. The mesh is `topology/local.toml` on free ports: a router and, per model, a
+prefill and a decode node, default settings (their cores shared at run time). Both serve at
+once and take turns being asked (an idle side uses no CPU), repeat by repeat, so the
+machine's drift falls on both.
 
 16. The same 16 greedy prompts (64 tokens each, ignore_eos; through the router's OpenAI
     door, alternating the two models; llama-server's /v1/completions, one model) 1, 4 and
@@ -30,6 +31,7 @@ Writes JSON to bench/results/ when run alone; `make bench` (bench/run.py) runs i
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import os
 import platform
 import re
@@ -81,20 +83,23 @@ SIXTEEN = [
 
 
 def cpu_flags() -> str:
-    """The compiler flags `make venv` builds the nodes' llama.cpp with (LLAMA_CPU_FLAGS in
-    the Makefile: ggml's AMX code compiled out on x86-64), so both sides run the same
-    kernels."""
-    if "LLAMA_CPU_FLAGS" in os.environ:
-        return os.environ["LLAMA_CPU_FLAGS"]
+    """The compiler flags the nodes' llama.cpp was built with, so both sides run the same
+    kernels: what `make venv` wrote beside the venv (the Makefile's LLAMA_CPU_FLAGS), else
+    the Makefile's default (ggml's AMX code compiled out on x86-64)."""
+    written = Path(sys.prefix) / ".llama-cpu-flags"
+    if written.exists():
+        return written.read_text().strip()
     if platform.machine() in ("x86_64", "AMD64", "amd64"):
         return "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
     return ""
 
 
 def cache_dir() -> Path:
+    """One build per llama.cpp version and compiler flags (a binary cached with other flags,
+    e.g. with ggml's AMX code, is not the nodes' twin)."""
     base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    # "-2": built with cpu_flags() (a binary cached before them may hold ggml's AMX code).
-    return base / "disagg-mesh" / f"llama-server-{llama_cpp.__version__}-2"
+    flags = hashlib.sha256(cpu_flags().encode()).hexdigest()[:8]
+    return base / "disagg-mesh" / f"llama-server-{llama_cpp.__version__}-{flags}"
 
 
 def llama_server_binary() -> Path:
