@@ -9,9 +9,9 @@ vendors (the sdist of the very version the nodes run: same llama.cpp, the compil
 the issue's comparison ran it: `-np 16 -kvu -t <cores>` (16 slots over one unified KV cache,
 every core), flash attention on and 512-token batches as the nodes have them, the same
 SmolLM2 file. The mesh is `topology/local.toml` on free ports: a router and, per model, a
-prefill and a decode node, default settings (their cores shared at run time). Both serve at
-once and take turns being asked (an idle side uses no CPU), repeat by repeat, so the
-machine's drift falls on both.
+prefill and a decode node, its settings (prefill nodes of 8 slots; cores shared at run
+time). Both serve at once and take turns being asked (an idle side uses no CPU), repeat by
+repeat, so the machine's drift falls on both.
 
 16. The same 16 greedy prompts (64 tokens each, ignore_eos; through the router's OpenAI
     door, alternating the two models; llama-server's /v1/completions, one model) 1, 4 and

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -10,7 +12,11 @@ from pathlib import Path
 import pytest
 
 from disagg_mesh.server.common.config.topology import Node, TopologyError, host_cores, load_topology
-from disagg_mesh.server.common.engines.llama_cpp.host_threads import HostThreads
+from disagg_mesh.server.common.engines.llama_cpp.host_threads import (
+    ENGINE_NICENESS,
+    HostThreads,
+    yield_to_io,
+)
 from disagg_mesh.server.common.types import Fingerprint
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -106,10 +112,10 @@ GOOD = (ROOT / "topology/local.toml").read_text()
             ),
             ["models[0]", "migrate_via 'prefill' needs prefill nodes"],
         ),
-        (GOOD.replace("slots = 4 ", "slots = 0 ", 1), ["nodes[1].slots"]),
+        (GOOD.replace("slots = 8 ", "slots = 0 ", 1), ["nodes[1].slots"]),
         (
-            GOOD.replace("slots = 4 ", "n_batch = 2\nslots = 4 ", 1),
-            ["nodes[1]", "n_batch = 2 must be at least slots = 4"],
+            GOOD.replace("slots = 8 ", "n_batch = 2\nslots = 8 ", 1),
+            ["nodes[1]", "n_batch = 2 must be at least slots = 8"],
         ),
     ],
 )
@@ -187,7 +193,8 @@ def test_a_step_on_several_threads_holds_its_cores_alone(tmp_path: Path) -> None
 
 def test_prompts_go_first_on_a_host_with_more_busy_nodes_than_cores(tmp_path: Path) -> None:
     """A step of generated tokens waits for a node with prompt tokens while more nodes are
-    busy than there are cores, at most its max_wait_s; prompts never wait for it."""
+    busy than there are cores (unless a core is free beside the prompt step), at most its
+    max_wait_s; prompts never wait for it."""
     decode, prefill, other = (
         HostThreads(["d", "p", "o"], name, 2, folder=tmp_path) for name in "dpo"
     )
@@ -200,12 +207,60 @@ def test_prompts_go_first_on_a_host_with_more_busy_nodes_than_cores(tmp_path: Pa
     decode.release()
     assert prefill.acquire(prompts=True, max_wait_s=0) == 1
     prefill.release()
+    # The prompt step runs on one thread and a core is free: no reason to wait.
+    assert prefill.acquire(prompts=True, max_wait_s=0) == 1
+    started = time.perf_counter()
+    assert decode.acquire(prompts=False, max_wait_s=5) == 1
+    assert time.perf_counter() - started < 0.1
+    # No core free (the other node's step holds the second): the decode step would share
+    # the prompt step's core, so it waits.
+    decode.release()
+    assert other.acquire(prompts=False, max_wait_s=0) == 1
+    started = time.perf_counter()
+    assert decode.acquire(prompts=False, max_wait_s=0.2) == 1
+    assert time.perf_counter() - started >= 0.2
+    for node in (decode, prefill, other):
+        node.release()
     other.set_busy(False)  # two busy nodes on 2 cores: nobody waits
     started = time.perf_counter()
     assert decode.acquire(prompts=False, max_wait_s=5) == 1
     assert time.perf_counter() - started < 0.1
     for node in (decode, prefill, other):
         node.close()
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="per-thread niceness is Linux's")
+def test_the_engine_thread_yields_its_cores_to_the_nodes_io() -> None:
+    """The engine thread, and threads it starts (llama.cpp's OpenMP workers), run at a
+    lower priority than the process's other threads; never back up from a lower one."""
+    if os.getpriority(os.PRIO_PROCESS, 0) >= ENGINE_NICENESS:
+        pytest.skip("the tests run at a niceness the engine thread keeps")
+    seen: dict[str, int] = {}
+
+    def niceness(name: str) -> None:
+        seen[name] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    def engine() -> None:
+        yield_to_io()
+        niceness("engine")
+        worker = threading.Thread(target=niceness, args=("worker",))
+        worker.start()
+        worker.join()
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), ENGINE_NICENESS + 5)
+        yield_to_io()
+        niceness("lower already")
+
+    thread = threading.Thread(target=engine)
+    thread.start()
+    thread.join()
+    niceness("io")
+    assert seen == {
+        "engine": ENGINE_NICENESS,
+        "worker": ENGINE_NICENESS,
+        "lower already": ENGINE_NICENESS + 5,
+        "io": os.getpriority(os.PRIO_PROCESS, 0),
+    }
+    assert seen["io"] < ENGINE_NICENESS
 
 
 def dead_pid() -> int:

@@ -15,9 +15,15 @@ step runs on now, and its process id. Before each step a node takes a lease on t
   barrier of a step whose other thread lost its core waits for that thread's next turn, so
   a shared step could take many times as long);
 - prompts first: while more nodes are busy than there are cores, a step of generated tokens
-  only waits for a node evaluating prompt tokens, at most `max_wait_s` (the node's
+  waits for a node evaluating prompt tokens (one waiting for cores, or one whose core it
+  would share: not while a core is free), at most `max_wait_s` (the node's
   `max_itl_slowdown` over its decode pass, the time its own prompt work may add to a step).
   New streams then start sooner and together, in fewer, fuller passes.
+
+The engine thread (and the llama.cpp threads it starts) also runs at a lower priority than
+the rest of the machine (`yield_to_io`): a node's gRPC and HTTP handlers, the router and
+clients on the host take a core the moment they have work, so a burst of requests reaches
+the engines at once, instead of one request a time slice while the engines hold every core.
 
 A request alone gets every core; many at once share them without oversubscription. A node
 that dies leaves its record: the others skip records whose process is gone, and its next
@@ -31,7 +37,9 @@ import hashlib
 import mmap
 import os
 import struct
+import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -44,6 +52,9 @@ _RECORD = struct.Struct("<BBxxI")
 IDLE, BUSY, PROMPTS = 0, 1, 2
 # How often a waiting node looks again.
 POLL_S = 0.0005
+# The engine threads' niceness (Linux: 0 is the default, 19 the lowest priority). At 10 a
+# thread at the default niceness gets about 9 times their share of a core they contend for.
+ENGINE_NICENESS = 10
 # A step held up this long by another node's record takes one thread anyway (a record whose
 # process id went to another live process would otherwise hold the cores for ever).
 STALE_S = 30.0
@@ -120,10 +131,12 @@ class HostThreads:
     def _grant(self, peers: list[_Peer], prompts: bool, may_defer: bool) -> int:
         """Threads for a step now, or 0: wait."""
         busy = sum(1 for p in peers if p.state != IDLE) + 1
-        if not prompts and may_defer and busy > self.cores:
-            if any(p.state == PROMPTS for p in peers):
-                return 0  # prompts first
         free = self.cores - sum(p.threads for p in peers)
+        if not prompts and may_defer and busy > self.cores:
+            # Prompts first: wait for a node whose prompt step waits for cores, or would
+            # share its core with this step; not while a core is left free beside them.
+            if any(p.state == PROMPTS and (p.threads == 0 or free < 1) for p in peers):
+                return 0
         if free < 1:  # steps of one thread may share a core, one on several never does
             return 0 if any(p.threads > 1 for p in peers) else 1
         return min(max(1, self.cores // busy), free)
@@ -163,3 +176,18 @@ def _alive(pid: int) -> bool:
     except PermissionError:  # someone else's process with that id: not ours, but alive
         return True
     return True
+
+
+def yield_to_io() -> None:
+    """The calling thread, and the threads it starts from now on (llama.cpp's OpenMP
+    workers), run at ENGINE_NICENESS: below the node's own event loop and gRPC threads,
+    the router and anything else at the default priority. Linux only (elsewhere a no-op:
+    macOS sets priority per process)."""
+    if sys.platform != "linux":
+        return
+    thread = threading.get_native_id()
+    try:  # never back up: a node started at a lower priority keeps it
+        if os.getpriority(os.PRIO_PROCESS, thread) < ENGINE_NICENESS:
+            os.setpriority(os.PRIO_PROCESS, thread, ENGINE_NICENESS)
+    except OSError:  # a sandbox that forbids it: the default priority
+        pass

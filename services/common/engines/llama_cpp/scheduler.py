@@ -48,7 +48,7 @@ import structlog
 
 from disagg_mesh.server.common.engines.base import EngineLoad, PrefillOutput, TokenRates
 from disagg_mesh.server.common.engines.llama_cpp.context import Row, SlotContext
-from disagg_mesh.server.common.engines.llama_cpp.host_threads import HostThreads
+from disagg_mesh.server.common.engines.llama_cpp.host_threads import HostThreads, yield_to_io
 from disagg_mesh.server.common.engines.llama_cpp.model import LlamaModel, attended_from
 from disagg_mesh.server.common.engines.llama_cpp.prefix_cache import Entry, PrefixCache
 from disagg_mesh.server.common.engines.llama_cpp.sampling import SlotSampler
@@ -302,6 +302,7 @@ class Scheduler:
     # -- the engine thread ------------------------------------------------------------------
 
     def _run(self) -> None:
+        yield_to_io()
         try:
             while True:
                 with self._cv:
@@ -311,9 +312,7 @@ class Scheduler:
                         self._cv.wait()
                     if self._stopping:
                         break
-                    admitted = self._take_pending()
-                for slot in admitted:
-                    self._start(slot)
+                self._admit()
                 self._reap_cancelled()
                 if any(self._slots):
                     self._step()
@@ -335,6 +334,14 @@ class Scheduler:
                 pending, self._pending = list(self._pending), deque()
             for job in pending:
                 _emit(job, Unavailable(reason))
+
+    def _admit(self) -> bool:
+        """Queued jobs take free slots and start; whether any did."""
+        with self._cv:
+            admitted = self._take_pending()
+        for slot in admitted:
+            self._start(slot)
+        return bool(admitted)
 
     def _take_pending(self) -> list[Slot]:
         """Move queued jobs into free slots (under the lock)."""
@@ -466,13 +473,16 @@ class Scheduler:
             if slot is not None and slot.job.cancelled:
                 self._free(slot)
 
-    def _step(self) -> None:
+    def _plan(self) -> StepPlan[Slot]:
         active = [s for s in self._slots if s is not None]
         if self._parked_cells > max(sum(s.n_past for s in active), self._ctx.n_ctx):
             self._free_parked()
-        plan = plan_step(
+        return plan_step(
             active, self._ctx.n_batch, self._decode_pass_s, self._settings.max_itl_slowdown
         )
+
+    def _step(self) -> None:
+        plan = self._plan()
         if self._threads is None:
             self._run_step(plan)
             return
@@ -486,6 +496,11 @@ class Scheduler:
         self._ctx.set_threads(self._threads.acquire(prompts, max_wait_s))
         metrics.engine_core_wait(time.perf_counter() - waited)
         try:
+            # Jobs that came while the step waited for cores join it (a burst of requests
+            # then shares one prompt pass, instead of a pass for the first one alone).
+            if self._admit():
+                self._reap_cancelled()
+                plan = self._plan()
             self._run_step(plan)
         finally:
             self._threads.release()
