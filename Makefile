@@ -56,7 +56,11 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --no-deps $(GEMMA3)
 	@touch $(STAMP)
 
-venv: $(STAMP)  ## create the virtual environment and install everything
+# A venv made before the flags were kept was made with the default ones.
+$(VENV)/.llama-cpu-flags: | $(STAMP)
+	@echo "$(LLAMA_CPU_FLAGS)" > $@
+
+venv: $(STAMP) $(VENV)/.llama-cpu-flags  ## create the virtual environment and install everything
 
 protos: venv  ## regenerate generated/ from protos/
 	$(PY) scripts/gen_protos.py

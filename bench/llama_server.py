@@ -33,7 +33,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
-import platform
 import re
 import shutil
 import subprocess
@@ -84,14 +83,10 @@ SIXTEEN = [
 
 def cpu_flags() -> str:
     """The compiler flags the nodes' llama.cpp was built with, so both sides run the same
-    kernels: what `make venv` wrote beside the venv (the Makefile's LLAMA_CPU_FLAGS), else
-    the Makefile's default (ggml's AMX code compiled out on x86-64)."""
+    kernels: what `make venv` wrote beside the venv (the Makefile's LLAMA_CPU_FLAGS); none
+    in a venv made otherwise."""
     written = Path(sys.prefix) / ".llama-cpu-flags"
-    if written.exists():
-        return written.read_text().strip()
-    if platform.machine() in ("x86_64", "AMD64", "amd64"):
-        return "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
-    return ""
+    return written.read_text().strip() if written.exists() else ""
 
 
 def cache_dir() -> Path:

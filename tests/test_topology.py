@@ -194,13 +194,14 @@ def test_a_step_on_several_threads_holds_its_cores_alone(tmp_path: Path) -> None
 def test_prompts_go_first_on_a_host_with_more_busy_nodes_than_cores(tmp_path: Path) -> None:
     """A step of generated tokens waits for a node with prompt tokens while more nodes are
     busy than there are cores (unless a core is free beside the prompt step), at most its
-    max_wait_s; prompts never wait for it."""
+    max_wait_s, times the prompts' requests over its streams where those are more; prompts
+    never wait for it."""
     decode, prefill, other = (
         HostThreads(["d", "p", "o"], name, 2, folder=tmp_path) for name in "dpo"
     )
     decode.set_busy(True)
     other.set_busy(True)
-    prefill.set_prompts(True)
+    prefill.set_prompts(1)
     started = time.perf_counter()
     assert decode.acquire(prompts=False, max_wait_s=0.2) == 1  # waited out its 0.2 s
     assert time.perf_counter() - started >= 0.2
@@ -219,6 +220,17 @@ def test_prompts_go_first_on_a_host_with_more_busy_nodes_than_cores(tmp_path: Pa
     started = time.perf_counter()
     assert decode.acquire(prompts=False, max_wait_s=0.2) == 1
     assert time.perf_counter() - started >= 0.2
+    # Prompts of more requests than the step's streams: it waits that much longer (its
+    # streams wait, or those requests' first tokens would).
+    decode.release()
+    prefill.set_prompts(4)
+    started = time.perf_counter()
+    assert decode.acquire(prompts=False, max_wait_s=0.05, streams=1) == 1
+    assert time.perf_counter() - started >= 0.2
+    decode.release()
+    started = time.perf_counter()
+    assert decode.acquire(prompts=False, max_wait_s=0.05, streams=4) == 1
+    assert 0.05 <= time.perf_counter() - started < 0.2
     for node in (decode, prefill, other):
         node.release()
     other.set_busy(False)  # two busy nodes on 2 cores: nobody waits

@@ -4,9 +4,9 @@ llama.cpp's CPU threads spin while they wait: two busy nodes whose threads add u
 than the cores slow each other down many times over, while a node alone on the machine is
 fastest with every core. So the engine nodes of one host (those the topology puts on it with
 no `n_threads` of their own) share the cores through a small shared file, one record a node:
-whether it is busy (has work), whether that work is prompt tokens, how many threads its
-step runs on now, and its process id. Before each step a node takes a lease on threads
-(`acquire`) and gives it back after (`release`):
+whether it is busy (has work), whether that work is prompt tokens and for how many
+requests, how many threads its step runs on now, and its process id. Before each step a
+node takes a lease on threads (`acquire`) and gives it back after (`release`):
 
 - a busy node's share is the cores divided by the busy nodes; it takes its share of the
   cores that no running step holds;
@@ -15,10 +15,13 @@ step runs on now, and its process id. Before each step a node takes a lease on t
   barrier of a step whose other thread lost its core waits for that thread's next turn, so
   a shared step could take many times as long);
 - prompts first: while more nodes are busy than there are cores, a step of generated tokens
-  waits for a node evaluating prompt tokens (one waiting for cores, or one whose core it
-  would share: not while a core is free), at most `max_wait_s` (the node's
-  `max_itl_slowdown` over its decode pass, the time its own prompt work may add to a step).
-  New streams then start sooner and together, in fewer, fuller passes.
+  waits for nodes evaluating prompt tokens (those waiting for cores, or whose core it would
+  share: not while a core is free), at most `max_wait_s` (the node's `max_itl_slowdown`
+  over its decode pass, the time its own prompt work may add to a step) times the requests
+  whose prompts they evaluate over the streams of the step, if more: a wait delays the
+  step's streams, a step beside the prompts delays those requests' first tokens. New
+  streams then start sooner and together, in fewer, fuller passes; the first stream of a
+  burst does not step alone beside the prompts of the rest.
 
 The engine thread (and the llama.cpp threads it starts) also runs at a lower priority than
 the rest of the machine (`yield_to_io`): a node's gRPC and HTTP handlers, the router and
@@ -47,8 +50,9 @@ from pathlib import Path
 from typing import NamedTuple
 
 # One record a node: busy (0 idle, 1 busy, 2 busy with prompt tokens), threads of its step
-# now (0 between steps), padding, process id.
-_RECORD = struct.Struct("<BBxxI")
+# now (0 between steps), requests whose prompt tokens its step evaluates, process id. (The
+# requests were padding before: a record of an older node reads as 0, taken as 1.)
+_RECORD = struct.Struct("<BBHI")
 IDLE, BUSY, PROMPTS = 0, 1, 2
 # How often a waiting node looks again.
 POLL_S = 0.0005
@@ -63,6 +67,7 @@ STALE_S = 30.0
 class _Peer(NamedTuple):
     state: int
     threads: int
+    requests: int
 
 
 class HostThreads:
@@ -85,6 +90,7 @@ class HostThreads:
         self._pid = os.getpid()
         self._state = IDLE
         self._threads = 0
+        self._requests = 0
         with self._locked():
             self._write()
 
@@ -94,21 +100,26 @@ class HostThreads:
         self._state = BUSY if busy else IDLE
         self._write()
 
-    def set_prompts(self, prompts: bool) -> None:
-        """Whether this node's work now includes prompt tokens (it is busy either way)."""
-        self._state = PROMPTS if prompts else BUSY
+    def set_prompts(self, requests: int) -> None:
+        """For how many requests this node's next step evaluates prompt tokens (0: none; it
+        is busy either way)."""
+        self._state = PROMPTS if requests else BUSY
+        self._requests = min(requests, 0xFFFF)
         self._write()
 
-    def acquire(self, prompts: bool, max_wait_s: float) -> int:
+    def acquire(self, prompts: bool, max_wait_s: float, streams: int = 1) -> int:
         """The threads of this node's next step, taken from the host's free cores (waiting
-        while they are held as the module says); `release` gives them back."""
+        while they are held as the module says); `release` gives them back. streams: the
+        step's generated tokens (for prompts first)."""
         started = time.perf_counter()
         while True:
             with self._locked():
                 peers = self._peers()
                 waited = time.perf_counter() - started
                 threads = (
-                    1 if waited > STALE_S else self._grant(peers, prompts, waited < max_wait_s)
+                    1
+                    if waited > STALE_S
+                    else self._grant(peers, prompts, waited, max_wait_s, streams)
                 )
                 if threads:
                     self._threads = threads
@@ -121,21 +132,29 @@ class HostThreads:
         self._write()
 
     def close(self) -> None:
-        self._state, self._threads = IDLE, 0
+        self._state, self._threads, self._requests = IDLE, 0, 0
         self._write()
         self._map.close()
         os.close(self._fd)
 
     # -- the others' ---------------------------------------------------------------------
 
-    def _grant(self, peers: list[_Peer], prompts: bool, may_defer: bool) -> int:
+    def _grant(
+        self, peers: list[_Peer], prompts: bool, waited: float, max_wait_s: float, streams: int
+    ) -> int:
         """Threads for a step now, or 0: wait."""
         busy = sum(1 for p in peers if p.state != IDLE) + 1
         free = self.cores - sum(p.threads for p in peers)
-        if not prompts and may_defer and busy > self.cores:
-            # Prompts first: wait for a node whose prompt step waits for cores, or would
-            # share its core with this step; not while a core is left free beside them.
-            if any(p.state == PROMPTS and (p.threads == 0 or free < 1) for p in peers):
+        if not prompts and busy > self.cores:
+            # Prompts first: wait for the nodes whose prompt steps wait for cores, or would
+            # share a core with this step (not while a core is left free beside them), the
+            # longer the more requests they serve against this step's streams.
+            requests = sum(
+                max(1, p.requests)
+                for p in peers
+                if p.state == PROMPTS and (p.threads == 0 or free < 1)
+            )
+            if requests and waited < max_wait_s * max(1.0, requests / max(1, streams)):
                 return 0
         if free < 1:  # steps of one thread may share a core, one on several never does
             return 0 if any(p.threads > 1 for p in peers) else 1
@@ -147,14 +166,19 @@ class HostThreads:
         for i in range(self._count):
             if i == self._index:
                 continue
-            state, threads, pid = _RECORD.unpack_from(self._map, i * _RECORD.size)
+            state, threads, requests, pid = _RECORD.unpack_from(self._map, i * _RECORD.size)
             if state != IDLE and pid and _alive(pid):
-                peers.append(_Peer(state, threads))
+                peers.append(_Peer(state, threads, requests))
         return peers
 
     def _write(self) -> None:
         _RECORD.pack_into(
-            self._map, self._index * _RECORD.size, self._state, self._threads, self._pid
+            self._map,
+            self._index * _RECORD.size,
+            self._state,
+            self._threads,
+            self._requests,
+            self._pid,
         )
 
     @contextmanager

@@ -488,12 +488,13 @@ class Scheduler:
             return
         # The host's cores, shared with the other engine nodes on it (host_threads.py). A
         # step of generated tokens may wait for another node's prompts as long as prompt
-        # work of its own may lengthen a step: (max_itl_slowdown - 1) x its decode pass.
-        prompts = bool(plan.prompts)
-        self._threads.set_prompts(prompts)
+        # work of its own may lengthen a step: (max_itl_slowdown - 1) x its decode pass,
+        # times their requests over its streams where those are more.
+        self._threads.set_prompts(len(plan.prompts))
         waited = time.perf_counter()
         max_wait_s = (self._settings.max_itl_slowdown - 1) * (self._decode_pass_s or 0.0)
-        self._ctx.set_threads(self._threads.acquire(prompts, max_wait_s))
+        threads = self._threads.acquire(bool(plan.prompts), max_wait_s, len(plan.decode))
+        self._ctx.set_threads(threads)
         metrics.engine_core_wait(time.perf_counter() - waited)
         try:
             # Jobs that came while the step waited for cores join it (a burst of requests
