@@ -30,7 +30,6 @@ import os
 import sys
 import time
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -42,7 +41,7 @@ import llama_cpp
 
 import grpc
 
-from bench.common import MODEL, ROOT, median, report_alone, say
+from bench.common import MODEL, ROOT, median, on_llama_thread, report_alone, say
 from bench.work import Work, figure, record, total
 from disagg_mesh.proto.v1 import decode_pb2, decode_pb2_grpc, types_pb2
 from disagg_mesh.server.common.engines.llama_cpp.sampling import SlotSampler, end_tokens
@@ -79,14 +78,12 @@ class RawBatched:
     """Raw llama.cpp in this process: B sequences of one unified context, prefilled, then
     decoded one token each per llama_decode, greedy (the node's own sampler).
 
-    Its passes all run on one thread of its own (`run`), as a node's run on its engine
-    thread: libgomp keeps a team of worker threads for every thread that starts parallel
-    regions, and once the teams' threads outnumber the cores it stops spinning at barriers
-    and sleeps at each instead. Passes started from asyncio's worker threads, a different
-    one now and then, made one stream 2.7x slower here (36 against 98 tok/s, 2 cores)."""
+    Its passes all run on the benchmark's one llama.cpp thread (`run`, `llama_thread`), as a
+    node's run on its engine thread. Passes started from asyncio's worker threads, a
+    different one now and then, made one stream 2.7x slower here (36 against 98 tok/s, 2
+    cores), and so did a thread of its own after row 2's passes on the main thread."""
 
     def __init__(self, model_path: Path, threads: int) -> None:
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="raw-llama-cpp")
         self.llm: Any = llama_cpp.Llama(model_path=str(model_path), vocab_only=True, verbose=False)
         self.ends = end_tokens(self.llm._model.vocab, self.llm.n_vocab())
         params = llama_cpp.llama_model_default_params()
@@ -142,14 +139,10 @@ class RawBatched:
         return streams * (new_tokens - 1) / elapsed, work
 
     async def run(self, streams: int, new_tokens: int) -> tuple[float, Work]:
-        """`tokens_per_second` on this instance's own thread."""
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(
-            self._thread, self.tokens_per_second, streams, new_tokens
-        )
+        """`tokens_per_second` on the benchmark's llama.cpp thread."""
+        return await on_llama_thread(lambda: self.tokens_per_second(streams, new_tokens))
 
     def close(self) -> None:
-        self._thread.shutdown()
         llama_cpp.llama_batch_free(self._batch)
         llama_cpp.llama_free(self._ctx)
         llama_cpp.llama_model_free(self._model)

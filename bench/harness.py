@@ -8,12 +8,13 @@ import asyncio
 import sys
 import time
 from dataclasses import asdict
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import grpc
 
-from bench.common import ROOT, median, pct, say, secs
+from bench.common import ROOT, median, on_llama_thread, pct, say, secs
 from bench.work import Work, record, total
 from disagg_mesh import AsyncMeshClient, GenerateCall, MeshError
 from disagg_mesh.proto.v1 import (
@@ -251,7 +252,11 @@ class Bench:
                     timed = await timed_stream(router, request)
                     summary = timed.summary
                     keep = summary.cached_prompt_tokens if kind == "warm" else 0
-                    alone = single.run(prompt, new_tokens, keep) if single else None
+                    alone = (
+                        await on_llama_thread(partial(single.run, prompt, new_tokens, keep))
+                        if single
+                        else None
+                    )
                     if not attempt:
                         continue
                     mesh_s.append(timed.ended)
