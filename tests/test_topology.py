@@ -150,15 +150,15 @@ def test_engine_nodes_of_one_host_share_its_cores(tmp_path: Path) -> None:
     a, b = (HostThreads(["a", "b"], name, 4, folder=tmp_path) for name in "ab")
     assert a.path == b.path
     a.set_busy(True)
-    assert a.acquire(prompts=False, max_wait_s=0) == 4  # alone
+    assert a.acquire(max_wait_s=0) == 4  # alone
     a.release()
     b.set_busy(True)
-    assert a.acquire(prompts=False, max_wait_s=0) == 2  # two busy nodes: half each
-    assert b.acquire(prompts=False, max_wait_s=0) == 2
+    assert a.acquire(max_wait_s=0) == 2  # two busy nodes: half each
+    assert b.acquire(max_wait_s=0) == 2
     a.release()
     b.release()
     b.close()  # idle (its record stays): a alone again
-    assert a.acquire(prompts=False, max_wait_s=0) == 4
+    assert a.acquire(max_wait_s=0) == 4
     a.release()
     a.close()
 
@@ -168,25 +168,25 @@ def test_a_step_on_several_threads_holds_its_cores_alone(tmp_path: Path) -> None
     step of a single thread each may share a core; a dead node's record holds nothing."""
     a, b, c = (HostThreads(["a", "b", "c"], name, 2, folder=tmp_path) for name in "abc")
     a.set_busy(True)
-    assert a.acquire(prompts=False, max_wait_s=0) == 2
+    assert a.acquire(max_wait_s=0) == 2
     b.set_busy(True)
     started = time.perf_counter()
     release = threading.Timer(0.3, a.release)
     release.start()
-    assert b.acquire(prompts=False, max_wait_s=0) == 1  # waited for a's step
+    assert b.acquire(max_wait_s=0) == 1  # waited for a's step
     assert time.perf_counter() - started >= 0.25
-    assert a.acquire(prompts=False, max_wait_s=0) == 1  # beside b's single thread
+    assert a.acquire(max_wait_s=0) == 1  # beside b's single thread
     c.set_busy(True)
-    assert c.acquire(prompts=False, max_wait_s=0) == 1  # three single threads on 2 cores
+    assert c.acquire(max_wait_s=0) == 1  # three single threads on 2 cores
     for node in (a, b, c):
         node.release()
     # A record left by a process that is gone (here: b's, rewritten with a dead pid).
     b.set_busy(True)
-    assert b.acquire(prompts=False, max_wait_s=0) == 1
+    assert b.acquire(max_wait_s=0) == 1
     b._pid = dead_pid()
     b._write()
     c.set_busy(False)
-    assert a.acquire(prompts=False, max_wait_s=0) == 2
+    assert a.acquire(max_wait_s=0) == 2
     for node in (a, b, c):
         node.close()
 
@@ -203,39 +203,39 @@ def test_prompts_go_first_on_a_host_with_more_busy_nodes_than_cores(tmp_path: Pa
     other.set_busy(True)
     prefill.set_prompts(1)
     started = time.perf_counter()
-    assert decode.acquire(prompts=False, max_wait_s=0.2) == 1  # waited out its 0.2 s
+    assert decode.acquire(max_wait_s=0.2) == 1  # waited out its 0.2 s
     assert time.perf_counter() - started >= 0.2
     decode.release()
-    assert prefill.acquire(prompts=True, max_wait_s=0) == 1
+    assert prefill.acquire(max_wait_s=0) == 1
     prefill.release()
     # The prompt step runs on one thread and a core is free: no reason to wait.
-    assert prefill.acquire(prompts=True, max_wait_s=0) == 1
+    assert prefill.acquire(max_wait_s=0) == 1
     started = time.perf_counter()
-    assert decode.acquire(prompts=False, max_wait_s=5) == 1
+    assert decode.acquire(max_wait_s=5) == 1
     assert time.perf_counter() - started < 0.1
     # No core free (the other node's step holds the second): the decode step would share
     # the prompt step's core, so it waits.
     decode.release()
-    assert other.acquire(prompts=False, max_wait_s=0) == 1
+    assert other.acquire(max_wait_s=0) == 1
     started = time.perf_counter()
-    assert decode.acquire(prompts=False, max_wait_s=0.2) == 1
+    assert decode.acquire(max_wait_s=0.2) == 1
     assert time.perf_counter() - started >= 0.2
     # Prompts of more requests than the step's streams: it waits that much longer (its
     # streams wait, or those requests' first tokens would).
     decode.release()
     prefill.set_prompts(4)
     started = time.perf_counter()
-    assert decode.acquire(prompts=False, max_wait_s=0.05, streams=1) == 1
+    assert decode.acquire(max_wait_s=0.05, streams=1) == 1
     assert time.perf_counter() - started >= 0.2
     decode.release()
     started = time.perf_counter()
-    assert decode.acquire(prompts=False, max_wait_s=0.05, streams=4) == 1
+    assert decode.acquire(max_wait_s=0.05, streams=4) == 1
     assert 0.05 <= time.perf_counter() - started < 0.2
     for node in (decode, prefill, other):
         node.release()
     other.set_busy(False)  # two busy nodes on 2 cores: nobody waits
     started = time.perf_counter()
-    assert decode.acquire(prompts=False, max_wait_s=5) == 1
+    assert decode.acquire(max_wait_s=5) == 1
     assert time.perf_counter() - started < 0.1
     for node in (decode, prefill, other):
         node.close()

@@ -107,10 +107,11 @@ class HostThreads:
         self._requests = min(requests, 0xFFFF)
         self._write()
 
-    def acquire(self, prompts: bool, max_wait_s: float, streams: int = 1) -> int:
-        """The threads of this node's next step, taken from the host's free cores (waiting
-        while they are held as the module says); `release` gives them back. streams: the
-        step's generated tokens (for prompts first)."""
+    def acquire(self, max_wait_s: float, streams: int = 1) -> int:
+        """The threads of this node's next step (whether it has prompt tokens: its record,
+        `set_prompts`), taken from the host's free cores (waiting while they are held as the
+        module says); `release` gives them back. streams: the step's generated tokens (for
+        prompts first)."""
         started = time.perf_counter()
         while True:
             with self._locked():
@@ -119,7 +120,7 @@ class HostThreads:
                 threads = (
                     1
                     if waited > STALE_S
-                    else self._grant(peers, prompts, waited, max_wait_s, streams)
+                    else self._grant(peers, waited, max_wait_s, streams)
                 )
                 if threads:
                     self._threads = threads
@@ -139,13 +140,11 @@ class HostThreads:
 
     # -- the others' ---------------------------------------------------------------------
 
-    def _grant(
-        self, peers: list[_Peer], prompts: bool, waited: float, max_wait_s: float, streams: int
-    ) -> int:
+    def _grant(self, peers: list[_Peer], waited: float, max_wait_s: float, streams: int) -> int:
         """Threads for a step now, or 0: wait."""
         busy = sum(1 for p in peers if p.state != IDLE) + 1
         free = self.cores - sum(p.threads for p in peers)
-        if not prompts and busy > self.cores:
+        if self._state != PROMPTS and busy > self.cores:
             # Prompts first: wait for the nodes whose prompt steps wait for cores, or would
             # share a core with this step (not while a core is left free beside them), the
             # longer the more requests they serve against this step's streams.

@@ -493,8 +493,7 @@ class Scheduler:
         self._threads.set_prompts(len(plan.prompts))
         waited = time.perf_counter()
         max_wait_s = (self._settings.max_itl_slowdown - 1) * (self._decode_pass_s or 0.0)
-        threads = self._threads.acquire(bool(plan.prompts), max_wait_s, len(plan.decode))
-        self._ctx.set_threads(threads)
+        self._ctx.set_threads(self._threads.acquire(max_wait_s, len(plan.decode)))
         metrics.engine_core_wait(time.perf_counter() - waited)
         try:
             # Jobs that came while the step waited for cores join it (a burst of requests
