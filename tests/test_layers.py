@@ -14,8 +14,11 @@ PREFIX = "disagg_mesh.server."
 # The plain vocabulary every layer speaks, and what each may import of the server's code.
 VOCABULARY = ("common/types.py", "common/errors.py", "common/validation.py")
 LAYERS = {
-    **{path: ("common.types", "common.errors", "common.response_format") for path in VOCABULARY},
-    "common/response_format.py": ("common.types", "common.errors"),
+    **{
+        path: ("common.types", "common.errors", "common.config", "common.structured")
+        for path in VOCABULARY
+    },
+    "common/structured": ("common.types", "common.errors", "common.config", "common.structured"),
     "common/config": ("common.types", "common.errors", "common.config"),
 }
 # The router runs no engine: the only engine code it may use is the prefix cache's keys

@@ -21,7 +21,7 @@ from pydantic import BaseModel, Field
 from disagg_mesh.client import GenerateCall, MeshClient
 from disagg_mesh.proto.v1 import router_pb2, router_pb2_grpc, types_pb2
 from disagg_mesh.server.common.errors import InvalidArgument
-from disagg_mesh.server.common.response_format import check, grammar
+from disagg_mesh.server.common.structured.response_format import check, grammar
 from disagg_mesh.server.common.types import ResponseFormat
 from tests.conftest import ROOT, Mesh
 from tests.streams import collect

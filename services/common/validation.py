@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from disagg_mesh.server.common.config.topology import SchemaLimits
 from disagg_mesh.server.common.errors import InvalidArgument, NotFound
-from disagg_mesh.server.common.response_format import check as check_response_format
+from disagg_mesh.server.common.structured.response_format import DEFAULT_LIMITS, FIELD, checked
+from disagg_mesh.server.common.structured.response_format import check as check_response_format
 from disagg_mesh.server.common.types import Prompt, Sampling
 
 MAX_PROMPT_BYTES = 4 * 1024 * 1024
@@ -27,7 +29,16 @@ def validate_prompt(prompt: Prompt) -> None:
             )
 
 
-def validate_sampling(sampling: Sampling, max_tokens_limit: int) -> None:
+async def check_format(sampling: Sampling, limits: SchemaLimits, field: str = FIELD) -> None:
+    """The response format's schema checked off the event loop, within limits' time budget
+    (validate_sampling then finds it checked)."""
+    if sampling.response_format is not None:
+        await checked(sampling.response_format, field, limits)
+
+
+def validate_sampling(
+    sampling: Sampling, max_tokens_limit: int, schema_limits: SchemaLimits = DEFAULT_LIMITS
+) -> None:
     if not 1 <= sampling.max_tokens <= max_tokens_limit:
         raise InvalidArgument(
             "sampling.max_tokens",
@@ -54,7 +65,7 @@ def validate_sampling(sampling: Sampling, max_tokens_limit: int) -> None:
                 "sampling.ignore_eos",
                 "cannot be combined with response_format: the answer must end when its JSON does",
             )
-        check_response_format(sampling.response_format, "sampling.response_format.json_schema")
+        check_response_format(sampling.response_format, FIELD, schema_limits)
 
 
 def check_served(model: str, node_name: str, served: list[str]) -> None:

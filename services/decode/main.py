@@ -42,6 +42,7 @@ async def run(topology: Topology, node: Node) -> None:
                 engine=await open_engine(topology, node),
                 pool=pool,
                 max_tokens_limit=topology.mesh.max_tokens_limit,
+                schema_limits=topology.mesh.schema_limits,
             )
         )
 

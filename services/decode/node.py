@@ -6,9 +6,11 @@ import time
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
 
+from disagg_mesh.server.common.config.topology import SchemaLimits
 from disagg_mesh.server.common.engines.base import Engine
 from disagg_mesh.server.common.errors import InvalidArgument
 from disagg_mesh.server.common.kv.assembler import KvAssembler, check_fingerprint
+from disagg_mesh.server.common.structured.response_format import DEFAULT_LIMITS
 from disagg_mesh.server.common.types import (
     Continuation,
     DecodeStats,
@@ -19,7 +21,12 @@ from disagg_mesh.server.common.types import (
     Sampling,
     TextChunk,
 )
-from disagg_mesh.server.common.validation import check_served, validate_prompt, validate_sampling
+from disagg_mesh.server.common.validation import (
+    check_format,
+    check_served,
+    validate_prompt,
+    validate_sampling,
+)
 from disagg_mesh.server.common.wire.node_clients import ChannelPool, PrefillClient
 
 # A KV state larger than this is refused before any byte is fetched.
@@ -35,12 +42,14 @@ class DecodeNode:
         engine: Engine,
         pool: ChannelPool,
         max_tokens_limit: int,
+        schema_limits: SchemaLimits = DEFAULT_LIMITS,
     ) -> None:
         self.name = name
         self.models = models
         self.engine = engine
         self.pool = pool
         self.max_tokens_limit = max_tokens_limit
+        self.schema_limits = schema_limits
 
     async def generate(
         self,
@@ -55,7 +64,8 @@ class DecodeNode:
         prompt), or by a prefill node whose state holds them (with a KvSource)."""
         arrived = time.perf_counter()
         check_served(model, self.name, self.models)
-        validate_sampling(sampling, self.max_tokens_limit)
+        await check_format(sampling, self.schema_limits)
+        validate_sampling(sampling, self.max_tokens_limit, self.schema_limits)
         stats = DecodeStats(kv_transfer=self.engine.kv_transfer)
         if isinstance(source, KvSource):
             state = await self._fetch_state(source, time_remaining, stats)

@@ -50,6 +50,7 @@ async def run(topology: Topology, node: Node) -> None:
                 engine=engine,
                 store=store,
                 max_tokens_limit=topology.mesh.max_tokens_limit,
+                schema_limits=topology.mesh.schema_limits,
             )
         )
 

@@ -6,8 +6,10 @@ import asyncio
 import dataclasses
 from collections.abc import Sequence
 
+from disagg_mesh.server.common.config.topology import SchemaLimits
 from disagg_mesh.server.common.engines.base import Engine
 from disagg_mesh.server.common.kv.store import KvStore
+from disagg_mesh.server.common.structured.response_format import DEFAULT_LIMITS
 from disagg_mesh.server.common.types import (
     Continuation,
     DecodeCandidate,
@@ -16,7 +18,12 @@ from disagg_mesh.server.common.types import (
     Prompt,
     Sampling,
 )
-from disagg_mesh.server.common.validation import check_served, validate_prompt, validate_sampling
+from disagg_mesh.server.common.validation import (
+    check_format,
+    check_served,
+    validate_prompt,
+    validate_sampling,
+)
 from disagg_mesh.server.common.wire.kv_wire import encode_state
 
 # The figures the engine reports, passed on as they are (types.PrefillFigures); the node
@@ -33,12 +40,14 @@ class PrefillNode:
         engine: Engine,
         store: KvStore,
         max_tokens_limit: int,
+        schema_limits: SchemaLimits = DEFAULT_LIMITS,
     ) -> None:
         self.name = name
         self.models = models
         self.engine = engine
         self.store = store
         self.max_tokens_limit = max_tokens_limit
+        self.schema_limits = schema_limits
 
     async def prefill(
         self,
@@ -52,7 +61,8 @@ class PrefillNode:
         decode node to fetch."""
         check_served(model, self.name, self.models)
         validate_prompt(prompt)
-        validate_sampling(sampling, self.max_tokens_limit)
+        await check_format(sampling, self.schema_limits)
+        validate_sampling(sampling, self.max_tokens_limit, self.schema_limits)
         out = await self.engine.prefill(prompt, sampling, candidates, continuation)
         fingerprint = self.engine.fingerprint
         # Serialized off the event loop, once: FetchKv then only hands the messages out.

@@ -16,11 +16,11 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
 
-from disagg_mesh.server.common.config.topology import ModelRoute, Node, Topology
+from disagg_mesh.server.common.config.topology import ModelRoute, Node, SchemaLimits, Topology
 from disagg_mesh.server.common.errors import MeshError, NotFound
 from disagg_mesh.server.common.runtime.observability import metrics
 from disagg_mesh.server.common.types import Continuation, Prompt, Sampling, TextChunk
-from disagg_mesh.server.common.validation import validate_prompt, validate_sampling
+from disagg_mesh.server.common.validation import check_format, validate_prompt, validate_sampling
 from disagg_mesh.server.common.wire.node_clients import ChannelPool
 from disagg_mesh.server.router.chain import Chain
 from disagg_mesh.server.router.knowledge import Knowledge
@@ -76,6 +76,10 @@ class Router:
     def max_tokens_limit(self) -> int:
         return self.topology.mesh.max_tokens_limit
 
+    @property
+    def schema_limits(self) -> SchemaLimits:
+        return self.topology.mesh.schema_limits
+
     def n_ctx(self, model: str) -> int:
         """The context a request to this logical model gets: the smallest of its nodes'."""
         route = self._route(model)
@@ -91,7 +95,7 @@ class Router:
         INVALID_ARGUMENT naming the field): the route it would take."""
         route = self._route(model)
         validate_prompt(prompt)
-        validate_sampling(sampling, self.topology.mesh.max_tokens_limit)
+        validate_sampling(sampling, self.topology.mesh.max_tokens_limit, self.schema_limits)
         return route
 
     async def generate(
@@ -118,6 +122,7 @@ class Router:
         `resumed_from` was streaming when it failed, as a migration does."""
         try:
             clock = Clock(time_remaining)
+            await check_format(sampling, self.schema_limits)
             route = self.check(model, prompt, sampling)
             data = prompt_bytes(prompt)
             blocks = text_blocks(route.name, data)

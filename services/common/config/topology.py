@@ -44,6 +44,37 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+class SchemaLimits(_Strict):
+    """[mesh.schema_limits]: how big and how complex a response format's JSON Schema (and
+    the grammar it becomes) may be. Every request is checked against them by the router and
+    again by each node, before llama.cpp's grammar parser sees it; anything over a limit is
+    INVALID_ARGUMENT (HTTP 400) naming the keyword, where it is and the limit. The defaults
+    come from measurements of llama.cpp 0.3.36's grammar code (README, "Limits on schemas")."""
+
+    # The schema's JSON text, bytes.
+    max_schema_bytes: Annotated[int, Field(ge=64, le=16 << 20)] = 65536
+    # Schemas inside schemas (properties, items, anyOf, $defs, ...).
+    max_depth: Annotated[int, Field(ge=1, le=512)] = 32
+    # minItems, maxItems, minLength, maxLength, and a pattern's {m,n}: llama.cpp's grammar
+    # parser refuses repetitions over 2,000 and overflows its stack on ~20,000 nested ones.
+    max_repetition: Annotated[int, Field(ge=1, le=2000)] = 1000
+    # Values of one enum (an integer range counts as the enum of its values): each is one
+    # alternative the grammar tests every vocabulary token against.
+    max_enum_values: Annotated[int, Field(ge=1, le=100_000)] = 1024
+    # A pattern's characters, and the product of the bounds of repetitions nested in one
+    # another (`(([a-z]{1,10}){1,10}){1,10}` is 1,000): the grammar then follows every way of
+    # splitting the text, whose count grows with that product (1.7 s a token at 1,000).
+    max_pattern_chars: Annotated[int, Field(ge=1, le=100_000)] = 1000
+    max_nested_repetition: Annotated[int, Field(ge=1, le=1_000_000)] = 100
+    # The grammar the schema becomes: its GBNF text, its rules (named rules and groups)
+    # and how deep its groups nest (llama.cpp's parser recurses once per level).
+    max_grammar_bytes: Annotated[int, Field(ge=1024, le=64 << 20)] = 1 << 20
+    max_grammar_rules: Annotated[int, Field(ge=1, le=1_000_000)] = 8192
+    max_grammar_nesting: Annotated[int, Field(ge=1, le=20_000)] = 2048
+    # Checking and converting one schema (off the event loop) may take this long.
+    check_budget_s: Annotated[float, Field(gt=0, le=600)] = 2.0
+
+
 class MeshSettings(_Strict):
     """[mesh]: settings for the whole mesh."""
 
@@ -53,6 +84,8 @@ class MeshSettings(_Strict):
     cooldown_s: Annotated[float, Field(ge=0, le=3600)] = 10.0
     # How often the router checks grpc.health.v1 of every node.
     health_check_every_s: Annotated[float, Field(gt=0, le=3600)] = 1.0
+    # How big and complex a structured-output schema may be.
+    schema_limits: SchemaLimits = SchemaLimits()
 
 
 class TlsSettings(_Strict):

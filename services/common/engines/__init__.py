@@ -51,6 +51,7 @@ async def open_engine(topology: Topology, node: Node) -> Engine:
             prefix_cache_tokens=node.n_ctx
             if node.prefix_cache_tokens is None
             else node.prefix_cache_tokens,
+            schema_limits=topology.mesh.schema_limits,
         )
         return await LlamaCppEngine.open(node.name, located.path, settings, located.sha256)
     if node.engine == "ollama":

@@ -19,7 +19,6 @@ import structlog
 from aiohttp import web
 
 from disagg_mesh.server.common.errors import InvalidArgument, MeshError
-from disagg_mesh.server.common.response_format import check as check_response_format
 from disagg_mesh.server.common.runtime.auth import configured_token
 from disagg_mesh.server.common.runtime.observability import metrics
 from disagg_mesh.server.common.runtime.observability.logging import REQUEST_ID_KEY, new_request_id
@@ -32,6 +31,7 @@ from disagg_mesh.server.common.types import (
     Sampling,
     TextChunk,
 )
+from disagg_mesh.server.common.validation import check_format
 from disagg_mesh.server.router.routing import Router, RouteSummary
 
 log = structlog.get_logger("http")
@@ -291,12 +291,16 @@ async def collect(events: Events) -> Collected:
     return Collected("".join(parts), "".join(reasoning), summary)
 
 
-def schema_format(schema: dict[str, Any], field: str) -> ResponseFormat:
-    """A JSON Schema a request gives for structured output, checked (InvalidArgument naming
-    `field` and the keyword the grammar could not enforce)."""
-    fmt = ResponseFormat(json_schema=json.dumps(schema))
-    check_response_format(fmt, field)
-    return fmt
+def schema_format(schema: dict[str, Any]) -> ResponseFormat:
+    """A JSON Schema a request gives for structured output (checked_sampling checks it)."""
+    return ResponseFormat(json_schema=json.dumps(schema))
+
+
+async def checked_sampling(router: Router, sampling: Sampling, field: str) -> Sampling:
+    """The sampling, its response format's schema checked off the event loop against the
+    mesh's limits: InvalidArgument naming the door's `field` and the keyword."""
+    await check_format(sampling, router.schema_limits, field)
+    return sampling
 
 
 def reasoning_effort(value: object, field: str) -> str:

@@ -25,6 +25,7 @@ from disagg_mesh.server.common.types import ChatTurn, Prompt, ResponseFormat, Sa
 from disagg_mesh.server.router.http.common import (
     Events,
     Fields,
+    checked_sampling,
     collect,
     dry_run,
     first_event,
@@ -69,7 +70,7 @@ def _format(value: object) -> ResponseFormat | None:
         return ResponseFormat()
     if not isinstance(value, dict):
         raise InvalidArgument("format", f'must be "json" or a JSON Schema object, got {value!r}')
-    return schema_format(value, "format")
+    return schema_format(value)
 
 
 class OllamaApi:
@@ -138,7 +139,7 @@ class OllamaApi:
         prompt_text = body.string("prompt") or ""
         system = body.string("system")
         stream = body.boolean("stream", True)
-        sampling_ = self._sampling(model, body)
+        sampling_ = await checked_sampling(self.router, self._sampling(model, body), "format")
         effort, thinking = self._think(body)
         if not prompt_text and not system:
             self.router.n_ctx(model)  # NOT_FOUND for an unknown model, as Ollama
@@ -163,7 +164,7 @@ class OllamaApi:
             body.refuse(key, why)
         body.string("keep_alive")
         stream = body.boolean("stream", True)
-        sampling_ = self._sampling(model, body)
+        sampling_ = await checked_sampling(self.router, self._sampling(model, body), "format")
         effort, thinking = self._think(body)
         raw_messages = body.body.get("messages")
         if raw_messages is None or raw_messages == []:

@@ -20,6 +20,7 @@ from disagg_mesh.server.common.types import ChatTurn, Prompt, ResponseFormat, Sa
 from disagg_mesh.server.router.http.common import (
     Events,
     Fields,
+    checked_sampling,
     collect,
     dry_run,
     first_event,
@@ -61,6 +62,7 @@ def _status(exc: MeshError) -> int:
 
 
 api = scoped("openai", error_body, _status)
+SCHEMA_FIELD = "response_format.json_schema.schema"
 
 
 def _response_format(fields: Fields) -> ResponseFormat | None:
@@ -85,10 +87,8 @@ def _response_format(fields: Fields) -> ResponseFormat | None:
     if schema is None:  # OpenAI's default: any JSON object
         return ResponseFormat()
     if not isinstance(schema, dict):
-        raise InvalidArgument(
-            "response_format.json_schema.schema", f"must be an object, got {schema!r}"
-        )
-    return schema_format(schema, "response_format.json_schema.schema")
+        raise InvalidArgument(SCHEMA_FIELD, f"must be an object, got {schema!r}")
+    return schema_format(schema)
 
 
 class OpenAiApi:
@@ -139,7 +139,7 @@ class OpenAiApi:
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         body = Fields(await json_body(request))
         model = body.string("model", required=True) or ""
-        sampling_ = self._sampling(body)
+        sampling_ = await checked_sampling(self.router, self._sampling(body), SCHEMA_FIELD)
         messages = body.body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise InvalidArgument("messages", "must be a non-empty list of messages")
@@ -155,7 +155,7 @@ class OpenAiApi:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = Fields(await json_body(request))
         model = body.string("model", required=True) or ""
-        sampling_ = self._sampling(body)
+        sampling_ = await checked_sampling(self.router, self._sampling(body), SCHEMA_FIELD)
         body.refuse("suffix", "fill-in-the-middle is not implemented")
         body.refuse("echo", "echoing the prompt is not implemented")
         prompt = body.body.get("prompt")

@@ -20,8 +20,10 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from pathlib import Path
 
+from disagg_mesh.server.common.config.topology import SchemaLimits
 from disagg_mesh.server.common.engines.base import EngineLoad, Generation, PrefillOutput
 from disagg_mesh.server.common.engines.llama_cpp.context import ContextSettings, SlotContext
+from disagg_mesh.server.common.engines.llama_cpp.grammars import Grammars
 from disagg_mesh.server.common.engines.llama_cpp.host_threads import HostThreads
 from disagg_mesh.server.common.engines.llama_cpp.model import (
     ENGINE_VERSION,
@@ -45,6 +47,7 @@ from disagg_mesh.server.common.engines.prefix_keys import (
     reusable_blocks,
 )
 from disagg_mesh.server.common.errors import InvalidArgument, MeshError
+from disagg_mesh.server.common.structured.response_format import DEFAULT_LIMITS
 from disagg_mesh.server.common.types import (
     Continuation,
     DecodeCandidate,
@@ -88,6 +91,8 @@ class EngineSettings:
     prefix_cache_tokens: int = 0
     # Tests only: fewer KV cells than slots * n_ctx, to fill the cache on purpose.
     kv_cells: int | None = None
+    # [mesh.schema_limits]: how big a response format's grammar may be.
+    schema_limits: SchemaLimits = DEFAULT_LIMITS
 
 
 def plan_slots(settings: EngineSettings, bytes_per_token: int) -> int:
@@ -127,6 +132,7 @@ class LlamaCppEngine:
         context: SlotContext,
         scheduler: Scheduler,
         fingerprint: Fingerprint,
+        schema_limits: SchemaLimits = DEFAULT_LIMITS,
     ) -> None:
         self._model = model
         self._context = context
@@ -135,6 +141,7 @@ class LlamaCppEngine:
         self.placement = model.placement
         self.n_ctx = context.n_ctx
         self._handoff: _Handoff | None = None
+        self._grammars = Grammars(model.vocab, model.harmony, schema_limits)
         # Prefix cache keys start from the fingerprint: equal only for the same model file
         # and KV settings, on this node or another.
         self._salt = repr(fingerprint)
@@ -204,7 +211,7 @@ class LlamaCppEngine:
             threads=threads,
         )
         scheduler.start()
-        return cls(model, context, scheduler, fingerprint)
+        return cls(model, context, scheduler, fingerprint, settings.schema_limits)
 
     async def prefill(
         self,
@@ -352,6 +359,7 @@ class LlamaCppEngine:
         queue: asyncio.Queue[Event] = asyncio.Queue()
         handoff = self._handoff
         job.emit = lambda event: handoff.put(queue, event)
+        job.grammar = await self._grammars.get(job.sampling.response_format)
         self._scheduler.submit(job)
         finished = False
         held: Event | None = None

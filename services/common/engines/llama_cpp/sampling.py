@@ -15,13 +15,8 @@ from typing import Any
 import llama_cpp
 import numpy as np
 
-from disagg_mesh.server.common.engines.llama_cpp.harmony import (
-    HARMONY_ROOT,
-    HarmonyTokens,
-    harmony_rules,
-)
-from disagg_mesh.server.common.errors import FailedPrecondition, InvalidArgument
-from disagg_mesh.server.common.response_format import grammar
+from disagg_mesh.server.common.engines.llama_cpp.grammars import Grammar
+from disagg_mesh.server.common.errors import FailedPrecondition
 from disagg_mesh.server.common.types import Sampling
 
 # llama_token_data, as numpy sees it.
@@ -45,13 +40,12 @@ class SlotSampler:
         seed_offset: int = 0,
         end_tokens: tuple[int, ...] = (),
         n_vocab: int = 0,
-        vocab: Any = None,
-        harmony: HarmonyTokens | None = None,
+        grammar: Grammar | None = None,
     ) -> None:
         """end_tokens: the model's end-of-generation ids (of n_vocab), suppressed when
         sampling.ignore_eos (a -inf logit bias first in the chain, as llama-server does).
-        vocab: the model's vocabulary, for a response format's grammar; harmony: its
-        harmony tokens (gpt-oss), whose grammar constrains the final channel only."""
+        grammar: the response format's, parsed (grammars.py); the slot samples with a
+        clone of it."""
         chain: Any = llama_cpp.llama_sampler_chain_init(
             llama_cpp.llama_sampler_chain_default_params()
         )
@@ -60,16 +54,8 @@ class SlotSampler:
         self._n_vocab = n_vocab
         self._grammar: Any = None
         if sampling.response_format is not None:
-            rules, root = grammar(sampling.response_format), "root"
-            if harmony is not None:
-                rules, root = rules + "\n" + harmony_rules(harmony), HARMONY_ROOT
-            self._grammar = llama_cpp.llama_sampler_init_grammar(
-                vocab, rules.encode(), root.encode()
-            )
-            if not self._grammar:
-                raise InvalidArgument(
-                    "sampling.response_format", "llama.cpp could not parse its grammar"
-                )
+            assert grammar is not None, "a response format's grammar is parsed beforehand"
+            self._grammar = grammar.clone()
         # skip()'s one candidate: any id the bias leaves alone.
         self._skip_id = 0
         self._end_ids: np.ndarray[Any, np.dtype[np.intp]] | None = None

@@ -48,6 +48,7 @@ import structlog
 
 from disagg_mesh.server.common.engines.base import EngineLoad, PrefillOutput, TokenRates
 from disagg_mesh.server.common.engines.llama_cpp.context import Row, SlotContext
+from disagg_mesh.server.common.engines.llama_cpp.grammars import Grammar
 from disagg_mesh.server.common.engines.llama_cpp.host_threads import HostThreads, yield_to_io
 from disagg_mesh.server.common.engines.llama_cpp.model import LlamaModel, attended_from
 from disagg_mesh.server.common.engines.llama_cpp.prefix_cache import Entry, PrefixCache
@@ -62,6 +63,7 @@ from disagg_mesh.server.common.errors import (
     Unavailable,
 )
 from disagg_mesh.server.common.runtime.observability import metrics
+from disagg_mesh.server.common.structured.offload import start_on_large_stack
 from disagg_mesh.server.common.types import FinishReason, GenerationEnd, Sampling, TextChunk
 
 log = structlog.get_logger("engine")
@@ -101,6 +103,8 @@ class LoadedState:
 class Job:
     kind: JobKind
     sampling: Sampling
+    # The response format's grammar, parsed before the job is submitted (grammars.py).
+    grammar: Grammar | None = None
     # Receives the job's events on the engine thread: text chunks then a GenerationEnd, or
     # one PrefillOutput, or one MeshError. Must be thread-safe and must not block.
     emit: Callable[[Event], None] = _no_listener
@@ -248,7 +252,7 @@ class Scheduler:
     # -- the callers' side (any thread) -----------------------------------------------------
 
     def start(self) -> None:
-        self._thread.start()
+        start_on_large_stack(self._thread)
 
     def submit(self, job: Job) -> None:
         """Queue a job; RESOURCE_EXHAUSTED at once when every slot is busy and `max_queue`
@@ -357,8 +361,7 @@ class Scheduler:
                     job.seed_offset,
                     self._model.end_tokens,
                     self._model.n_vocab,
-                    self._model.vocab,
-                    self._model.harmony,
+                    job.grammar,
                 )
             except MeshError as exc:
                 _emit(job, exc)
