@@ -10,6 +10,7 @@ from disagg_mesh.server.common.config.topology import SchemaLimits
 from disagg_mesh.server.common.engines.base import Engine
 from disagg_mesh.server.common.errors import InvalidArgument
 from disagg_mesh.server.common.kv.assembler import KvAssembler, check_fingerprint
+from disagg_mesh.server.common.runtime.faults import crash_if_marked
 from disagg_mesh.server.common.structured.response_format import DEFAULT_LIMITS
 from disagg_mesh.server.common.types import (
     Continuation,
@@ -66,6 +67,8 @@ class DecodeNode:
         check_served(model, self.name, self.models)
         await check_format(sampling, self.schema_limits)
         validate_sampling(sampling, self.max_tokens_limit, self.schema_limits)
+        if isinstance(source, Prompt):
+            crash_if_marked(source)
         stats = DecodeStats(kv_transfer=self.engine.kv_transfer)
         if isinstance(source, KvSource):
             state = await self._fetch_state(source, time_remaining, stats)

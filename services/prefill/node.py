@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from disagg_mesh.server.common.config.topology import SchemaLimits
 from disagg_mesh.server.common.engines.base import Engine
 from disagg_mesh.server.common.kv.store import KvStore
+from disagg_mesh.server.common.runtime.faults import crash_if_marked
 from disagg_mesh.server.common.structured.response_format import DEFAULT_LIMITS
 from disagg_mesh.server.common.types import (
     Continuation,
@@ -63,6 +64,7 @@ class PrefillNode:
         validate_prompt(prompt)
         await check_format(sampling, self.schema_limits)
         validate_sampling(sampling, self.max_tokens_limit, self.schema_limits)
+        crash_if_marked(prompt)
         out = await self.engine.prefill(prompt, sampling, candidates, continuation)
         fingerprint = self.engine.fingerprint
         # Serialized off the event loop, once: FetchKv then only hands the messages out.

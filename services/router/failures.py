@@ -16,6 +16,7 @@ import structlog
 from disagg_mesh.server.common.config.topology import ModelRoute, Node
 from disagg_mesh.server.common.errors import DeadlineExceeded, MeshError, UpstreamError
 from disagg_mesh.server.common.runtime.observability import metrics
+from disagg_mesh.server.router.deaths import QueryOfDeath, dropped
 from disagg_mesh.server.router.node_health import NodeHealth
 from disagg_mesh.server.router.request import Attempt, Request
 from disagg_mesh.server.router.summary import FailedAttempt
@@ -73,8 +74,9 @@ class CallerDeadlineExceeded(DeadlineExceeded):
 
 
 def is_final(exc: MeshError) -> bool:
-    """The chain stops: another node would answer the same, or no time is left."""
-    return classify(exc).final or isinstance(exc, CallerDeadlineExceeded)
+    """The chain stops: another node would answer the same, or no time is left, or two
+    nodes died holding the request."""
+    return classify(exc).final or isinstance(exc, CallerDeadlineExceeded | QueryOfDeath)
 
 
 def blames_node(exc: MeshError) -> bool:
@@ -126,9 +128,12 @@ def blame(health: NodeHealth, attempt: Attempt, exc: MeshError) -> None:
 
 
 def attempt_failed(health: NodeHealth, request: Request, attempt: Attempt, exc: MeshError) -> None:
-    """A failure before any text was sent: blame the node, count it, list it."""
+    """A failure before any text was sent: blame the node, count it, list it. A node that
+    died holding the request for the second time ends it (QueryOfDeath, deaths.py)."""
     blame(health, attempt, exc)
     request.failed.append(attempt.failure(exc))
+    if dropped(exc) and attempt.current is not None:
+        health.deaths.died(request.deaths, attempt.current.name, request.ident, request.fingerprint)
     metrics.attempt_failed(request.route.name, attempt.method.value, exc.code.name)
     log.warning(
         "attempt failed, trying the next",

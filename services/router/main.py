@@ -28,6 +28,7 @@ async def run(topology: Topology, node: Node) -> None:
         pool,
         every_s=topology.mesh.health_check_every_s,
         cooldown_s=topology.mesh.cooldown_s,
+        quarantine_s=topology.mesh.query_of_death_quarantine_s,
     )
     router = Router(topology, pool, health)
     background: set[asyncio.Task[None]] = set()

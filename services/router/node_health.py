@@ -22,6 +22,7 @@ import structlog
 
 from disagg_mesh.server.common.config.topology import Node
 from disagg_mesh.server.common.wire.node_clients import ChannelPool, health_status, node_slots
+from disagg_mesh.server.router.deaths import Deaths
 
 log = structlog.get_logger("node_health")
 CHECK_TIMEOUT_S = 1.0
@@ -29,7 +30,12 @@ CHECK_TIMEOUT_S = 1.0
 
 class NodeHealth:
     def __init__(
-        self, nodes: list[Node], pool: ChannelPool, every_s: float, cooldown_s: float
+        self,
+        nodes: list[Node],
+        pool: ChannelPool,
+        every_s: float,
+        cooldown_s: float,
+        quarantine_s: float = 300.0,
     ) -> None:
         self._nodes = nodes
         self._pool = pool
@@ -41,6 +47,8 @@ class NodeHealth:
         self._in_flight: dict[str, int] = {n.name: 0 for n in nodes}
         # Slots each node reports (0: not known yet).
         self._slots: dict[str, int] = {n.name: 0 for n in nodes}
+        # Which requests each node holds, and the nodes that died holding one.
+        self.deaths = Deaths(quarantine_s)
 
     def available(self, node: Node) -> bool:
         """Serving (or not checked yet) and not cooling down."""
@@ -74,11 +82,12 @@ class NodeHealth:
         return in_flight / slots
 
     @contextmanager
-    def busy(self, node: Node) -> Iterator[None]:
-        """Count a call on the node while it lasts."""
+    def busy(self, node: Node, request_id: int = 0) -> Iterator[None]:
+        """Count a call on the node while it lasts (for the request `request_id`)."""
         self._in_flight[node.name] = self._in_flight.get(node.name, 0) + 1
         try:
-            yield
+            with self.deaths.holding(node.name, request_id):
+                yield
         finally:
             self._in_flight[node.name] -= 1
 

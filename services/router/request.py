@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from disagg_mesh.server.common.config.topology import ModelRoute, Node
 from disagg_mesh.server.common.errors import MeshError
 from disagg_mesh.server.common.types import Prompt, Sampling, TextChunk
+from disagg_mesh.server.router.deaths import Death, Deaths
 from disagg_mesh.server.router.summary import FailedAttempt, ResumeInfo, RouteMethod, RouteSummary
 
 
@@ -47,6 +48,10 @@ class Request:
     blocks: list[bytes]
     # Every attempt and retried call that failed before the one that served.
     failed: list[FailedAttempt] = field(default_factory=list)
+    # Model + sampling, hashed (deaths.py), and the nodes that died holding the request.
+    fingerprint: str = ""
+    deaths: list[Death] = field(default_factory=list)
+    ident: int = field(default_factory=Deaths.new_id)
 
 
 @dataclass

@@ -23,6 +23,7 @@ from disagg_mesh.server.common.types import Continuation, Prompt, Sampling, Text
 from disagg_mesh.server.common.validation import check_format, validate_prompt, validate_sampling
 from disagg_mesh.server.common.wire.node_clients import ChannelPool
 from disagg_mesh.server.router.chain import Chain
+from disagg_mesh.server.router.deaths import fingerprint
 from disagg_mesh.server.router.knowledge import Knowledge
 from disagg_mesh.server.router.migration import Migrator, Stages
 from disagg_mesh.server.router.node_health import NodeHealth
@@ -126,7 +127,9 @@ class Router:
             route = self.check(model, prompt, sampling)
             data = prompt_bytes(prompt)
             blocks = text_blocks(route.name, data)
-            request = Request(route, prompt, sampling, clock, len(data), blocks)
+            fp = fingerprint(route.name, sampling)
+            self.health.deaths.check(fp)
+            request = Request(route, prompt, sampling, clock, len(data), blocks, fingerprint=fp)
             if resume is None:
                 items = self.chain.run(request)
             else:

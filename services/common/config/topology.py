@@ -84,6 +84,8 @@ class MeshSettings(_Strict):
     cooldown_s: Annotated[float, Field(ge=0, le=3600)] = 10.0
     # How often the router checks grpc.health.v1 of every node.
     health_check_every_s: Annotated[float, Field(gt=0, le=3600)] = 1.0
+    # A request whose node died holding it twice is refused this long (router/deaths.py).
+    query_of_death_quarantine_s: Annotated[float, Field(ge=0, le=86400)] = 300.0
     # How big and complex a structured-output schema may be.
     schema_limits: SchemaLimits = SchemaLimits()
 

@@ -22,6 +22,7 @@ import math
 import re
 from typing import Any
 
+import llama_cpp
 from llama_cpp.llama_grammar import JSON_GBNF, json_schema_to_gbnf
 
 from disagg_mesh.server.common.config.topology import SchemaLimits
@@ -139,7 +140,21 @@ def _grammar_for_schema(text: str, limits: SchemaLimits) -> str:
     # strings (a raw newline there fails json.loads); llama.cpp's own rule leaves them out.
     rules = re.sub(r"(?m)^char ::= .*$", lambda _: CHAR_RULE, rules)
     _check_grammar(rules, limits)
+    _check_parses(rules)
     return rules
+
+
+def _check_parses(rules: str) -> None:
+    """llama.cpp's own grammar parser takes the grammar (a trial without a vocabulary, as
+    llama.cpp's grammar tests parse): what it refuses is refused here by the router, naming
+    the field, rather than by a node. Its reason goes to llama.cpp's log."""
+    sampler = llama_cpp.llama_sampler_init_grammar(None, rules.encode(), b"root")
+    if not sampler:
+        raise _Refused(
+            "llama.cpp's grammar parser refused the grammar it converts to (most often: "
+            "repetitions that multiply past its limit of 2,000 once unrolled)"
+        )
+    llama_cpp.llama_sampler_free(sampler)
 
 
 def _check_grammar(rules: str, limits: SchemaLimits) -> None:

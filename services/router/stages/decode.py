@@ -36,7 +36,7 @@ class DecodeStage:
         client = self._clients.decode(node.address)
         generation = client.generate(route.name, source, request.sampling, timeout, continuation)
         try:
-            with self._health.busy(node):
+            with self._health.busy(node, request.ident):
                 async with aclosing(generation) as events:
                     async for event in events:
                         yield event

@@ -88,7 +88,7 @@ class PrefillStage:
         timeout, caller_bound = request.clock.stage_timeout(route.prefill_deadline_s)
         client = self._clients.prefill(node.address)
         try:
-            with self._health.busy(node):
+            with self._health.busy(node, request.ident):
                 return await client.prefill(
                     route.name, request.prompt, request.sampling, timeout, candidates, continuation
                 )

@@ -67,6 +67,13 @@ FAILED_ATTEMPTS = Counter(
     "Router: attempts that failed before a request was served or gave up",
     ["model", "method", "code"],
 )
+QUERIES_OF_DEATH = Counter(
+    "disagg_router_queries_of_death_total",
+    "Router: nodes that died holding a request before it sent text (node_died), requests "
+    "failed after a second such death (failed, or quarantined: its fingerprint refused), and "
+    "requests refused for a quarantined fingerprint (refused)",
+    ["outcome"],
+)
 KV_STORE_BYTES = Gauge("disagg_kv_store_bytes", "Prefill: bytes of KV states held")
 KV_STORE_HANDLES = Gauge("disagg_kv_store_handles", "Prefill: KV states held, not yet fetched")
 ENGINE_SLOTS = Gauge("disagg_engine_slots", "Engine: sequences it serves at once")
@@ -176,6 +183,10 @@ def request_failed(model: str, code: str) -> None:
 
 def migration(model: str, code: str) -> None:
     MIGRATIONS.labels(model, code).inc()
+
+
+def query_of_death(outcome: str) -> None:
+    QUERIES_OF_DEATH.labels(outcome).inc()
 
 
 def attempt_failed(model: str, method: str, code: str) -> None:
