@@ -12,18 +12,20 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import grpc
 import httpx
+import jsonschema
 import ollama
 import openai
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from disagg_mesh.proto.v1 import router_pb2_grpc, types_pb2
+from disagg_mesh.proto.v1 import node_pb2, node_pb2_grpc, router_pb2_grpc, types_pb2
 from disagg_mesh.server.common.errors import InvalidArgument
 from disagg_mesh.server.common.runtime.faults import ENV as CRASH_ENV
 from disagg_mesh.server.common.structured.response_format import check
@@ -70,6 +72,17 @@ def deep(levels: int) -> dict[str, Any]:
             {"properties": {"a": {"type": "string", "maxLength": 1001}}},
             "'maxLength' (at properties.a) is 1001",
         ),
+        (
+            {"type": "string", "pattern": "^[a-z]+$", "maxLength": 0},
+            "'maxLength' cannot be combined with 'pattern'",
+        ),
+        (
+            {"type": ["string", "null"], "maxLength": 3},
+            "'maxLength' cannot be combined with 'type'",
+        ),
+        ({"anyOf": [{"type": "string"}], "enum": ["a"]}, "'enum' cannot be combined with 'anyOf'"),
+        ({"maxLength": 3}, "'maxLength' would not be enforced: llama.cpp's"),
+        ({"type": "array", "minItems": 1}, 'only with "items" or "prefixItems"'),
     ],
 )
 def test_schemas_over_the_limits_are_refused_naming_keyword_place_and_limit(
@@ -225,6 +238,7 @@ leaf = st.sampled_from(
         {"type": "integer", "minimum": 0, "maximum": 4},
         {"type": "integer", "minimum": 0},
         {"not": {}},
+        {"const": "fixed"},
     ]
 )
 bounds = st.integers(0, 3) | st.integers(900, 1100) | st.integers(4000, 100_000) | st.just(-1)
@@ -241,92 +255,153 @@ patterns = st.sampled_from(
 )
 
 
+def _array(items: Any, low: int, high: int) -> dict[str, Any]:
+    return {"type": "array", "items": items, "minItems": low, "maxItems": high}
+
+
+def _object(properties: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "object", "properties": properties, "required": list(properties)[:1]}
+
+
+def _string(pattern: str, low: int, high: int) -> dict[str, Any]:
+    return {"type": "string", "pattern": pattern, "minLength": low, "maxLength": high}
+
+
 def _extend(children: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
     return st.one_of(
-        st.builds(
-            lambda i, lo, hi: {"type": "array", "items": i, "minItems": lo, "maxItems": hi},
-            children,
-            bounds,
-            bounds,
-        ),
-        st.builds(
-            lambda ps: {"type": "object", "properties": ps, "required": list(ps)[:1]},
-            st.dictionaries(st.sampled_from("abcdef"), children, max_size=3),
-        ),
+        st.builds(_array, children, bounds, bounds),
+        st.builds(_object, st.dictionaries(st.sampled_from("abcdef"), children, max_size=3)),
         st.builds(lambda xs: {"anyOf": xs}, st.lists(children, min_size=1, max_size=3)),
         st.builds(
             lambda n: {"enum": [f"v{i}" for i in range(n)]},
             st.integers(1, 4) | st.integers(1000, 3000),
         ),
-        st.builds(
-            lambda p, lo, hi: {"type": "string", "pattern": p, "minLength": lo, "maxLength": hi},
-            patterns,
-            bounds,
-            bounds,
-        ),
+        st.builds(_string, patterns, bounds, bounds),
         st.builds(lambda c: {"$defs": {"d": c}, "$ref": "#/$defs/d"}, children),
         st.just(RECURSIVE_REF),
     )
 
 
 schemas = st.recursive(leaf, _extend, max_leaves=12) | st.integers(20, 60).map(deep)
-doors = st.sampled_from(["openai", "ollama", "grpc"])
 prompts = st.sampled_from(
-    ["Give me the data.", "x" * 3000, "Grade this:\n" + "def f(): pass\n" * 40]
+    ["Give me the data.", "x" * 3000, "Grade this:\n" + "def f(): pass\n" * 40, ""]
 )
-temperatures = st.sampled_from([0.0, 0.7, 2.0])
 
 
-def _run_case(mesh: Mesh, door: str, schema: Any, prompt: str, temperature: float) -> None:
+@dataclass(frozen=True)
+class Knobs:
+    """Sampling values and extras a case sends beside its schema."""
+
+    temperature: float
+    top_p: float
+    max_tokens: int
+    seed: int | None
+    stop: tuple[str, ...]
+    # OpenAI only: tool definitions (refused: tool calling is not implemented).
+    tools: bool
+
+
+knobs = st.builds(
+    Knobs,
+    temperature=st.sampled_from([0.0, 0.7, 2.0]),
+    top_p=st.sampled_from([0.1, 1.0]),
+    max_tokens=st.sampled_from([1, 6, 12]),
+    seed=st.none() | st.integers(0, 2**31),
+    stop=st.sampled_from([(), ("}",), ("\n", "x")]),
+    tools=st.booleans(),
+)
+doors = st.sampled_from(["openai", "ollama", "grpc"])
+
+
+def _answer_holds(text: str, finished: str, schema: Any) -> None:
+    """An answer that ended by itself (not cut by max_tokens or a stop string) is JSON that
+    the schema allows."""
+    if finished == "stop" and text:
+        jsonschema.validate(json.loads(text), schema)
+
+
+def _openai_case(mesh: Mesh, schema: Any, prompt: str, k: Knobs) -> None:
+    extra: dict[str, Any] = {}
+    if k.tools:
+        extra["tools"] = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    try:
+        answer = openai_client(mesh).chat.completions.create(
+            model=QWEN,
+            messages=[{"role": "user", "content": prompt}],
+            response_format=schema_format(schema),
+            max_tokens=k.max_tokens,
+            temperature=k.temperature,
+            top_p=k.top_p,
+            seed=k.seed,
+            stop=list(k.stop) or None,
+            timeout=30,
+            **extra,
+        )
+        choice = answer.choices[0]
+        if not k.stop:
+            _answer_holds(choice.message.content or "", choice.finish_reason, schema)
+    except openai.BadRequestError as exc:
+        named = ("tools:" if k.tools else FIELD, "messages[0].content:", "messages:")
+        assert any(n in str(exc) for n in named), str(exc)
+
+
+def _ollama_case(mesh: Mesh, schema: Any, prompt: str, k: Knobs) -> None:
+    options = {"num_predict": k.max_tokens, "temperature": k.temperature, "top_p": k.top_p}
+    if k.seed is not None:
+        options["seed"] = k.seed
+    try:
+        reply = ollama.Client(host=http_url(mesh), timeout=30).chat(
+            model=QWEN,
+            messages=[{"role": "user", "content": prompt}],
+            format=schema,
+            options=options,
+        )
+        _answer_holds(reply.message.content or "", reply.done_reason or "", schema)
+    except ollama.ResponseError as exc:
+        assert exc.status_code == 400 and exc.error.startswith(("format:", "messages")), exc.error
+
+
+async def _grpc_case(stub: Any, schema: Any, prompt: str, k: Knobs) -> None:
+    message = request(QWEN, prompt, k.max_tokens)
+    message.sampling.temperature = k.temperature
+    message.sampling.top_p = k.top_p
+    if k.seed is not None:
+        message.sampling.seed = k.seed
+    message.sampling.stop.extend(k.stop)
+    message.sampling.response_format.CopyFrom(
+        types_pb2.ResponseFormat(
+            type=types_pb2.RESPONSE_FORMAT_TYPE_JSON_SCHEMA, json_schema=json.dumps(schema)
+        )
+    )
+    try:
+        got = await collect(stub.Generate(message, timeout=30))
+        if not k.stop:
+            finished = "stop" if got.summary.finish_reason == types_pb2.FINISH_REASON_STOP else ""
+            _answer_holds(got.text, finished, schema)
+    except grpc.aio.AioRpcError as exc:
+        assert exc.code() == grpc.StatusCode.INVALID_ARGUMENT, exc.details()
+        assert (exc.details() or "").startswith(("sampling.response_format", "prompt")), (
+            exc.details()
+        )
+
+
+def _run_case(mesh: Mesh, door: str, schema: Any, prompt: str, k: Knobs) -> None:
+    """The case through its door, and a plain one-token request beside it over gRPC, which
+    must answer well within its bound whatever the case does."""
+
+    async def both() -> None:
+        async with grpc.aio.insecure_channel(mesh.router_address) as channel:
+            stub: Any = router_pb2_grpc.RouterServiceStub(channel)
+            plain = asyncio.create_task(collect(stub.Generate(request(QWEN, "Hi", 1), timeout=10)))
+            if door == "grpc":
+                await _grpc_case(stub, schema, prompt, k)
+            else:
+                case = _openai_case if door == "openai" else _ollama_case
+                await asyncio.to_thread(case, mesh, schema, prompt, k)
+            assert (await plain).summary.completion_tokens == 1
+
     started = time.perf_counter()
-    if door == "openai":
-        try:
-            answer = openai_client(mesh).chat.completions.create(
-                model=QWEN,
-                messages=[{"role": "user", "content": prompt}],
-                response_format=schema_format(schema),
-                max_tokens=6,
-                temperature=temperature,
-                seed=1,
-                timeout=30,
-            )
-            choice = answer.choices[0]
-            if choice.finish_reason == "stop":
-                json.loads(choice.message.content or "")
-        except openai.BadRequestError as exc:
-            assert FIELD in str(exc), str(exc)
-    elif door == "ollama":
-        try:
-            reply = ollama.Client(host=http_url(mesh), timeout=30).chat(
-                model=QWEN,
-                messages=[{"role": "user", "content": prompt}],
-                format=schema,
-                options={"num_predict": 6, "temperature": temperature, "seed": 1},
-            )
-            if reply.done_reason == "stop":
-                json.loads(reply.message.content or "")
-        except ollama.ResponseError as exc:
-            assert exc.status_code == 400 and exc.error.startswith("format:"), exc.error
-    else:
-
-        async def call() -> None:
-            async with grpc.aio.insecure_channel(mesh.router_address) as channel:
-                stub: Any = router_pb2_grpc.RouterServiceStub(channel)
-                message = request(QWEN, prompt, 6)
-                message.sampling.temperature = temperature
-                message.sampling.response_format.CopyFrom(
-                    types_pb2.ResponseFormat(
-                        type=types_pb2.RESPONSE_FORMAT_TYPE_JSON_SCHEMA,
-                        json_schema=json.dumps(schema),
-                    )
-                )
-                try:
-                    await collect(stub.Generate(message, timeout=30))
-                except grpc.aio.AioRpcError as exc:
-                    assert exc.code() == grpc.StatusCode.INVALID_ARGUMENT, exc.details()
-                    assert "sampling.response_format" in (exc.details() or "")
-
-        asyncio.run(call())
+    asyncio.run(both())
     assert time.perf_counter() - started < 20.0
 
 
@@ -338,22 +413,29 @@ def campaign_pids(mesh: Mesh) -> dict[str, int]:
 @settings(
     max_examples=520, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True
 )
-@given(door=doors, schema=schemas, prompt=prompts, temperature=temperatures)
-def test_campaign_of_generated_schemas_gives_answers_or_400s_naming_the_field(
-    mesh: Mesh,
-    campaign_pids: dict[str, int],
-    door: str,
-    schema: Any,
-    prompt: str,
-    temperature: float,
+@given(door=doors, schema=schemas, prompt=prompts, k=knobs)
+def test_campaign_of_generated_requests_gives_valid_answers_or_400s_naming_the_field(
+    mesh: Mesh, campaign_pids: dict[str, int], door: str, schema: Any, prompt: str, k: Knobs
 ) -> None:
-    _run_case(mesh, door, schema, prompt, temperature)
+    _run_case(mesh, door, schema, prompt, k)
 
 
 def test_after_the_campaign_no_node_restarted_and_a_plain_request_is_fast(
     mesh: Mesh, campaign_pids: dict[str, int]
 ) -> None:
     assert pids(mesh) == campaign_pids
+
+    async def restarts() -> dict[str, int]:
+        counts = {}
+        for node in mesh.topology.nodes:
+            async with grpc.aio.insecure_channel(node.address) as channel:
+                info = await node_pb2_grpc.NodeServiceStub(channel).GetNodeInfo(
+                    node_pb2.GetNodeInfoRequest(), timeout=5
+                )
+                counts[node.name] = info.restarts
+        return counts
+
+    assert set(asyncio.run(restarts()).values()) == {0}
     started = time.perf_counter()
     answer = openai_client(mesh).chat.completions.create(
         model=QWEN, messages=[{"role": "user", "content": "Hi"}], max_tokens=4, temperature=0

@@ -79,6 +79,16 @@ CHAR_RULE = r'char ::= [^"\\\x7F\x00-\x1F] | [\\] (["\\/bfnrt] | "u" [0-9a-fA-F]
 DEFAULT_LIMITS = SchemaLimits()
 FIELD = "sampling.response_format.json_schema"
 COUNTS = ("minItems", "maxItems", "minLength", "maxLength")
+# Keywords that constrain a value (the others of ENFORCED only hold schemas).
+CONSTRAINTS = ENFORCED - {"$defs", "definitions"}
+# What the converter needs beside a keyword to enforce it.
+NEEDS = {
+    "minLength": 'type "string"',
+    "maxLength": 'type "string"',
+    "minItems": '"items" or "prefixItems"',
+    "maxItems": '"items" or "prefixItems"',
+    "required": '"properties"',
+}
 
 
 class _Refused(Exception):
@@ -241,6 +251,7 @@ class _Walk:
             _ordered(schema, "minLength", "maxLength", where)
         if any(k in schema for k in BOUNDS):
             out = _integer_range(out, where, self.limits)
+        _check_enforced(out, where)
         return out
 
     def _count(self, key: str, value: Any, where: str) -> None:
@@ -287,6 +298,63 @@ class _Walk:
                 f"{cost.nested_repetition}; the limit is {limits.max_nested_repetition} "
                 "(mesh.schema_limits.max_nested_repetition)"
             )
+
+
+def _check_enforced(schema: dict[str, Any], where: str) -> None:
+    """_Refused for a keyword the converter would pass over in this schema object: it
+    enforces one branch per object, the first that applies in its order ($ref, anyOf/oneOf,
+    a list of types, const, enum, properties, allOf, items, pattern, format, lengths), and
+    silently ignores whatever else constrains (a pattern's maxLength, lengths without type
+    "string", minItems without items, ...)."""
+    kind = schema.get("type")
+    fmt = schema.get("format")
+    used: set[str] = {"type"}
+    if "$ref" in schema:
+        used, main = {"$ref"}, "$ref"
+    elif "oneOf" in schema or "anyOf" in schema:
+        main = "oneOf" if schema.get("oneOf") else "anyOf"
+        used = {main}
+    elif isinstance(kind, list):
+        main = "type"
+    elif "const" in schema or "enum" in schema:
+        main = "const" if "const" in schema else "enum"
+        used.add(main)
+    elif kind in (None, "object") and (
+        "properties" in schema or schema.get("additionalProperties", True) is not True
+    ):
+        main = "properties" if "properties" in schema else "additionalProperties"
+        used |= {"properties", "required", "additionalProperties"}
+    elif kind in (None, "object") and "allOf" in schema:
+        main = "allOf"
+        used.add(main)
+    elif kind in (None, "array") and ("items" in schema or "prefixItems" in schema):
+        main = "items" if "items" in schema else "prefixItems"
+        used |= {"items", "prefixItems", "minItems", "maxItems"}
+    elif kind in (None, "string") and "pattern" in schema:
+        main = "pattern"
+        used.add(main)
+    elif kind in (None, "string") and fmt in FORMATS:
+        main = "format"
+        used.add(main)
+    elif kind == "string" and ("minLength" in schema or "maxLength" in schema):
+        main = "minLength" if "minLength" in schema else "maxLength"
+        used |= {"minLength", "maxLength"}
+    else:
+        main = ""
+    ignored = sorted((set(schema) & CONSTRAINTS) - used)
+    if not ignored:
+        return
+    if not main:
+        raise _Refused(
+            f"keyword {ignored[0]!r}{_at(where)} would not be enforced: llama.cpp's "
+            f"JSON-schema-to-grammar converter applies it only with "
+            f"{NEEDS.get(ignored[0], 'other keywords')}",
+        )
+    raise _Refused(
+        f"keyword {ignored[0]!r}{_at(where)} cannot be combined with {main!r}: llama.cpp's "
+        f"JSON-schema-to-grammar converter enforces {main!r} and would silently ignore "
+        f"{ignored[0]!r}",
+    )
 
 
 def _ordered(schema: dict[str, Any], low: str, high: str, where: str) -> None:
