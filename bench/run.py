@@ -46,7 +46,10 @@ repeated, median reported:
    time (bench/batch.py, a mesh of its own);
 16. llama-server: `make run`'s mesh against llama-server built (once, into ~/.cache) from
    the same llama.cpp, 16 greedy prompts 1, 4 and 16 at once, and the grader workload cold
-   and warm (bench/llama_server.py, a mesh and a server of their own, one after the other).
+   and warm (bench/llama_server.py, a mesh and a server of their own, one after the other);
+17. bad requests: the router's time to answer the worst accepted and the worst refused
+   structured-output schemas, and the TTFT a plain request gains while the worst refused
+   one is being refused (bench/bad_requests.py, a mesh of its own).
 
 Every answer is greedy with ignore_eos (end tokens never sampled), so both sides of a ratio
 generate the same number of tokens on any CPU. Each row records what each side did (prompt
@@ -71,6 +74,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from bench.bad_requests import measure as measure_bad_requests
+from bench.bad_requests import rows as bad_requests_rows
 from bench.batch import measure as measure_batch
 from bench.batch import rows as batch_rows
 from bench.batching import measure as measure_batching
@@ -116,6 +121,7 @@ OWN_MESH = (
     "shared_cores",
     "batch",
     "llama_server",
+    "bad_requests",
 )
 
 
@@ -190,6 +196,11 @@ async def run_all(bench: Bench, args: argparse.Namespace) -> dict[str, Any]:
             "llama_server",
             "16. make run's mesh against llama-server (a mesh and a server of their own)",
             lambda: measure_llama_server(bench.repeats, min(args.grader_requests, 8)),
+        ),
+        (
+            "bad_requests",
+            "17. what a bad request costs (a mesh of its own)",
+            lambda: measure_bad_requests(bench.repeats * 7),
         ),
     ]
     for key, title, step in steps:
@@ -311,6 +322,8 @@ def table(r: dict[str, Any]) -> str:
         rows += batch_rows(r["batch"])
     if "llama_server" in r:
         rows += llama_server_rows(r["llama_server"])
+    if "bad_requests" in r:
+        rows += bad_requests_rows(r["bad_requests"])
     width = [max(len(row[i]) for row in rows) for i in range(3)]
     header = ("measurement", "result", "goal")
     lines = ["  ".join(h.ljust(width[i]) for i, h in enumerate(header))]

@@ -69,7 +69,7 @@ class SchemaLimits(_Strict):
     # The grammar the schema becomes: its GBNF text, its rules (named rules and groups)
     # and how deep its groups nest (llama.cpp's parser recurses once per level).
     max_grammar_bytes: Annotated[int, Field(ge=1024, le=64 << 20)] = 1 << 20
-    max_grammar_rules: Annotated[int, Field(ge=1, le=1_000_000)] = 8192
+    max_grammar_rules: Annotated[int, Field(ge=1, le=10_000_000)] = 65536
     max_grammar_nesting: Annotated[int, Field(ge=1, le=20_000)] = 2048
     # Checking and converting one schema (off the event loop) may take this long.
     check_budget_s: Annotated[float, Field(gt=0, le=600)] = 2.0
