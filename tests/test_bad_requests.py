@@ -26,9 +26,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from disagg_mesh.proto.v1 import node_pb2, node_pb2_grpc, router_pb2_grpc, types_pb2
+from disagg_mesh.server.common.config.topology import SchemaLimits
 from disagg_mesh.server.common.errors import InvalidArgument
 from disagg_mesh.server.common.runtime.faults import ENV as CRASH_ENV
-from disagg_mesh.server.common.structured.response_format import check
+from disagg_mesh.server.common.structured.response_format import check, checked
 from disagg_mesh.server.common.types import ResponseFormat
 from tests.conftest import ROOT, Mesh, engine_node, route, router_node, running_mesh
 from tests.streams import collect, request
@@ -106,6 +107,35 @@ def test_schemas_at_the_limits_are_accepted() -> None:
         BACKTRACKING,
     ):
         check(ResponseFormat(json.dumps(schema)), FIELD)
+
+
+def test_a_check_over_its_time_budget_is_refused_with_its_reason() -> None:
+    """The check runs off the event loop within check_budget_s: a caller whose schema takes
+    longer gets a refusal saying so, at the budget, while its loop keeps serving."""
+    big = {
+        "type": "object",
+        "properties": {f"p{i}": {"type": "string", "maxLength": 1000} for i in range(60)},
+    }
+    limits = SchemaLimits(check_budget_s=0.001)
+
+    async def scenario() -> float:
+        ticks = 0
+
+        async def tick() -> None:
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.0005)
+                ticks += 1
+
+        ticker = asyncio.create_task(tick())
+        started = time.perf_counter()
+        with pytest.raises(InvalidArgument, match=r"checking the schema took longer than its"):
+            await checked(ResponseFormat(json.dumps(big)), FIELD, limits)
+        ticker.cancel()
+        assert ticks > 0
+        return time.perf_counter() - started
+
+    assert asyncio.run(scenario()) < 0.05
 
 
 def test_a_grammar_that_would_overflow_a_stack_is_refused_by_llama_cpp_instead() -> None:
