@@ -4,6 +4,7 @@ token budget evicts the least recently used prefix; the summary says what was ca
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 import llama_cpp
@@ -239,3 +240,30 @@ async def test_the_router_summary_says_how_many_prompt_tokens_were_cached(
     assert summaries[1].route_reason == "chain: disaggregated is the chain's first step"
     assert summaries[1].cached_prompt_tokens >= 832  # on the prefill node
     assert summaries[1].cached_prompt_tokens < summaries[1].prompt_tokens
+
+
+async def test_a_burst_sharing_a_rubric_evaluates_it_once_with_the_texts_of_one_at_a_time() -> None:
+    """Four grader prompts at once on one engine: the first evaluates the rubric, the other
+    three wait for its blocks to be cached, then evaluate their submissions only (SGLang's
+    in-batch prefix caching). Their texts and prompt tokens evaluated equal those of the same
+    prompts one at a time on another engine of the same settings, where the cache serves
+    the rubric from the second on; without the wait the burst evaluates it four times."""
+    settings: dict[str, object] = dict(n_ctx=2048, n_threads=2, slots=4, prefix_cache_tokens=2048)
+    burst_engine = await open_engine(**settings)
+    apart_engine = await open_engine(**settings)
+    try:
+        prompts = [RUBRIC + s for s in SUBMISSIONS[:4]]
+        first = asyncio.create_task(run(burst_engine, prompts[0]))
+        while not burst_engine.load().slots_busy:  # noqa: ASYNC110 (polls the engine thread)
+            await asyncio.sleep(0.01)
+        rest = await asyncio.gather(*(run(burst_engine, p) for p in prompts[1:]))
+        together = [await first, *rest]
+        apart = [await run(apart_engine, p) for p in prompts]
+    finally:
+        await burst_engine.close()
+        await apart_engine.close()
+    evaluated = [end.prompt_tokens - end.cached_prompt_tokens for _, end in together]
+    assert evaluated == [end.prompt_tokens - end.cached_prompt_tokens for _, end in apart]
+    assert sorted(end.cached_prompt_tokens for _, end in together)[0] == 0
+    assert sum(1 for _, end in together if end.cached_prompt_tokens >= 960) == 3
+    assert [text for text, _ in together] == [text for text, _ in apart]

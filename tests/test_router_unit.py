@@ -36,6 +36,7 @@ from disagg_mesh.server.common.wire.node_clients import ChannelPool
 from disagg_mesh.server.router import failures
 from disagg_mesh.server.router.failures import CallerDeadlineExceeded, StageDeadlineExceeded
 from disagg_mesh.server.router.node_health import NodeHealth
+from disagg_mesh.server.router.prefixes import prompt_bytes, text_blocks
 from disagg_mesh.server.router.routing import ResumeInfo, RouteMethod, Router, RouteSummary
 from disagg_mesh.server.router.stages import DecodeCalls, PrefillCalls
 
@@ -419,3 +420,26 @@ async def test_a_node_that_starts_listening_late_is_reached_within_a_second_or_l
     finally:
         await server.stop(None)
         await pool.close()
+
+
+async def test_a_prompt_prefers_the_node_already_evaluating_its_prefix() -> None:
+    """While a node evaluates a prompt (before the request is served), the next prompt
+    starting the same way prefers that node, where it waits for the shared blocks instead of
+    evaluating them on another node too; other prompts keep the topology's order."""
+    router, _ = build()
+    rubric = "Rubric: " + "grade carefully. " * 100
+    sampling = Sampling(max_tokens=4, temperature=0.0)
+    p1, p2 = router.topology.node("p1"), router.topology.node("p2")
+    router.health.failed(p1)  # cooling down: the first prompt goes to p2
+    first = router.generate_resumable(MODEL, Prompt(text=rubric + "Submission 1"), sampling, None)
+    await anext(first)  # under way on p2, not served yet
+    router.health.succeeded(p1)
+
+    def order(text: str) -> list[str]:
+        blocks = text_blocks(MODEL, prompt_bytes(Prompt(text=text)))
+        return [n.name for n in router.selection.by_prefix([p1, p2], blocks)]
+
+    assert order(rubric + "Submission 2") == ["p2", "p1"]
+    assert order("Something else entirely. " * 20) == ["p1", "p2"]
+    async for _ in first:
+        pass

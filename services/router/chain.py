@@ -95,6 +95,7 @@ class Chain:
             source: KvSource | Prompt = request.prompt
             result: PrefillResult | None = None
             if attempt.prefill_candidates:
+                self._knowledge.evaluating(attempt.prefill_candidates[0], request)
                 candidates = self._selection.decode_candidates(request.route)
                 result = await self._prefill.run(request, attempt, candidates)
                 assert attempt.prefill is not None and attempt.decode is not None
@@ -104,6 +105,8 @@ class Chain:
                 source = kv_source(attempt.prefill, result)
             assert attempt.decode is not None
             attempt.current = decode = attempt.decode
+            if result is None:  # the decode node evaluates the prompt itself
+                self._knowledge.evaluating(decode, request)
             attempt.summary.decode_node = decode.name
             attempt.summary.decode_address = decode.address
             stats: DecodeStats | None = None

@@ -34,6 +34,12 @@ class Knowledge:
             self.costs.learn_steps(attempt.decode.name, s.completion_tokens, s.decode_seconds)
         self._learn_costs(request, s)
 
+    def evaluating(self, node: Node, request: Request) -> None:
+        """The node is about to evaluate the request's prompt: the next prompt starting the
+        same way prefers it (while it has a free slot), and waits there for the shared
+        blocks instead of evaluating them on another node as well."""
+        self.text_prefixes.learn(node.name, request.blocks)
+
     def kept(self, decode: Node, result: PrefillResult, stats: DecodeStats) -> None:
         """What a decode node says it keeps of a prompt handed to it."""
         blocks = stats.kept_prefix_tokens // PREFIX_BLOCK_TOKENS

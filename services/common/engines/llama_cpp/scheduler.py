@@ -51,10 +51,15 @@ from disagg_mesh.server.common.engines.llama_cpp.context import Row, SlotContext
 from disagg_mesh.server.common.engines.llama_cpp.grammars import Grammar
 from disagg_mesh.server.common.engines.llama_cpp.host_threads import HostThreads, yield_to_io
 from disagg_mesh.server.common.engines.llama_cpp.model import LlamaModel, attended_from
-from disagg_mesh.server.common.engines.llama_cpp.prefix_cache import Entry, PrefixCache
+from disagg_mesh.server.common.engines.llama_cpp.prefix_cache import (
+    Entry,
+    PrefixCache,
+    common_prefix,
+)
 from disagg_mesh.server.common.engines.llama_cpp.sampling import SlotSampler
 from disagg_mesh.server.common.engines.llama_cpp.step_plan import SlotPhase, StepPlan, plan_step
 from disagg_mesh.server.common.engines.llama_cpp.text import GeneratedToken, TextStream
+from disagg_mesh.server.common.engines.prefix_keys import reusable_blocks
 from disagg_mesh.server.common.errors import (
     Aborted,
     FailedPrecondition,
@@ -67,6 +72,9 @@ from disagg_mesh.server.common.structured.offload import start_on_large_stack
 from disagg_mesh.server.common.types import FinishReason, GenerationEnd, Sampling, TextChunk
 
 log = structlog.get_logger("engine")
+# Leading prompt blocks (64 tokens each) a queued prompt must share with one being evaluated
+# to wait for them instead of evaluating them beside it.
+SHARED_BLOCKS = 2
 
 
 class EngineError(MeshError):
@@ -348,12 +356,19 @@ class Scheduler:
         return bool(admitted)
 
     def _take_pending(self) -> list[Slot]:
-        """Move queued jobs into free slots (under the lock)."""
+        """Move queued jobs into free slots (under the lock), oldest first. A prompt whose
+        leading blocks a running slot is evaluating now stays queued until they are in the
+        prefix cache, then evaluates only the rest (SGLang's in-batch prefix caching: a
+        burst sharing a rubric evaluates it once); later jobs go ahead of it meanwhile."""
         admitted = []
         free = (i for i, s in enumerate(self._slots) if s is None)
+        held: deque[Job] = deque()
         while self._pending and self._busy < self._ctx.slots:
             job = self._pending.popleft()
             if job.cancelled:
+                continue
+            if self._shares_running_prompt(job):
+                held.append(job)
                 continue
             try:
                 sampler = SlotSampler(
@@ -378,7 +393,29 @@ class Scheduler:
             self._slots[index] = slot
             self._busy += 1
             admitted.append(slot)
+        self._pending.extendleft(reversed(held))
         return admitted
+
+    def _shares_running_prompt(self, job: Job) -> bool:
+        """Whether a slot evaluating its prompt now holds more of this job's leading blocks
+        (at least SHARED_BLOCKS) than the prefix cache does: waiting for them beats
+        evaluating them twice."""
+        cache = self._cache
+        if cache is None or job.kind is JobKind.CONTINUE or not job.hashes:
+            return False
+        usable = reusable_blocks(job.hashes, len(job.tokens), cache.block_tokens)
+        shared = max(
+            (
+                common_prefix(s.job.hashes, usable)
+                for s in self._slots
+                if s is not None and s.phase is SlotPhase.PROMPT
+            ),
+            default=0,
+        )
+        if shared < SHARED_BLOCKS:
+            return False
+        _, cached = cache.lookup(job.hashes, len(job.tokens))
+        return shared * cache.block_tokens > cached
 
     def _start(self, slot: Slot) -> None:
         job = slot.job  # its sequence is empty: a freed slot's cells were parked
