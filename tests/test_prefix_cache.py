@@ -8,6 +8,7 @@ import asyncio
 from collections.abc import AsyncIterator
 
 import llama_cpp
+import pytest
 import pytest_asyncio
 
 from disagg_mesh.proto.v1 import router_pb2, router_pb2_grpc
@@ -267,3 +268,29 @@ async def test_a_burst_sharing_a_rubric_evaluates_it_once_with_the_texts_of_one_
     assert sorted(end.cached_prompt_tokens for _, end in together)[0] == 0
     assert sum(1 for _, end in together if end.cached_prompt_tokens >= 960) == 3
     assert [text for text, _ in together] == [text for text, _ in apart]
+
+
+async def test_a_prompt_cut_short_leaves_its_evaluated_blocks_for_the_retry() -> None:
+    """A caller that goes away (cancelled, or its deadline passed) while its prompt is being
+    evaluated: the whole blocks evaluated so far stay in the prefix cache, and the same
+    prompt sent again starts from them instead of from its first token."""
+    engine = await open_engine(n_ctx=4096, n_threads=2, prefix_cache_tokens=4096)
+    try:
+        prompt = RUBRIC * 3 + SUBMISSIONS[0]
+        cut = asyncio.create_task(run(engine, prompt))
+        scheduler = engine._scheduler  # the engine thread's own record of the slot
+
+        def evaluated() -> int:
+            return max((s.evaluated for s in scheduler._slots if s is not None), default=0)
+
+        while evaluated() < 1024:  # noqa: ASYNC110 (polls the engine thread)
+            await asyncio.sleep(0.005)
+        cut.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await cut
+        _, end = await run(engine, prompt)
+        assert end.cached_prompt_tokens >= 1024
+        assert end.cached_prompt_tokens % BLOCK == 0
+        assert end.cached_prompt_tokens < end.prompt_tokens
+    finally:
+        await engine.close()

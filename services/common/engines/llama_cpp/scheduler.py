@@ -509,8 +509,15 @@ class Scheduler:
         return TextStream(job.sampling.max_tokens, job.sampling.stop, parser)
 
     def _reap_cancelled(self) -> None:
+        """Free the slots of jobs whose callers went away (cancelled, or past their
+        deadline). A prompt cut short leaves the whole blocks it evaluated in the prefix
+        cache, so a retry, or the next prompt starting the same way, starts from them."""
         for slot in self._slots:
             if slot is not None and slot.job.cancelled:
+                if self._cache is not None and slot.phase is SlotPhase.PROMPT:
+                    done = slot.evaluated // self._cache.block_tokens
+                    if done * self._cache.block_tokens > slot.cached:
+                        self._cache.keep(slot.index, slot.job.hashes[:done], slot.window_from)
                 self._free(slot)
 
     def _plan(self) -> StepPlan[Slot]:
