@@ -22,7 +22,7 @@ import jsonschema
 import ollama
 import openai
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from disagg_mesh.proto.v1 import node_pb2, node_pb2_grpc, router_pb2_grpc, types_pb2
@@ -350,7 +350,7 @@ def _answer_holds(text: str, finished: str, schema: Any) -> None:
         jsonschema.validate(json.loads(text), schema)
 
 
-def _openai_case(mesh: Mesh, schema: Any, prompt: str, k: Knobs) -> None:
+def _openai_case(mesh: Mesh, schema: Any, prompt: str, k: Knobs) -> str:
     extra: dict[str, Any] = {}
     if k.tools:
         extra["tools"] = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
@@ -370,12 +370,14 @@ def _openai_case(mesh: Mesh, schema: Any, prompt: str, k: Knobs) -> None:
         choice = answer.choices[0]
         if not k.stop:
             _answer_holds(choice.message.content or "", choice.finish_reason, schema)
+        return "answered"
     except openai.BadRequestError as exc:
         named = ("tools:" if k.tools else FIELD, "messages[0].content:", "messages:")
         assert any(n in str(exc) for n in named), str(exc)
+        return "refused"
 
 
-def _ollama_case(mesh: Mesh, schema: Any, prompt: str, k: Knobs) -> None:
+def _ollama_case(mesh: Mesh, schema: Any, prompt: str, k: Knobs) -> str:
     options = {"num_predict": k.max_tokens, "temperature": k.temperature, "top_p": k.top_p}
     if k.seed is not None:
         options["seed"] = k.seed
@@ -387,11 +389,13 @@ def _ollama_case(mesh: Mesh, schema: Any, prompt: str, k: Knobs) -> None:
             options=options,
         )
         _answer_holds(reply.message.content or "", reply.done_reason or "", schema)
+        return "answered"
     except ollama.ResponseError as exc:
         assert exc.status_code == 400 and exc.error.startswith(("format:", "messages")), exc.error
+        return "refused"
 
 
-async def _grpc_case(stub: Any, schema: Any, prompt: str, k: Knobs) -> None:
+async def _grpc_case(stub: Any, schema: Any, prompt: str, k: Knobs) -> str:
     message = request(QWEN, prompt, k.max_tokens)
     message.sampling.temperature = k.temperature
     message.sampling.top_p = k.top_p
@@ -408,30 +412,33 @@ async def _grpc_case(stub: Any, schema: Any, prompt: str, k: Knobs) -> None:
         if not k.stop:
             finished = "stop" if got.summary.finish_reason == types_pb2.FINISH_REASON_STOP else ""
             _answer_holds(got.text, finished, schema)
+        return "answered"
     except grpc.aio.AioRpcError as exc:
         assert exc.code() == grpc.StatusCode.INVALID_ARGUMENT, exc.details()
         assert (exc.details() or "").startswith(("sampling.response_format", "prompt")), (
             exc.details()
         )
+        return "refused"
 
 
 def _run_case(mesh: Mesh, door: str, schema: Any, prompt: str, k: Knobs) -> None:
     """The case through its door, and a plain one-token request beside it over gRPC, which
     must answer well within its bound whatever the case does."""
 
-    async def both() -> None:
+    async def both() -> str:
         async with grpc.aio.insecure_channel(mesh.router_address) as channel:
             stub: Any = router_pb2_grpc.RouterServiceStub(channel)
             plain = asyncio.create_task(collect(stub.Generate(request(QWEN, "Hi", 1), timeout=10)))
             if door == "grpc":
-                await _grpc_case(stub, schema, prompt, k)
+                outcome = await _grpc_case(stub, schema, prompt, k)
             else:
                 case = _openai_case if door == "openai" else _ollama_case
-                await asyncio.to_thread(case, mesh, schema, prompt, k)
+                outcome = await asyncio.to_thread(case, mesh, schema, prompt, k)
             assert (await plain).summary.completion_tokens == 1
+            return outcome
 
     started = time.perf_counter()
-    asyncio.run(both())
+    event(f"{door}: {asyncio.run(both())}")
     assert time.perf_counter() - started < 20.0
 
 
