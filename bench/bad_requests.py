@@ -40,14 +40,13 @@ def _deep(levels: int) -> dict[str, Any]:
     return schema
 
 
+def _integers(low: int, high: int) -> dict[str, Any]:
+    return {"type": "array", "items": {"type": "integer"}, "minItems": low, "maxItems": high}
+
+
 # Near every limit, and accepted.
 ACCEPTED: dict[str, dict[str, Any]] = {
-    "1,000 integers": {
-        "type": "array",
-        "items": {"type": "integer"},
-        "minItems": 1000,
-        "maxItems": 1000,
-    },
+    "1,000 integers": _integers(1000, 1000),
     "enum of 1,024": {"enum": [f"value {i}" for i in range(1024)]},
     "31 levels deep": _deep(31),
     "300 properties": {
@@ -58,12 +57,7 @@ ACCEPTED: dict[str, dict[str, Any]] = {
 }
 # The probes and more, each refused.
 REFUSED: dict[str, dict[str, Any]] = {
-    "minItems 5,000": {
-        "type": "array",
-        "items": {"type": "integer"},
-        "minItems": 5000,
-        "maxItems": 100000,
-    },
+    "minItems 5,000": _integers(5000, 100_000),
     "enum of 100,000 (1 MB)": {"enum": [f"s{i}" for i in range(100_000)]},
     "nested repetition": {"type": "string", "pattern": "^(([a-z]{1,10}){1,10}){1,10}$"},
     "40 levels deep": _deep(40),
