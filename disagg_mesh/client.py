@@ -11,6 +11,7 @@ import asyncio
 import dataclasses
 import json
 import queue
+import random
 import ssl
 import threading
 import time
@@ -151,6 +152,10 @@ class Result:
 
 
 DEFAULT_COOLDOWN_S = 30.0
+# Times a call the mesh answered busy (RESOURCE_EXHAUSTED) is tried again, as it says when:
+# the trailing metadata key the routers send (services/common/errors.py), milliseconds.
+BUSY_RETRIES = 8
+RETRY_AFTER_KEY = "retry-after-ms"
 # Requests a batch keeps in flight when the decode nodes' free slots cannot be read.
 DEFAULT_BATCH_CONCURRENCY = 8
 
@@ -244,6 +249,21 @@ def _open_generate(
         metadata=settings.metadata,
     )
     return address, rpc
+
+
+def _busy_wait(
+    exc: grpc.aio.AioRpcError, progress: _Progress, busy: int, deadline: float
+) -> float | None:
+    """Seconds to wait before trying a call the mesh answered busy (RESOURCE_EXHAUSTED:
+    every slot and queue place taken) before any text came: the router's retry-after
+    (trailing metadata), else an exponential backoff; None when not busy, after
+    BUSY_RETRIES, or when the wait would pass the call's deadline."""
+    if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED or progress.tokens or busy >= BUSY_RETRIES:
+        return None
+    said = dict(exc.trailing_metadata() or ()).get(RETRY_AFTER_KEY)
+    wait = int(said) / 1000 if isinstance(said, str) and said.isdigit() else 0.25 * 2**busy
+    wait *= random.uniform(1.0, 1.25)  # callers told the same do not come back at once
+    return wait if time.monotonic() + wait < deadline else None
 
 
 def _fail_over(
@@ -398,7 +418,7 @@ class AsyncMeshClient(_Client):
         s = self._settings
         deadline = time.monotonic() + (call.timeout or s.timeout)
         progress = _Progress()
-        attempts = 0
+        attempts = busy = 0
         while True:
             attempts += 1
             address, rpc = _open_generate(s, self._routers, self._stubs, call, progress, deadline)
@@ -414,7 +434,13 @@ class AsyncMeshClient(_Client):
                 self._routers.succeeded(address)
                 return
             except grpc.aio.AioRpcError as exc:
-                _fail_over(exc, self._routers, address, attempts, progress)
+                wait = _busy_wait(exc, progress, busy, deadline)
+                if wait is None:
+                    _fail_over(exc, self._routers, address, attempts, progress)
+                else:  # the mesh is busy: the same call again when it says, no failover
+                    busy += 1
+                    attempts -= 1
+                    await asyncio.sleep(wait)
             finally:
                 rpc.cancel()
 

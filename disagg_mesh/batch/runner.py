@@ -30,6 +30,7 @@ import aiohttp
 import grpc
 from tenacity import (
     AsyncRetrying,
+    RetryCallState,
     retry_if_exception_type,
     stop_after_attempt,
     wait_exponential_jitter,
@@ -51,9 +52,21 @@ VALIDATE_AT_ONCE = 16
 class _Retry(Exception):
     """An attempt worth making again; `result` is what is recorded if none is left."""
 
-    def __init__(self, result: BatchResult) -> None:
+    def __init__(self, result: BatchResult, retry_after_s: float = 0.0) -> None:
         super().__init__(result.message)
         self.result = result
+        # What the router's Retry-After said (0: nothing).
+        self.retry_after_s = retry_after_s
+
+
+_BACKOFF = wait_exponential_jitter(multiplier=0.5, max=8.0, jitter=0.5)
+
+
+def _wait(state: RetryCallState) -> float:
+    """The backoff, or longer when the router's Retry-After says so."""
+    exc = state.outcome.exception() if state.outcome else None
+    said = exc.retry_after_s if isinstance(exc, _Retry) else 0.0
+    return max(_BACKOFF(state), said)
 
 
 def plan(requests: Sequence[BatchRequest]) -> list[tuple[BatchRequest, str | None]]:
@@ -168,7 +181,7 @@ class BatchRun:
         try:
             async for attempt in AsyncRetrying(
                 stop=stop_after_attempt(ATTEMPTS),
-                wait=wait_exponential_jitter(multiplier=0.5, max=8.0, jitter=0.5),
+                wait=_wait,
                 retry=retry_if_exception_type(_Retry),
                 reraise=True,
             ):
@@ -200,6 +213,7 @@ class BatchRun:
                 text = await got.text()
                 request_id = got.headers.get("X-Request-Id", "")
                 status = got.status
+                retry_after = got.headers.get("Retry-After", "")
         except TimeoutError:
             return result(
                 0,
@@ -221,5 +235,5 @@ class BatchRun:
             body = {"error": f"not a JSON object: {text[:200]}"}
         answer = result(status, body, request_id)
         if status in RETRIED_STATUSES:
-            raise _Retry(answer)
+            raise _Retry(answer, float(retry_after) if retry_after.isdigit() else 0.0)
         return answer

@@ -52,6 +52,12 @@ class ResourceExhausted(MeshError):
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
+# A busy answer (RESOURCE_EXHAUSTED) says when to try again: gRPC in the trailing metadata
+# RETRY_AFTER_KEY (milliseconds), HTTP in a Retry-After header (seconds, rounded up).
+RETRY_AFTER_KEY = "retry-after-ms"
+RETRY_AFTER_S = 1.0
+
+
 class Unavailable(MeshError):
     code = grpc.StatusCode.UNAVAILABLE
 

@@ -16,7 +16,7 @@ from typing import Any
 import grpc
 import structlog
 
-from disagg_mesh.server.common.errors import MeshError
+from disagg_mesh.server.common.errors import RETRY_AFTER_KEY, RETRY_AFTER_S, MeshError
 from disagg_mesh.server.common.runtime.observability import metrics
 from disagg_mesh.server.common.runtime.observability.logging import REQUEST_ID_KEY, new_request_id
 
@@ -72,6 +72,10 @@ class _Scope:
                 )
             else:
                 self._count_and_log("rpc failed", code.name, elapsed_ms, error=message)
+            if code == grpc.StatusCode.RESOURCE_EXHAUSTED:  # busy: when to try again
+                self.context.set_trailing_metadata(
+                    ((RETRY_AFTER_KEY, str(round(RETRY_AFTER_S * 1000))),)
+                )
             await self.context.abort(code, message)  # raises AbortError
         finally:
             structlog.contextvars.unbind_contextvars("request_id")

@@ -18,7 +18,7 @@ import grpc
 import structlog
 from aiohttp import web
 
-from disagg_mesh.server.common.errors import InvalidArgument, MeshError
+from disagg_mesh.server.common.errors import RETRY_AFTER_S, InvalidArgument, MeshError
 from disagg_mesh.server.common.runtime.auth import configured_token
 from disagg_mesh.server.common.runtime.observability import metrics
 from disagg_mesh.server.common.runtime.observability.logging import REQUEST_ID_KEY, new_request_id
@@ -92,6 +92,8 @@ def scoped(
             except MeshError as exc:
                 status = status_of(exc)
                 response = web.json_response(error_body(exc, status), status=status)
+                if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED:  # busy: when to retry
+                    response.headers["Retry-After"] = str(math.ceil(RETRY_AFTER_S))
             except (ConnectionResetError, asyncio.CancelledError) as exc:
                 status = 499  # the client went away: its handler was cancelled
                 log.info("http client gone", path=path, error=type(exc).__name__)

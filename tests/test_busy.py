@@ -1,0 +1,93 @@
+"""A mesh with no room answers busy at once, says when to try again, and the clients do:
+RESOURCE_EXHAUSTED with the trailing metadata retry-after-ms on gRPC, 429 (OpenAI) and 503
+(Ollama) with Retry-After on HTTP; MeshClient and the openai client try again as told and
+finish, nothing lost."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+import httpx
+import openai
+import pytest
+
+from disagg_mesh.client import AsyncMeshClient
+from disagg_mesh.proto.v1 import router_pb2_grpc
+from disagg_mesh.server.common.runtime.processes import MeshProcesses, free_port
+from tests.conftest import engine_node, route, router_node, running_mesh
+from tests.streams import collect, request
+
+MODEL = "m"
+LONG = 160  # tokens: the one slot stays busy for a few seconds
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MeshProcesses]:
+    parts = [
+        router_node(http_port=free_port()),
+        engine_node("p", "prefill", slots=1, max_queue=0),
+        engine_node("d", "decode", slots=1, max_queue=0),
+        route(MODEL, ["p"], ["d"], chain=["disaggregated"]),
+    ]
+    with running_mesh(tmp_path_factory.mktemp("busy"), parts) as processes:
+        yield processes
+
+
+def http_base(mesh: MeshProcesses) -> str:
+    return f"http://127.0.0.1:{mesh.topology.router.http_port}"
+
+
+async def busy_for_a_while(stub: Any) -> asyncio.Task[Any]:
+    """A long generation holding the decode node's one slot (started, first text in)."""
+    task = asyncio.create_task(
+        collect(stub.Generate(request(MODEL, "Count:", LONG, ignore_eos=True)))
+    )
+    await asyncio.sleep(1.0)
+    return task
+
+
+async def test_a_full_mesh_answers_busy_at_once_and_says_when_on_grpc_and_http(
+    mesh: MeshProcesses,
+) -> None:
+    async with grpc.aio.insecure_channel(mesh.topology.router.address) as channel:
+        stub: Any = router_pb2_grpc.RouterServiceStub(channel)
+        holder = await busy_for_a_while(stub)
+        call = stub.Generate(request(MODEL, "Hello", 4))
+        with pytest.raises(grpc.aio.AioRpcError) as busy:
+            await collect(call)
+        assert busy.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert dict(busy.value.trailing_metadata() or ())["retry-after-ms"] == "1000"
+        async with httpx.AsyncClient(base_url=http_base(mesh), timeout=30) as http:
+            openai_door = await http.post(
+                "/v1/chat/completions",
+                json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]},
+            )
+            ollama_door = await http.post(
+                "/api/generate", json={"model": MODEL, "prompt": "Hi", "stream": False}
+            )
+        assert (openai_door.status_code, openai_door.headers["Retry-After"]) == (429, "1")
+        assert (ollama_door.status_code, ollama_door.headers["Retry-After"]) == (503, "1")
+        assert (await holder).summary.completion_tokens == LONG
+
+
+async def test_the_clients_try_again_when_told_and_finish(mesh: MeshProcesses) -> None:
+    async with grpc.aio.insecure_channel(mesh.topology.router.address) as channel:
+        stub: Any = router_pb2_grpc.RouterServiceStub(channel)
+        holder = await busy_for_a_while(stub)
+        async with AsyncMeshClient(mesh.topology.router.address, timeout=120) as client:
+            calls = [
+                client.generate(MODEL, f"Say {i}.", max_tokens=4, ignore_eos=True) for i in "abc"
+            ]
+            results = await asyncio.gather(*calls)
+        assert [r.metrics.completion_tokens for r in results] == [4, 4, 4]
+        await holder
+        holder = await busy_for_a_while(stub)
+        door = openai.AsyncOpenAI(base_url=f"{http_base(mesh)}/v1", api_key="x", max_retries=8)
+        answer = await door.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4
+        )
+        assert answer.choices[0].message.content is not None
+        await holder
