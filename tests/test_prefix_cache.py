@@ -294,3 +294,21 @@ async def test_a_prompt_cut_short_leaves_its_evaluated_blocks_for_the_retry() ->
         assert end.cached_prompt_tokens < end.prompt_tokens
     finally:
         await engine.close()
+
+
+async def test_a_burst_through_the_router_evaluates_the_rubric_once_on_the_prefill_node(
+    router: router_pb2_grpc.RouterServiceAsyncStub,
+) -> None:
+    """Six grader requests sharing a rubric no node has seen, all at once through the
+    router: the prefill node evaluates the rubric for the first only; the other five take it
+    from its cache (they waited for it rather than evaluating it beside the first)."""
+    rubric = "Fresh rubric for this burst only. " + RUBRIC.replace("Python", "Rust")
+    calls = [
+        collect(router.Generate(request("gpt-oss:120b", rubric + s, 4))) for s in SUBMISSIONS[:6]
+    ]
+    got = await asyncio.gather(*calls)
+    cached = sorted(g.summary.cached_prompt_tokens for g in got)
+    assert cached[0] < BLOCK * 2, cached  # the first evaluated it
+    shortest = min(g.summary.prompt_tokens for g in got)
+    assert all(c >= shortest - 3 * BLOCK for c in cached[1:]), cached
+    assert {g.summary.prefill_node for g in got} == {"prefill-gpt-oss"}
