@@ -6,6 +6,8 @@ finish, nothing lost."""
 from __future__ import annotations
 
 import asyncio
+import random
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -91,3 +93,41 @@ async def test_the_clients_try_again_when_told_and_finish(mesh: MeshProcesses) -
         )
         assert answer.choices[0].message.content is not None
         await holder
+
+
+@pytest.fixture(scope="module")
+def one_prefill_slot(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MeshProcesses]:
+    """One prefill slot, a 1.5 s prefill stage limit: five prompts at once take longer
+    than that to evaluate in all, each alone well under it."""
+    parts = [
+        "[mesh]\ncooldown_s = 30\n",
+        router_node(),
+        engine_node("p", "prefill", slots=1),
+        engine_node("d", "decode"),
+        route(MODEL, ["p"], ["d"], prefill_deadline_s=1.5),
+    ]
+    with running_mesh(tmp_path_factory.mktemp("one-slot"), parts) as processes:
+        yield processes
+
+
+WORDS = "rubric essay student answer function test grade style clear loop value list".split()
+
+
+async def test_a_stage_deadline_counts_the_nodes_work_not_the_wait_for_a_slot(
+    one_prefill_slot: MeshProcesses,
+) -> None:
+    """The router sends a prompt to a node only once it has a free slot: the prefill
+    stage's 1.5 s limit then covers the node's work alone, so five prompts at once all go
+    disaggregated, none killed by the deadline while it waited, no node cooled down."""
+    prompts = [" ".join(random.Random(i).choices(WORDS, k=380)) for i in range(5)]
+    async with grpc.aio.insecure_channel(one_prefill_slot.topology.router.address) as channel:
+        stub: Any = router_pb2_grpc.RouterServiceStub(channel)
+        alone = await collect(stub.Generate(request(MODEL, prompts[0], 2)))
+        assert alone.summary.prefill_duration.ToTimedelta().total_seconds() < 1.0
+        started = time.perf_counter()
+        got = await asyncio.gather(*(collect(stub.Generate(request(MODEL, p, 2))) for p in prompts))
+        took = time.perf_counter() - started
+    assert took > 1.5  # in all, longer than one stage's limit
+    assert [g.summary.failed_attempts for g in got] == [[]] * 5
+    assert {g.summary.prefill_node for g in got} == {"p"}
+    assert "node cooling down" not in one_prefill_slot.log_tail("router", 10_000)

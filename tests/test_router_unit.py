@@ -443,3 +443,30 @@ async def test_a_prompt_prefers_the_node_already_evaluating_its_prefix() -> None
     assert order("Something else entirely. " * 20) == ["p1", "p2"]
     async for _ in first:
         pass
+
+
+async def test_callers_wait_for_a_free_slot_in_turn_and_a_busy_node_refuses_after_the_budget() -> (
+    None
+):
+    router, _ = build()
+    health, node = router.health, router.topology.node("d1")
+    health._slots["d1"] = 1  # what GetNodeInfo says, as a health check would learn it
+    order: list[str] = []
+
+    async def caller(name: str, budget_s: float) -> None:
+        await health.free_slot(node, budget_s)
+        with health.busy(node):
+            order.append(name)
+            await asyncio.sleep(0.05)
+
+    with health.busy(node):  # the one slot is taken
+        first = asyncio.create_task(caller("first", 5.0))
+        await asyncio.sleep(0.01)
+        second = asyncio.create_task(caller("second", 5.0))
+        with pytest.raises(MeshError) as busy:
+            await caller("impatient", 0.02)
+        assert busy.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "queue_budget_s" in busy.value.message
+    await asyncio.gather(first, second)
+    assert order == ["first", "second"]
+    await health.free_slot(node, 0.01)  # free again: no wait

@@ -14,7 +14,12 @@ import grpc
 import structlog
 
 from disagg_mesh.server.common.config.topology import ModelRoute, Node
-from disagg_mesh.server.common.errors import DeadlineExceeded, MeshError, UpstreamError
+from disagg_mesh.server.common.errors import (
+    DeadlineExceeded,
+    MeshError,
+    ResourceExhausted,
+    UpstreamError,
+)
 from disagg_mesh.server.common.runtime.observability import metrics
 from disagg_mesh.server.router.deaths import QueryOfDeath, dropped
 from disagg_mesh.server.router.node_health import NodeHealth
@@ -109,6 +114,24 @@ def stage_error(
     return StageDeadlineExceeded(
         f"{where} ran out of time: its {timeout:g} s stage deadline passed"
     )
+
+
+async def free_slot(health: NodeHealth, request: Request, node: Node) -> None:
+    """Wait, within the route's queue budget and the caller's deadline, until the node has
+    a free slot: the stage deadline then covers the node's work only. RESOURCE_EXHAUSTED
+    past the budget (retried elsewhere, no blame); the caller's deadline is final."""
+    remaining = request.clock.remaining()
+    budget = request.route.queue_budget_s
+    if remaining is not None and remaining < budget:
+        try:
+            await health.free_slot(node, remaining)
+        except ResourceExhausted:
+            raise CallerDeadlineExceeded(
+                f"the caller's deadline passed while waiting for a free slot of node "
+                f"{node.name} ({remaining:.3f} s were left)"
+            ) from None
+        return
+    await health.free_slot(node, budget)
 
 
 def midstream_error(exc: MeshError, node: str, delivered: int, migrations: int) -> MeshError:

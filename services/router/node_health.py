@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import structlog
 
 from disagg_mesh.server.common.config.topology import Node
+from disagg_mesh.server.common.errors import ResourceExhausted
 from disagg_mesh.server.common.wire.node_clients import ChannelPool, health_status, node_slots
 from disagg_mesh.server.router.deaths import Deaths
 
@@ -49,6 +51,10 @@ class NodeHealth:
         self._slots: dict[str, int] = {n.name: 0 for n in nodes}
         # Which requests each node holds, and the nodes that died holding one.
         self.deaths = Deaths(quarantine_s)
+        # Callers waiting for a free slot of each node, oldest first, and the slots freed
+        # for the first of them but not taken yet.
+        self._waiting: dict[str, deque[asyncio.Future[None]]] = {}
+        self._reserved: dict[str, int] = {}
 
     def available(self, node: Node) -> bool:
         """Serving (or not checked yet) and not cooling down."""
@@ -81,6 +87,60 @@ class NodeHealth:
             return 0.0
         return in_flight / slots
 
+    async def free_slot(self, node: Node, budget_s: float) -> float:
+        """Wait until the node has a slot free of this router's calls, in turn with the
+        other callers waiting for it (oldest first); the seconds waited. Slots not known
+        yet: no wait. ResourceExhausted after budget_s (the node is busy, not failing).
+        The slot is the caller's when its busy() begins, at once after this."""
+        slots = self._slots.get(node.name, 0)
+        waiting = self._waiting.setdefault(node.name, deque())
+        taken = self._in_flight.get(node.name, 0) + self._reserved.get(node.name, 0)
+        if slots <= 0 or (taken < slots and not waiting):
+            return 0.0
+        started = time.monotonic()
+        turn: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        waiting.append(turn)
+        try:
+            await asyncio.wait_for(asyncio.shield(turn), budget_s)
+        except TimeoutError:
+            if turn.done():  # freed for it just as its time ran out: pass the slot on
+                self._reserved[node.name] -= 1
+                self._wake(node.name)
+            else:
+                waiting.remove(turn)
+            raise ResourceExhausted(
+                f"node {node.name}: all {slots} slots busy with this router's calls for "
+                f"{budget_s:g} s (the route's queue_budget_s); try later or add slots"
+            ) from None
+        except asyncio.CancelledError:
+            if turn.done():
+                self._reserved[node.name] -= 1
+                self._wake(node.name)
+            elif turn in waiting:
+                waiting.remove(turn)
+            raise
+        self._reserved[node.name] -= 1  # busy() takes it now
+        return time.monotonic() - started
+
+    def _wake(self, name: str) -> None:
+        """Give a freed slot to the oldest caller waiting for one."""
+        waiting = self._waiting.get(name)
+        slots = self._slots.get(name, 0)
+        while waiting and self._in_flight.get(name, 0) + self._reserved.get(name, 0) < slots:
+            turn = waiting.popleft()
+            if not turn.done():
+                self._reserved[name] = self._reserved.get(name, 0) + 1
+                turn.set_result(None)
+
+    def _release_all(self, name: str) -> None:
+        """Let every caller waiting for the node go (its slots are not known now)."""
+        waiting = self._waiting.get(name, deque())
+        while waiting:
+            turn = waiting.popleft()
+            if not turn.done():
+                self._reserved[name] = self._reserved.get(name, 0) + 1
+                turn.set_result(None)
+
     @contextmanager
     def busy(self, node: Node, request_id: int = 0) -> Iterator[None]:
         """Count a call on the node while it lasts (for the request `request_id`)."""
@@ -90,6 +150,7 @@ class NodeHealth:
                 yield
         finally:
             self._in_flight[node.name] -= 1
+            self._wake(node.name)
 
     def failed(self, node: Node) -> None:
         self._cool_until[node.name] = time.monotonic() + self._cooldown_s
@@ -110,8 +171,10 @@ class NodeHealth:
         serving = status == "SERVING"
         if not serving:
             self._slots[node.name] = 0  # it may come back with other settings
+            self._release_all(node.name)  # their calls fail at once and move on
         elif not self._slots.get(node.name):
             self._slots[node.name] = await node_slots(channel, CHECK_TIMEOUT_S)
+            self._wake(node.name)
         if serving != self._serving[node.name]:
             log.info("node health", node=node.name, serving=serving)
             self._serving[node.name] = serving

@@ -235,7 +235,13 @@ class ModelRoute(_Strict):
     # Nodes in order of preference; unhealthy or cooling-down ones are skipped.
     prefill: list[NodeName] = []
     decode: list[NodeName] = []
+    # Stage limits: a node's work on the request (the router sends it a prompt only when
+    # the node has a free slot, so waiting for one does not count: queue_budget_s).
     prefill_deadline_s: PositiveSeconds = 60.0
+    # How long a request may wait at the router for a free slot of the node it goes to
+    # (within the caller's own deadline); past it, RESOURCE_EXHAUSTED (the next node is
+    # tried), never a cool-down: a busy node is not a failing one.
+    queue_budget_s: PositiveSeconds = 600.0
     # A decode node that fails after text was delivered hands the generation over to
     # another decode node of this model (from the prompt and the tokens delivered), at most
     # max_migrations times per request.

@@ -11,7 +11,7 @@ import grpc
 from disagg_mesh.server.common.config.topology import Node
 from disagg_mesh.server.common.errors import UpstreamError
 from disagg_mesh.server.common.types import Continuation, DecodeStats, KvSource, Prompt, TextChunk
-from disagg_mesh.server.router.failures import stage_error
+from disagg_mesh.server.router.failures import free_slot, stage_error
 from disagg_mesh.server.router.node_health import NodeHealth
 from disagg_mesh.server.router.request import Request
 from disagg_mesh.server.router.stages import NodeClients
@@ -32,6 +32,8 @@ class DecodeStage:
         """The node's text chunks, then its DecodeStats, with the stage deadline (or what is
         left of the caller's)."""
         route = request.route
+        if isinstance(source, Prompt):  # the node evaluates the prompt: once it has a slot
+            await free_slot(self._health, request, node)
         timeout, caller_bound = request.clock.stage_timeout(route.decode_deadline_s)
         client = self._clients.decode(node.address)
         generation = client.generate(route.name, source, request.sampling, timeout, continuation)

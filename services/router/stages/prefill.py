@@ -16,6 +16,7 @@ from disagg_mesh.server.common.types import (
 from disagg_mesh.server.router.failures import (
     StageDeadlineExceeded,
     attempt_failed,
+    free_slot,
     is_retryable,
     stage_error,
 )
@@ -83,8 +84,10 @@ class PrefillStage:
         candidates: list[DecodeCandidate],
         continuation: Continuation | None = None,
     ) -> PrefillResult:
-        """One prefill call, with the stage deadline (or what is left of the caller's)."""
+        """One prefill call, once the node has a free slot (queue_budget_s), with the stage
+        deadline from then (or what is left of the caller's)."""
         route = request.route
+        await free_slot(self._health, request, node)
         timeout, caller_bound = request.clock.stage_timeout(route.prefill_deadline_s)
         client = self._clients.prefill(node.address)
         try:
