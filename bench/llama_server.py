@@ -154,7 +154,7 @@ class CannotBuild(Exception):
 class LlamaServer:
     """llama-server on a free port, stopped on exit."""
 
-    def __init__(self, binary: Path, threads: int) -> None:
+    def __init__(self, binary: Path, threads: int, slots: int = 16) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = Path(tempfile.mkstemp(prefix="llama-server-", suffix=".log")[1])
@@ -162,7 +162,7 @@ class LlamaServer:
             str(binary),
             *("-m", str(resolve_model_path(MODEL, ROOT))),
             *("--host", "127.0.0.1", "--port", str(self.port)),
-            *("-np", "16", "-kvu", "-c", str(16 * 4096)),
+            *("-np", str(slots), "-kvu", "-c", str(slots * 4096)),
             *("-t", str(threads), "-tb", str(threads)),
             *("-fa", "on", "-b", "512", "-ub", "512"),
         ]

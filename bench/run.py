@@ -49,7 +49,11 @@ repeated, median reported:
    and warm (bench/llama_server.py, a mesh and a server of their own, one after the other);
 17. bad requests: the router's time to answer the worst accepted and the worst refused
    structured-output schemas, and the TTFT a plain request gains while the worst refused
-   one is being refused (bench/bad_requests.py, a mesh of its own).
+   one is being refused (bench/bad_requests.py, a mesh of its own);
+18. a class at once: 12 submissions x 2 models sharing a ~1,500-token rubric, all at once
+   through the OpenAI door, against llama-server -np 8 -kvu: wall time, TTFT p50 over wall
+   time, the router's failed attempts, migrations and cool-downs (bench/burst.py, a mesh and
+   a server of their own).
 
 Every answer is greedy with ignore_eos (end tokens never sampled), so both sides of a ratio
 generate the same number of tokens on any CPU. Each row records what each side did (prompt
@@ -77,6 +81,8 @@ from typing import Any
 from bench.bad_requests import measure as measure_bad_requests
 from bench.bad_requests import rows as bad_requests_rows
 from bench.batch import measure as measure_batch
+from bench.burst import measure as measure_burst
+from bench.burst import rows as burst_rows
 from bench.batch import rows as batch_rows
 from bench.batching import measure as measure_batching
 from bench.batching import structured_rows
@@ -122,6 +128,7 @@ OWN_MESH = (
     "batch",
     "llama_server",
     "bad_requests",
+    "burst",
 )
 
 
@@ -201,6 +208,11 @@ async def run_all(bench: Bench, args: argparse.Namespace) -> dict[str, Any]:
             "bad_requests",
             "17. what a bad request costs (a mesh of its own)",
             lambda: measure_bad_requests(bench.repeats * 7),
+        ),
+        (
+            "burst",
+            "18. a class at once, against llama-server (a mesh and a server of their own)",
+            lambda: measure_burst(12),
         ),
     ]
     for key, title, step in steps:
@@ -324,6 +336,8 @@ def table(r: dict[str, Any]) -> str:
         rows += llama_server_rows(r["llama_server"])
     if "bad_requests" in r:
         rows += bad_requests_rows(r["bad_requests"])
+    if "burst" in r:
+        rows += burst_rows(r["burst"])
     width = [max(len(row[i]) for row in rows) for i in range(3)]
     header = ("measurement", "result", "goal")
     lines = ["  ".join(h.ljust(width[i]) for i, h in enumerate(header))]

@@ -1,0 +1,232 @@
+"""Benchmark: a whole class sent at once (#45).
+
+    python -m bench.burst [--submissions 12]
+
+`make run`'s mesh (topology/local.toml on free ports) and llama-server of the same llama.cpp
+(`-np 8 -kvu -t <cores>`, as the issue ran it; bench/llama_server.py builds it once) both
+serve; each is given, in turn, every request of a class at once: N submissions x 2 models
+(llama-server: both to its one model), each prompt the same ~1,500-token rubric, new to
+both sides, and a ~250-token submission, streamed through the OpenAI API (greedy, 48 tokens,
+ignore_eos). Then the same again with another new rubric, the sides in the other order.
+
+18. wall time, mesh / llama-server (goal <= 0.8x); the mesh's TTFT p50 over its wall time
+    (goal <= 0.5); the router's failed attempts, migrations and cool-downs (goal 0); prompt
+    tokens each prefill node evaluated, against the rubric once per node plus every
+    submission. Both sides generate the same tokens for the same prompts (checked); their
+    prompt caches differ on purpose.
+
+Writes JSON to bench/results/ when run alone; `make bench` (bench/run.py) runs it as row 18.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from typing import Any
+
+import aiohttp
+
+from bench.common import median, run_alone, say
+from bench.grader import prompts as grader_prompts
+from bench.llama_server import (
+    CannotBuild,
+    LlamaServer,
+    llama_server_binary,
+    local_topology,
+)
+from bench.work import Work, figure, record, total
+from disagg_mesh.server.common.runtime.processes import MeshProcesses, serving_mesh
+
+MODELS = ("qwen3-coder:30b", "gpt-oss:120b")
+NEW_TOKENS = 48
+GOAL_WALL = 0.8
+GOAL_TTFT_OVER_WALL = 0.5
+
+
+async def one(
+    session: aiohttp.ClientSession, url: str, model: str, prompt: str
+) -> tuple[float, Work]:
+    """A streamed chat completion: its time to first text, and its work (usage)."""
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": NEW_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    started = time.perf_counter()
+    first = None
+    usage: dict[str, Any] = {}
+    async with session.post(url + "/v1/chat/completions", json=body) as got:
+        assert got.status == 200, await got.text()
+        async for raw in got.content:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+            choices = chunk.get("choices") or []
+            if first is None and choices and (choices[0].get("delta") or {}).get("content"):
+                first = time.perf_counter() - started
+    assert first is not None and usage, "a stream without text or usage"
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    return first, Work(usage["prompt_tokens"], cached, usage["completion_tokens"])
+
+
+async def burst(url: str, models: tuple[str, ...], texts: list[str]) -> dict[str, Any]:
+    """Every request at once: wall time, TTFTs, work."""
+    timeout = aiohttp.ClientTimeout(total=3600)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        started = time.perf_counter()
+        got = await asyncio.gather(*(one(session, url, m, t) for t in texts for m in models))
+        wall = time.perf_counter() - started
+    ttfts = sorted(g[0] for g in got)
+    return {
+        "wall_s": wall,
+        "ttft_s": ttfts,
+        "ttft_p50_s": ttfts[len(ttfts) // 2],
+        "work": total([g[1] for g in got]),
+    }
+
+
+def _metric(text: str, name: str, labels: str = "") -> float:
+    """The sum of a Prometheus counter's samples (those whose labels start with `labels`)."""
+    pattern = rf"^{name}{{{labels}[^}}]*}} ([0-9.e+]+)$"
+    if not labels:
+        pattern = rf"^{name}(?:{{[^}}]*}})? ([0-9.e+]+)$"
+    return sum(float(v) for v in re.findall(pattern, text, re.M))
+
+
+async def _scrape(mesh: MeshProcesses) -> dict[str, float]:
+    """The router's failed attempts and migrations, each prefill node's prompt tokens."""
+    out: dict[str, float] = {}
+    async with aiohttp.ClientSession() as session:
+        for node in mesh.topology.nodes:
+            if node.metrics_port is None or node.role == "decode":
+                continue
+            async with session.get(f"http://{node.host}:{node.metrics_port}/metrics") as got:
+                text = await got.text()
+            if node.role == "router":
+                out["failed_attempts"] = _metric(text, "disagg_failed_attempts_total")
+                out["migrations"] = _metric(text, "disagg_migrations_total")
+            else:
+                out[f"{node.name}_prompt"] = _metric(
+                    text, "disagg_engine_tokens_total", 'kind="prompt"'
+                )
+    return out
+
+
+async def measure(submissions: int) -> dict[str, Any]:
+    try:
+        binary = llama_server_binary()
+    except (CannotBuild, subprocess.CalledProcessError) as exc:
+        say(f"   skipped: {exc}")
+        return {"skipped": str(exc)}
+    threads = os.cpu_count() or 1
+    rounds = [
+        [f"Course 18{r}.\n" + t for t in grader_prompts(submissions, 1500, 250)] for r in "ab"
+    ]
+    say(f">> 18. {2 * submissions} requests at once: the mesh and llama-server -np 8 -kvu")
+    server = LlamaServer(binary, threads, slots=8)
+    runs: dict[str, list[dict[str, Any]]] = {"mesh": [], "llama-server": []}
+    async with serving_mesh(local_topology(), "bench-burst-") as mesh:
+        server.start()
+        try:
+            await server.ready()
+            await asyncio.sleep(1.0)  # the router's health checks see every node
+            router = mesh.topology.router
+            targets = {
+                "mesh": (f"http://{router.host}:{router.http_port}", MODELS),
+                "llama-server": (server.url, ("smollm2", "smollm2")),
+            }
+            for i, texts in enumerate(rounds):
+                order = list(targets) if i == 0 else list(reversed(targets))
+                for name in order:
+                    url, models = targets[name]
+                    before = await _scrape(mesh) if name == "mesh" else {}
+                    run = await burst(url, models, texts)
+                    if name == "mesh":
+                        after = await _scrape(mesh)
+                        run["counts"] = {k: after[k] - before.get(k, 0.0) for k in after}
+                        run["cool_downs"] = mesh.log_tail("router", 100_000).count(
+                            "node cooling down"
+                        )
+                    runs[name].append(run)
+                    say(
+                        f"   {name}: {run['wall_s']:.1f} s, TTFT p50 {run['ttft_p50_s']:.1f} s"
+                        + (f", {run['counts']}" if "counts" in run else "")
+                    )
+        finally:
+            server.stop()
+    ours, theirs = runs["mesh"], runs["llama-server"]
+    mine = median([r["wall_s"] for r in ours])
+    other = median([r["wall_s"] for r in theirs])
+    counts = ours[-1]["counts"]
+    result = {
+        "submissions": submissions,
+        "requests": 2 * submissions,
+        "threads": threads,
+        "mesh_wall_s": [r["wall_s"] for r in ours],
+        "llama_server_wall_s": [r["wall_s"] for r in theirs],
+        "mesh_over_llama_server": mine / other,
+        "mesh_ttft_p50_over_wall": median([r["ttft_p50_s"] / r["wall_s"] for r in ours]),
+        "llama_server_ttft_p50_over_wall": median([r["ttft_p50_s"] / r["wall_s"] for r in theirs]),
+        "failed_attempts": sum(r["counts"]["failed_attempts"] for r in ours),
+        "migrations": sum(r["counts"]["migrations"] for r in ours),
+        "cool_downs": ours[-1]["cool_downs"],
+        "prefill_prompt_tokens_last_round": {
+            k: v for k, v in counts.items() if k.endswith("_prompt")
+        },
+        "work": record(
+            ("mesh", "llama_server"),
+            total([r["work"] for r in ours]),
+            total([r["work"] for r in theirs]),
+            cache_compared=True,
+        ),
+    }
+    for row in rows(result):
+        say("   " + "  ".join(row))
+    return result
+
+
+def rows(m: dict[str, Any]) -> list[tuple[str, str, str]]:
+    if "skipped" in m:
+        return [("a class at once, mesh / llama-server", f"skipped: {m['skipped']}", "-")]
+    return [
+        (
+            f"a class at once ({m['requests']} requests, ~1,750-token prompts sharing a rubric): "
+            "wall time, mesh / llama-server -np 8 -kvu",
+            figure(
+                f"{m['mesh_over_llama_server']:.2f}x ({median(m['mesh_wall_s']):.1f} vs "
+                f"{median(m['llama_server_wall_s']):.1f} s)",
+                m["work"],
+            ),
+            f"<= {GOAL_WALL:g}x",
+        ),
+        (
+            "a class at once: the mesh's TTFT p50 / its wall time (llama-server's)",
+            f"{m['mesh_ttft_p50_over_wall']:.2f} ({m['llama_server_ttft_p50_over_wall']:.2f})",
+            f"<= {GOAL_TTFT_OVER_WALL:g}",
+        ),
+        (
+            "a class at once: failed attempts, migrations, cool-downs in the router",
+            f"{m['failed_attempts']:.0f}, {m['migrations']:.0f}, {m['cool_downs']}",
+            "0, 0, 0",
+        ),
+    ]
+
+
+def main() -> int:
+    return run_alone(__doc__, "burst", measure, rows, {"submissions": 12}, repeats=None)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
