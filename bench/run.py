@@ -81,11 +81,11 @@ from typing import Any
 from bench.bad_requests import measure as measure_bad_requests
 from bench.bad_requests import rows as bad_requests_rows
 from bench.batch import measure as measure_batch
-from bench.burst import measure as measure_burst
-from bench.burst import rows as burst_rows
 from bench.batch import rows as batch_rows
 from bench.batching import measure as measure_batching
 from bench.batching import structured_rows
+from bench.burst import measure as measure_burst
+from bench.burst import rows as burst_rows
 from bench.common import ROOT, machine, median, report, say
 from bench.families import measure as measure_families
 from bench.families import rows as families_rows
