@@ -33,16 +33,10 @@ import aiohttp
 
 from bench.common import median, run_alone, say
 from bench.grader import prompts as grader_prompts
-from bench.llama_server import (
-    CannotBuild,
-    LlamaServer,
-    llama_server_binary,
-    local_topology,
-)
+from bench.llama_server import CannotBuild, llama_server_binary, side_by_side
 from bench.work import Work, figure, record, total
-from disagg_mesh.server.common.runtime.processes import MeshProcesses, serving_mesh
+from disagg_mesh.server.common.runtime.processes import MeshProcesses
 
-MODELS = ("qwen3-coder:30b", "gpt-oss:120b")
 NEW_TOKENS = 48
 GOAL_WALL = 0.8
 GOAL_TTFT_OVER_WALL = 0.5
@@ -135,37 +129,24 @@ async def measure(submissions: int) -> dict[str, Any]:
         [f"Course 18{r}.\n" + t for t in grader_prompts(submissions, 1500, 250)] for r in "ab"
     ]
     say(f">> 18. {2 * submissions} requests at once: the mesh and llama-server -np 8 -kvu")
-    server = LlamaServer(binary, threads, slots=8)
     runs: dict[str, list[dict[str, Any]]] = {"mesh": [], "llama-server": []}
-    async with serving_mesh(local_topology(), "bench-burst-") as mesh:
-        server.start()
-        try:
-            await server.ready()
-            await asyncio.sleep(1.0)  # the router's health checks see every node
-            router = mesh.topology.router
-            targets = {
-                "mesh": (f"http://{router.host}:{router.http_port}", MODELS),
-                "llama-server": (server.url, ("smollm2", "smollm2")),
-            }
-            for i, texts in enumerate(rounds):
-                order = list(targets) if i == 0 else list(reversed(targets))
-                for name in order:
-                    url, models = targets[name]
-                    before = await _scrape(mesh) if name == "mesh" else {}
-                    run = await burst(url, models, texts)
-                    if name == "mesh":
-                        after = await _scrape(mesh)
-                        run["counts"] = {k: after[k] - before.get(k, 0.0) for k in after}
-                        run["cool_downs"] = mesh.log_tail("router", 100_000).count(
-                            "node cooling down"
-                        )
-                    runs[name].append(run)
-                    say(
-                        f"   {name}: {run['wall_s']:.1f} s, TTFT p50 {run['ttft_p50_s']:.1f} s"
-                        + (f", {run['counts']}" if "counts" in run else "")
-                    )
-        finally:
-            server.stop()
+    async with side_by_side(binary, threads, 8, "bench-burst-") as (mesh, targets):
+        for i, texts in enumerate(rounds):
+            order = list(targets) if i == 0 else list(reversed(targets))
+            for name in order:
+                url, models = targets[name]
+                models = models if len(models) == 2 else models * 2
+                before = await _scrape(mesh) if name == "mesh" else {}
+                run = await burst(url, models, texts)
+                if name == "mesh":
+                    after = await _scrape(mesh)
+                    run["counts"] = {k: after[k] - before.get(k, 0.0) for k in after}
+                    run["cool_downs"] = mesh.log_tail("router", 100_000).count("node cooling down")
+                runs[name].append(run)
+                say(
+                    f"   {name}: {run['wall_s']:.1f} s, TTFT p50 {run['ttft_p50_s']:.1f} s"
+                    + (f", {run['counts']}" if "counts" in run else "")
+                )
     ours, theirs = runs["mesh"], runs["llama-server"]
     mine = median([r["wall_s"] for r in ours])
     other = median([r["wall_s"] for r in theirs])

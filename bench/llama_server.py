@@ -40,6 +40,8 @@ import sys
 import tarfile
 import tempfile
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +57,7 @@ from bench.grader import prompts as grader_prompts
 from bench.shared_cores import PROMPTS
 from bench.work import Work, figure, record, total
 from disagg_mesh.server.common.models import resolve_model_path
-from disagg_mesh.server.common.runtime.processes import free_port, serving_mesh
+from disagg_mesh.server.common.runtime.processes import MeshProcesses, free_port, serving_mesh
 
 MODELS = ("qwen3-coder:30b", "gpt-oss:120b")
 LEVELS = (1, 4, 16)
@@ -248,9 +250,7 @@ async def at_once(
     return done.generated_tokens / seconds, done, seconds
 
 
-async def sides(
-    targets: dict[str, tuple[str, tuple[str, ...]]], repeats: int, texts: list[str]
-) -> dict[str, dict[str, Any]]:
+async def sides(targets: Targets, repeats: int, texts: list[str]) -> dict[str, dict[str, Any]]:
     """Both sides' measurements, taking turns (both serve, only one is asked at a time):
     tok/s at each level, repeated; then the grader cold and warm (each submission's two
     requests, 4 submissions in flight)."""
@@ -285,6 +285,33 @@ async def sides(
     return out
 
 
+Targets = dict[str, tuple[str, tuple[str, ...]]]
+
+
+@asynccontextmanager
+async def side_by_side(
+    binary: Path, threads: int, slots: int, prefix: str
+) -> AsyncIterator[tuple[MeshProcesses, Targets]]:
+    """make run's mesh and llama-server (-np slots -kvu), both serving: each side's OpenAI
+    URL and the models to ask it for (llama-server has one)."""
+    server = LlamaServer(binary, threads, slots)
+    async with serving_mesh(local_topology(), prefix) as mesh:
+        server.start()
+        try:
+            await server.ready()
+            await asyncio.sleep(1.0)  # the router's health checks see every node
+            router = mesh.topology.router
+            yield (
+                mesh,
+                {
+                    "mesh": (f"http://{router.host}:{router.http_port}", MODELS),
+                    "llama-server": (server.url, ("smollm2",)),
+                },
+            )
+        finally:
+            server.stop()
+
+
 async def measure(repeats: int, submissions: int) -> dict[str, Any]:
     try:
         binary = llama_server_binary()
@@ -295,20 +322,8 @@ async def measure(repeats: int, submissions: int) -> dict[str, Any]:
     # The rubric's first line differs from row 10's and 15's: nothing of it is cached.
     texts = ["Course 16.\n" + t for t in grader_prompts(submissions, 1500, 200)]
     say(f">> 16. the mesh (topology/local.toml) and llama-server -np 16 -kvu -t {threads}")
-    server = LlamaServer(binary, threads)
-    async with serving_mesh(local_topology(), "bench-llama-server-") as mesh:
-        server.start()
-        try:
-            await server.ready()
-            await asyncio.sleep(1.0)  # the router's health checks see every node
-            router = mesh.topology.router
-            targets = {
-                "mesh": (f"http://{router.host}:{router.http_port}", MODELS),
-                "llama-server": (server.url, ("smollm2",)),
-            }
-            measured = await sides(targets, repeats, texts)
-        finally:
-            server.stop()
+    async with side_by_side(binary, threads, 16, "bench-llama-server-") as (_, targets):
+        measured = await sides(targets, repeats, texts)
     ours, theirs = measured["mesh"], measured["llama-server"]
     levels = {}
     for level in LEVELS:
