@@ -436,10 +436,9 @@ class AsyncMeshClient(_Client):
             except grpc.aio.AioRpcError as exc:
                 wait = _busy_wait(exc, progress, busy, deadline)
                 if wait is None:
-                    _fail_over(exc, self._routers, address, attempts, progress)
+                    _fail_over(exc, self._routers, address, attempts - busy, progress)
                 else:  # the mesh is busy: the same call again when it says, no failover
                     busy += 1
-                    attempts -= 1
                     await asyncio.sleep(wait)
             finally:
                 rpc.cancel()

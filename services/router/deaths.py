@@ -19,7 +19,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -80,7 +80,7 @@ class Deaths:
 
     quarantine_s: float = 300.0
     _held: dict[str, Counter[int]] = field(default_factory=dict)
-    _released: dict[str, list[tuple[float, int]]] = field(default_factory=dict)
+    _released: dict[str, deque[tuple[float, int]]] = field(default_factory=dict)
     # fingerprint -> (refused until, why)
     _refused: dict[str, tuple[float, str]] = field(default_factory=dict)
 
@@ -99,10 +99,10 @@ class Deaths:
             if held[request_id] <= 0:
                 del held[request_id]
             now = time.monotonic()
-            recent = self._released.setdefault(node, [])
+            recent = self._released.setdefault(node, deque())
             recent.append((now, request_id))
-            while recent and recent[0][0] < now - RECENT_S:
-                recent.pop(0)
+            while recent[0][0] < now - RECENT_S:
+                recent.popleft()
 
     def _held_by(self, node: str, request_id: int) -> frozenset[int]:
         now = time.monotonic()

@@ -87,59 +87,45 @@ class NodeHealth:
             return 0.0
         return in_flight / slots
 
-    async def free_slot(self, node: Node, budget_s: float) -> float:
+    async def free_slot(self, node: Node, budget_s: float) -> None:
         """Wait until the node has a slot free of this router's calls, in turn with the
-        other callers waiting for it (oldest first); the seconds waited. Slots not known
-        yet: no wait. ResourceExhausted after budget_s (the node is busy, not failing).
-        The slot is the caller's when its busy() begins, at once after this."""
+        other callers waiting for it (oldest first). Slots not known yet: no wait.
+        ResourceExhausted after budget_s (the node is busy, not failing). The slot is the
+        caller's when its busy() begins, at once after this."""
         slots = self._slots.get(node.name, 0)
         waiting = self._waiting.setdefault(node.name, deque())
         taken = self._in_flight.get(node.name, 0) + self._reserved.get(node.name, 0)
         if slots <= 0 or (taken < slots and not waiting):
-            return 0.0
-        started = time.monotonic()
+            return
         turn: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         waiting.append(turn)
         try:
             await asyncio.wait_for(asyncio.shield(turn), budget_s)
-        except TimeoutError:
-            if turn.done():  # freed for it just as its time ran out: pass the slot on
+        except (TimeoutError, asyncio.CancelledError) as exc:
+            if turn.done():  # a slot was freed for it just then: pass it on
                 self._reserved[node.name] -= 1
                 self._wake(node.name)
             else:
                 waiting.remove(turn)
+            if isinstance(exc, asyncio.CancelledError):
+                raise
             raise ResourceExhausted(
                 f"node {node.name}: all {slots} slots busy with this router's calls for "
                 f"{budget_s:g} s (the route's queue_budget_s); try later or add slots"
             ) from None
-        except asyncio.CancelledError:
-            if turn.done():
-                self._reserved[node.name] -= 1
-                self._wake(node.name)
-            elif turn in waiting:
-                waiting.remove(turn)
-            raise
         self._reserved[node.name] -= 1  # busy() takes it now
-        return time.monotonic() - started
 
-    def _wake(self, name: str) -> None:
-        """Give a freed slot to the oldest caller waiting for one."""
-        waiting = self._waiting.get(name)
-        slots = self._slots.get(name, 0)
-        while waiting and self._in_flight.get(name, 0) + self._reserved.get(name, 0) < slots:
-            turn = waiting.popleft()
-            if not turn.done():
-                self._reserved[name] = self._reserved.get(name, 0) + 1
-                turn.set_result(None)
-
-    def _release_all(self, name: str) -> None:
-        """Let every caller waiting for the node go (its slots are not known now)."""
+    def _wake(self, name: str, every: bool = False) -> None:
+        """Give a freed slot to the oldest caller waiting for one (every: let every caller
+        go, the node's slots being unknown now)."""
         waiting = self._waiting.get(name, deque())
-        while waiting:
+        slots = self._slots.get(name, 0)
+        while waiting and (
+            every or self._in_flight.get(name, 0) + self._reserved.get(name, 0) < slots
+        ):
             turn = waiting.popleft()
-            if not turn.done():
-                self._reserved[name] = self._reserved.get(name, 0) + 1
-                turn.set_result(None)
+            self._reserved[name] = self._reserved.get(name, 0) + 1
+            turn.set_result(None)
 
     @contextmanager
     def busy(self, node: Node, request_id: int = 0) -> Iterator[None]:
@@ -171,7 +157,7 @@ class NodeHealth:
         serving = status == "SERVING"
         if not serving:
             self._slots[node.name] = 0  # it may come back with other settings
-            self._release_all(node.name)  # their calls fail at once and move on
+            self._wake(node.name, every=True)  # their calls fail at once and move on
         elif not self._slots.get(node.name):
             self._slots[node.name] = await node_slots(channel, CHECK_TIMEOUT_S)
             self._wake(node.name)
