@@ -154,7 +154,8 @@ class Result:
 DEFAULT_COOLDOWN_S = 30.0
 # Times a call the mesh answered busy (RESOURCE_EXHAUSTED) is tried again, as it says when:
 # the trailing metadata key the routers send (services/common/errors.py), milliseconds.
-BUSY_RETRIES = 8
+# Longest wait between tries of a call the mesh answered busy without saying when.
+BUSY_BACKOFF_MAX_S = 10.0
 RETRY_AFTER_KEY = "retry-after-ms"
 # Requests a batch keeps in flight when the decode nodes' free slots cannot be read.
 DEFAULT_BATCH_CONCURRENCY = 8
@@ -251,17 +252,21 @@ def _open_generate(
     return address, rpc
 
 
-def _busy_wait(
-    exc: grpc.aio.AioRpcError, progress: _Progress, busy: int, deadline: float
-) -> float | None:
+def _busy_wait(exc: grpc.RpcError, progress: _Progress, busy: int, deadline: float) -> float | None:
     """Seconds to wait before trying a call the mesh answered busy (RESOURCE_EXHAUSTED:
-    every slot and queue place taken) before any text came: the router's retry-after
-    (trailing metadata), else an exponential backoff; None when not busy, after
-    BUSY_RETRIES, or when the wait would pass the call's deadline."""
-    if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED or progress.tokens or busy >= BUSY_RETRIES:
+    every slot and queue place taken, or a queue that would outlast the call) before any
+    text came: the router's retry-after (trailing metadata), else an exponential backoff;
+    None when not busy, or when the wait would pass the call's deadline (busy calls are
+    tried again as long as the deadline allows: nothing is lost to a burst)."""
+    if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED or progress.tokens:
         return None
-    said = dict(exc.trailing_metadata() or ()).get(RETRY_AFTER_KEY)
-    wait = int(said) / 1000 if isinstance(said, str) and said.isdigit() else 0.25 * 2**busy
+    call: Any = exc  # a grpc.Call too (typeshed cannot say so)
+    trailer = call.trailing_metadata() if hasattr(call, "trailing_metadata") else ()
+    said = dict(trailer or ()).get(RETRY_AFTER_KEY)
+    if isinstance(said, str) and said.isdigit():
+        wait = int(said) / 1000
+    else:
+        wait = min(0.25 * 2 ** min(busy, 16), BUSY_BACKOFF_MAX_S)
     wait *= random.uniform(1.0, 1.25)  # callers told the same do not come back at once
     return wait if time.monotonic() + wait < deadline else None
 
@@ -624,7 +629,7 @@ class MeshClient(_Client):
         s = self._settings
         deadline = time.monotonic() + (call.timeout or s.timeout)
         progress = _Progress()
-        attempts = 0
+        attempts = busy = 0
         while True:
             attempts += 1
             address, rpc = _open_generate(s, self._routers, self._stubs, call, progress, deadline)
@@ -634,7 +639,12 @@ class MeshClient(_Client):
                 self._routers.succeeded(address)
                 return
             except grpc.RpcError as exc:
-                _fail_over(exc, self._routers, address, attempts, progress)
+                wait = _busy_wait(exc, progress, busy, deadline)
+                if wait is None:
+                    _fail_over(exc, self._routers, address, attempts - busy, progress)
+                else:  # the mesh is busy: the same call again when it says, no failover
+                    busy += 1
+                    time.sleep(wait)
             finally:
                 rpc.cancel()
 

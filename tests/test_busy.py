@@ -131,3 +131,83 @@ async def test_a_stage_deadline_counts_the_nodes_work_not_the_wait_for_a_slot(
     assert [g.summary.failed_attempts for g in got] == [[]] * 5
     assert {g.summary.prefill_node for g in got} == {"p"}
     assert "node cooling down" not in one_prefill_slot.log_tail("router", 10_000)
+
+
+OVERFULL = "overfull"
+BUDGET_S = 4.2
+TOKENS = 200  # about 1.2 s a generation here: 2 wait within the budget, the rest do not
+
+
+@pytest.fixture(scope="module")
+def overfull(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MeshProcesses]:
+    """One decode slot serving prompts itself, a 4.2 s queue budget."""
+    parts = [
+        router_node(http_port=free_port()),
+        engine_node("d", "decode", slots=1),
+        route(OVERFULL, [], ["d"], chain=["decode_only"], queue_budget_s=BUDGET_S),
+    ]
+    with running_mesh(tmp_path_factory.mktemp("overfull"), parts) as processes:
+        yield processes
+
+
+async def timed_call(stub: Any, prompt: str) -> tuple[float, grpc.StatusCode, dict[str, str]]:
+    """Seconds until the call ended, its code, its trailing metadata."""
+    began = time.perf_counter()
+    try:
+        await collect(stub.Generate(request(OVERFULL, prompt, TOKENS, ignore_eos=True)))
+    except grpc.aio.AioRpcError as exc:
+        return time.perf_counter() - began, exc.code(), dict(exc.trailing_metadata() or ())
+    return time.perf_counter() - began, grpc.StatusCode.OK, {}
+
+
+async def test_an_over_full_node_refuses_at_once_what_it_would_serve_too_late(
+    overfull: MeshProcesses,
+) -> None:
+    """Three requests at once on one slot: the router learns how fast the slot frees
+    (about one generation a slot). Then twelve more at once: those whose wait would pass the
+    4.2 s queue budget at that rate are refused at once, RESOURCE_EXHAUSTED with a retry-after
+    past 1 s, on gRPC and on both doors; the others are served, none refused after waiting.
+    Then the clients' own retries (MeshClient, openai) finish every request."""
+    address = overfull.topology.router.address
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub: Any = router_pb2_grpc.RouterServiceStub(channel)
+        first = [asyncio.create_task(timed_call(stub, f"Count {i}:")) for i in range(3)]
+        one_s, code, _ = await first[0]
+        assert code == grpc.StatusCode.OK
+        calls = [asyncio.create_task(timed_call(stub, f"List {i}:")) for i in range(12)]
+        await asyncio.sleep(0.05)  # queued or refused: the doors meet the same queue
+        async with httpx.AsyncClient(base_url=http_base(overfull), timeout=60) as http:
+            openai_door, ollama_door = await asyncio.gather(
+                http.post(
+                    "/v1/chat/completions",
+                    json={
+                        "model": OVERFULL,
+                        "max_tokens": 4,
+                        "messages": [{"role": "user", "content": "Hi"}],
+                    },
+                ),
+                http.post(
+                    "/api/generate", json={"model": OVERFULL, "prompt": "Hi", "stream": False}
+                ),
+            )
+        burst = await asyncio.gather(*calls)
+        rest = await asyncio.gather(*first[1:])
+    assert [code for _, code, _ in rest] == [grpc.StatusCode.OK] * 2
+    refused = [(s, meta) for s, code, meta in burst if code == grpc.StatusCode.RESOURCE_EXHAUSTED]
+    served = [s for s, code, _ in burst if code == grpc.StatusCode.OK]
+    assert len(refused) + len(served) == len(burst), burst
+    assert len(refused) >= 4 and len(served) >= 1, (one_s, burst)
+    assert max(s for s, _ in refused) < 0.5  # at once, not after waiting
+    assert min(int(meta["retry-after-ms"]) for _, meta in refused) >= 1000
+    assert (openai_door.status_code, ollama_door.status_code) == (429, 503)
+    assert int(openai_door.headers["Retry-After"]) >= 1
+    assert "over-full" in openai_door.json()["error"]["message"]
+    assert "node cooling down" not in overfull.log_tail("router", 100_000)
+    # The clients wait as told and finish.
+    async with AsyncMeshClient(address, timeout=300) as client:
+        retried = [
+            client.generate(OVERFULL, f"Say {i}.", max_tokens=TOKENS, ignore_eos=True)
+            for i in range(12)
+        ]
+        results = await asyncio.gather(*retried)
+    assert [r.metrics.completion_tokens for r in results] == [TOKENS] * 12

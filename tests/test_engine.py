@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +29,13 @@ from disagg_mesh.server.common.engines.llama_cpp.step_plan import (
 )
 from disagg_mesh.server.common.errors import ResourceExhausted
 from disagg_mesh.server.common.models import resolve_model_path
-from disagg_mesh.server.common.types import GenerationEnd, Prompt, Sampling, TextChunk
+from disagg_mesh.server.common.types import (
+    GenerationEnd,
+    KvReference,
+    Prompt,
+    Sampling,
+    TextChunk,
+)
 from tests.conftest import MODEL, ROOT, engine_node, node_refusing_to_start, route, router_node
 
 PATH: Path = resolve_model_path(MODEL, ROOT)
@@ -146,6 +153,83 @@ async def test_short_prompts_admitted_together_share_a_pass_and_keep_their_text(
     shared = [rows for rows in passes if sum(1 for r in rows if not r.logits) >= 2 * 2]
     slots_per_pass = [len({r.slot for r in rows}) for rows in shared]
     assert max(slots_per_pass, default=0) >= 2, slots_per_pass
+
+
+async def test_a_burst_of_long_prompts_is_evaluated_oldest_first_each_as_alone() -> None:
+    """Four long prompts at once on a prefill node's four slots: one is evaluated at a time
+    (prompts_at_once = 1), the others wait in the queue, so the first is done after about a
+    quarter of the burst's prompt work instead of all four at its end; no more than one long
+    prompt is ever being evaluated; each state's first token is the one it has alone."""
+    fox = "the quick brown fox jumps over the lazy dog "
+    prompts = [Prompt(f"Essay {i}: " + fox * 60) for i in range(4)]
+    engine = await open_engine(n_ctx=2048, n_threads=2, slots=4, max_queue=4)
+    scheduler = engine._scheduler  # the engine thread's own record of its slots
+    seen: list[int] = []
+
+    async def watch() -> None:
+        while True:
+            slots = list(scheduler._slots)
+            seen.append(
+                sum(1 for s in slots if s and s.phase is SlotPhase.PROMPT and scheduler._long(s))
+            )
+            await asyncio.sleep(0.002)
+
+    async def timed(prompt: Prompt) -> tuple[float, int]:
+        began = time.perf_counter()
+        out = await engine.prefill(prompt, SHORT)
+        return time.perf_counter() - began, out.first_token_id
+
+    try:
+        alone = [(await engine.prefill(p, SHORT)).first_token_id for p in prompts]
+        watcher = asyncio.create_task(watch())
+        together = await asyncio.gather(*(timed(p) for p in prompts))
+        watcher.cancel()
+    finally:
+        await engine.close()
+    done = sorted(took for took, _ in together)
+    assert done[0] < 0.5 * done[-1], done  # all at the end: ~1.0; oldest first: ~0.25
+    assert max(seen) == 1, seen
+    assert [token for _, token in together] == alone
+
+
+async def test_a_finished_prefills_state_takes_a_free_slot_before_a_queued_prompt() -> None:
+    """A decode node with one slot, busy: a prompt (decode_only) queues, then a prefill
+    node's state. When the slot frees, the state goes first: a finished prefill's decode is
+    never starved by new prompts."""
+    decode = await open_engine(n_ctx=1024, slots=1, max_queue=2)
+    prefill = await open_engine(n_ctx=1024, slots=1)
+    try:
+        out = await prefill.prefill(Prompt("Name a prime:"), SHORT)
+        reference = KvReference(
+            kv_handle="-",
+            first_token_id=out.first_token_id,
+            prompt_tokens=out.prompt_tokens,
+            fingerprint=decode.fingerprint,
+            kv_size_bytes=len(out.kv_state),
+            block_hashes=out.block_hashes,
+        )
+        holder = await started(decode.generate(Prompt("Count: 1, 2, 3,"), LONG))
+        order: list[str] = []
+
+        async def first_text(name: str, generation: Generation) -> None:
+            await anext(generation)
+            order.append(name)
+            await drain(generation)
+
+        prompt = asyncio.create_task(first_text("prompt", decode.generate(Prompt("Hi"), SHORT)))
+        while not decode._scheduler._pending:  # noqa: ASYNC110 (polls the engine thread)
+            await asyncio.sleep(0.005)
+        state = asyncio.create_task(
+            first_text("state", decode.continue_from_state(out.kv_state, reference, SHORT))
+        )
+        while len(decode._scheduler._pending) < 2:  # noqa: ASYNC110
+            await asyncio.sleep(0.005)
+        await holder.aclose()
+        await asyncio.wait_for(asyncio.gather(prompt, state), 60)
+    finally:
+        await decode.close()
+        await prefill.close()
+    assert order == ["state", "prompt"]
 
 
 def test_sequence_ids_are_checked_before_llama_cpp_sees_them() -> None:

@@ -8,6 +8,7 @@ the router's channels, against an in-process gRPC server that starts listening l
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,7 +36,7 @@ from disagg_mesh.server.common.types import (
 from disagg_mesh.server.common.wire.node_clients import ChannelPool
 from disagg_mesh.server.router import failures
 from disagg_mesh.server.router.failures import CallerDeadlineExceeded, StageDeadlineExceeded
-from disagg_mesh.server.router.node_health import NodeHealth
+from disagg_mesh.server.router.node_health import NodeHealth, Overloaded
 from disagg_mesh.server.router.prefixes import prompt_bytes, text_blocks
 from disagg_mesh.server.router.routing import ResumeInfo, RouteMethod, Router, RouteSummary
 from disagg_mesh.server.router.stages import DecodeCalls, PrefillCalls
@@ -470,3 +471,36 @@ async def test_callers_wait_for_a_free_slot_in_turn_and_a_busy_node_refuses_afte
     await asyncio.gather(first, second)
     assert order == ["first", "second"]
     await health.free_slot(node, 0.01)  # free again: no wait
+
+
+async def test_a_queue_that_would_outlast_the_budget_is_refused_at_once() -> None:
+    """The router times how fast a busy node's slot frees while callers wait; a caller
+    whose turn would come after its budget at that rate is refused at once (Overloaded,
+    RESOURCE_EXHAUSTED, retry-after the excess), and under a caller's deadline the call's
+    own time counts too; with nothing measured yet a caller waits."""
+    router, _ = build()
+    health, node = router.health, router.topology.node("d1")
+    health._slots["d1"] = 1
+
+    async def caller(budget_s: float, hold_s: float = 0.2, and_serve: bool = False) -> None:
+        await health.free_slot(node, budget_s, and_serve)
+        with health.busy(node):
+            await asyncio.sleep(hold_s)
+
+    with health.busy(node):  # the one slot is taken
+        waiter = asyncio.create_task(caller(5.0))
+        await asyncio.sleep(0.2)
+    await asyncio.sleep(0.01)
+    assert health.expected_wait(node) == pytest.approx(0.2, abs=0.05)  # the holder only
+    queued = [asyncio.create_task(caller(5.0)) for _ in range(2)]  # turns at ~0.4 and ~0.6 s
+    await asyncio.sleep(0.01)
+    began = time.monotonic()
+    with pytest.raises(Overloaded) as refused:
+        await caller(0.5)
+    assert time.monotonic() - began < 0.05
+    assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert refused.value.retry_after_s == pytest.approx(0.1, abs=0.05)
+    assert "2 calls already wait" in refused.value.message
+    with pytest.raises(Overloaded, match="the caller's deadline"):
+        await caller(0.7, and_serve=True)  # its turn fits, its turn and the call do not
+    await asyncio.gather(waiter, *queued, caller(0.7))

@@ -13,6 +13,8 @@ class MeshError(Exception):
     """An error with a clear message for the caller and the status code it maps to."""
 
     code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+    # A busy answer's advice: seconds before trying again (None: RETRY_AFTER_S).
+    retry_after_s: float | None = None
 
     def __init__(self, message: str) -> None:
         super().__init__(message)
@@ -48,14 +50,24 @@ class DataLoss(MeshError):
     code = grpc.StatusCode.DATA_LOSS
 
 
+# A busy answer (RESOURCE_EXHAUSTED) says when to try again: gRPC in the trailing metadata
+# RETRY_AFTER_KEY (milliseconds), HTTP in a Retry-After header (seconds, rounded up); by
+# default RETRY_AFTER_S, or the error's own retry_after_s.
+RETRY_AFTER_KEY = "retry-after-ms"
+RETRY_AFTER_S = 1.0
+
+
 class ResourceExhausted(MeshError):
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
+    def __init__(self, message: str, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
-# A busy answer (RESOURCE_EXHAUSTED) says when to try again: gRPC in the trailing metadata
-# RETRY_AFTER_KEY (milliseconds), HTTP in a Retry-After header (seconds, rounded up).
-RETRY_AFTER_KEY = "retry-after-ms"
-RETRY_AFTER_S = 1.0
+
+def retry_after(exc: MeshError) -> float:
+    """Seconds a busy answer tells its caller to wait before trying again."""
+    return max(RETRY_AFTER_S, exc.retry_after_s or 0.0)
 
 
 class Unavailable(MeshError):

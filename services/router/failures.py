@@ -22,7 +22,7 @@ from disagg_mesh.server.common.errors import (
 )
 from disagg_mesh.server.common.runtime.observability import metrics
 from disagg_mesh.server.router.deaths import QueryOfDeath, dropped
-from disagg_mesh.server.router.node_health import NodeHealth
+from disagg_mesh.server.router.node_health import NodeHealth, Overloaded
 from disagg_mesh.server.router.request import Attempt, Request
 from disagg_mesh.server.router.summary import FailedAttempt
 
@@ -124,7 +124,9 @@ async def free_slot(health: NodeHealth, request: Request, node: Node) -> None:
     budget = request.route.queue_budget_s
     if remaining is not None and remaining < budget:
         try:
-            await health.free_slot(node, remaining)
+            await health.free_slot(node, remaining, and_serve=True)
+        except Overloaded:  # refused at once: the caller may try again later
+            raise
         except ResourceExhausted:
             raise CallerDeadlineExceeded(
                 f"the caller's deadline passed while waiting for a free slot of node "
@@ -173,4 +175,6 @@ def exhausted(route: ModelRoute, failed: list[FailedAttempt], last: MeshError | 
         f"{f.method.value}{' on ' + f.node if f.node else ''}: {f.code} {f.message}" for f in failed
     )
     code = last.code if last is not None else grpc.StatusCode.UNAVAILABLE
-    return UpstreamError(code, f"every step of {route.name}'s chain failed: {tried}")
+    error = UpstreamError(code, f"every step of {route.name}'s chain failed: {tried}")
+    error.retry_after_s = last.retry_after_s if last is not None else None
+    return error

@@ -28,6 +28,14 @@ from disagg_mesh.server.router.deaths import Deaths
 
 log = structlog.get_logger("node_health")
 CHECK_TIMEOUT_S = 1.0
+# The running average of a node's drain rate: the weight of the newest interval.
+DRAIN_WEIGHT = 0.3
+
+
+class Overloaded(ResourceExhausted):
+    """Refused at once: the callers already waiting for the node would outlast this one's
+    budget (the node's queue drains too slowly for it); retry_after_s says when it may
+    not."""
 
 
 class NodeHealth:
@@ -55,6 +63,10 @@ class NodeHealth:
         # for the first of them but not taken yet.
         self._waiting: dict[str, deque[asyncio.Future[None]]] = {}
         self._reserved: dict[str, int] = {}
+        # How fast each node's queue drains: seconds between its slots freeing while callers
+        # wait (a running average), and when the wait for the next one began.
+        self._drain_s: dict[str, float] = {}
+        self._drain_mark: dict[str, float] = {}
 
     def available(self, node: Node) -> bool:
         """Serving (or not checked yet) and not cooling down."""
@@ -87,16 +99,32 @@ class NodeHealth:
             return 0.0
         return in_flight / slots
 
-    async def free_slot(self, node: Node, budget_s: float) -> None:
+    async def free_slot(self, node: Node, budget_s: float, and_serve: bool = False) -> None:
         """Wait until the node has a slot free of this router's calls, in turn with the
         other callers waiting for it (oldest first). Slots not known yet: no wait.
-        ResourceExhausted after budget_s (the node is busy, not failing). The slot is the
-        caller's when its busy() begins, at once after this."""
+        ResourceExhausted after budget_s (the node is busy, not failing), or at once
+        (`Overloaded`) when the callers ahead would take longer than budget_s at the rate
+        the node's slots have been freeing. The slot is the caller's when its busy() begins,
+        at once after this. and_serve: budget_s must cover the call too (a caller's
+        deadline), taken as long as the node's calls last lately (slots x that rate)."""
         slots = self._slots.get(node.name, 0)
         waiting = self._waiting.setdefault(node.name, deque())
         taken = self._in_flight.get(node.name, 0) + self._reserved.get(node.name, 0)
         if slots <= 0 or (taken < slots and not waiting):
             return
+        expected_s = self.expected_wait(node)
+        if expected_s is not None and and_serve:
+            expected_s += slots * self._drain_s[node.name]
+        if expected_s is not None and expected_s > budget_s:
+            why = "the caller's deadline" if and_serve else "the route's queue_budget_s"
+            raise Overloaded(
+                f"node {node.name} is over-full: {len(waiting)} calls already wait for its "
+                f"{slots} slots, which free every {self._drain_s[node.name]:.2f} s lately: "
+                f"about {expected_s:.1f} s{' and the call' if and_serve else ''}, over this "
+                f"call's {budget_s:.1f} s ({why}); try later or add nodes",
+                retry_after_s=expected_s - budget_s,
+            )
+        self._drain_mark.setdefault(node.name, time.monotonic())
         turn: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         waiting.append(turn)
         try:
@@ -114,6 +142,28 @@ class NodeHealth:
                 f"{budget_s:g} s (the route's queue_budget_s); try later or add slots"
             ) from None
         self._reserved[node.name] -= 1  # busy() takes it now
+
+    def expected_wait(self, node: Node) -> float | None:
+        """Seconds a caller joining the node's queue now would wait for a slot: a slot for
+        each caller ahead and one for it, at the rate they have been freeing (None: not
+        measured yet)."""
+        drain_s = self._drain_s.get(node.name)
+        if drain_s is None:
+            return None
+        waiting = self._waiting.get(node.name, ())
+        since = time.monotonic() - self._drain_mark.get(node.name, time.monotonic())
+        return max(0.0, (len(waiting) + 1) * drain_s - since)
+
+    def _freed(self, name: str) -> None:
+        """A call on the node ended: while callers wait, time how long the slot took."""
+        now = time.monotonic()
+        if not self._waiting.get(name):
+            self._drain_mark.pop(name, None)
+            return
+        took = now - self._drain_mark.get(name, now)
+        last = self._drain_s.get(name)
+        self._drain_s[name] = took if last is None else last + DRAIN_WEIGHT * (took - last)
+        self._drain_mark[name] = now
 
     def _wake(self, name: str, every: bool = False) -> None:
         """Give a freed slot to the oldest caller waiting for one (every: let every caller
@@ -136,6 +186,7 @@ class NodeHealth:
                 yield
         finally:
             self._in_flight[node.name] -= 1
+            self._freed(node.name)
             self._wake(node.name)
 
     def failed(self, node: Node) -> None:

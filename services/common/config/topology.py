@@ -170,6 +170,11 @@ class Node(_Strict):
     # many times as long as one that does not: a long prompt arriving slows the streams
     # down by this factor instead of stalling them.
     max_itl_slowdown: Annotated[float, Field(ge=1.0, le=1000.0)] = 2.0
+    # llama_cpp: prompts evaluated at once, oldest first, beyond those short enough to share
+    # a pass; the rest wait in the queue. Each prompt takes passes of its own, so more at
+    # once finish no sooner in all, only each later: with 1 the first requests of a burst
+    # answer first.
+    prompts_at_once: Annotated[int, Field(ge=1, le=255)] = 1
     # llama_cpp: prompt tokens kept resident after their requests end, for later prompts
     # that start the same way (a prefix cache, in 64-token blocks; default n_ctx, 0: off).
     # Its KV memory comes on top of slots * n_ctx.

@@ -43,6 +43,7 @@ async def open_engine(topology: Topology, node: Node) -> Engine:
             n_ubatch=node.n_ubatch,
             flash_attn=node.flash_attn,
             max_itl_slowdown=node.max_itl_slowdown,
+            prompts_at_once=node.prompts_at_once,
             kv_cache_max_bytes=node.kv_cache_max_bytes,
             n_gpu_layers=node.n_gpu_layers,
             type_k=node.type_k,

@@ -16,7 +16,12 @@ from typing import Any
 import grpc
 import structlog
 
-from disagg_mesh.server.common.errors import RETRY_AFTER_KEY, RETRY_AFTER_S, MeshError
+from disagg_mesh.server.common.errors import (
+    RETRY_AFTER_KEY,
+    RETRY_AFTER_S,
+    MeshError,
+    retry_after,
+)
 from disagg_mesh.server.common.runtime.observability import metrics
 from disagg_mesh.server.common.runtime.observability.logging import REQUEST_ID_KEY, new_request_id
 
@@ -73,9 +78,8 @@ class _Scope:
             else:
                 self._count_and_log("rpc failed", code.name, elapsed_ms, error=message)
             if code == grpc.StatusCode.RESOURCE_EXHAUSTED:  # busy: when to try again
-                self.context.set_trailing_metadata(
-                    ((RETRY_AFTER_KEY, str(round(RETRY_AFTER_S * 1000))),)
-                )
+                after_s = retry_after(exc) if isinstance(exc, MeshError) else RETRY_AFTER_S
+                self.context.set_trailing_metadata(((RETRY_AFTER_KEY, str(round(after_s * 1000))),))
             await self.context.abort(code, message)  # raises AbortError
         finally:
             structlog.contextvars.unbind_contextvars("request_id")

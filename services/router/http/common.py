@@ -18,7 +18,7 @@ import grpc
 import structlog
 from aiohttp import web
 
-from disagg_mesh.server.common.errors import RETRY_AFTER_S, InvalidArgument, MeshError
+from disagg_mesh.server.common.errors import InvalidArgument, MeshError, retry_after
 from disagg_mesh.server.common.runtime.auth import configured_token
 from disagg_mesh.server.common.runtime.observability import metrics
 from disagg_mesh.server.common.runtime.observability.logging import REQUEST_ID_KEY, new_request_id
@@ -93,7 +93,7 @@ def scoped(
                 status = status_of(exc)
                 response = web.json_response(error_body(exc, status), status=status)
                 if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED:  # busy: when to retry
-                    response.headers["Retry-After"] = str(math.ceil(RETRY_AFTER_S))
+                    response.headers["Retry-After"] = str(math.ceil(retry_after(exc)))
             except (ConnectionResetError, asyncio.CancelledError) as exc:
                 status = 499  # the client went away: its handler was cancelled
                 log.info("http client gone", path=path, error=type(exc).__name__)

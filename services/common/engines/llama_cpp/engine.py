@@ -78,6 +78,8 @@ class EngineSettings:
     n_ubatch: int = 512
     flash_attn: bool = True
     max_itl_slowdown: float = 2.0
+    # Long prompts evaluated at once (the scheduler's admission, oldest first).
+    prompts_at_once: int = 1
     kv_cache_max_bytes: int | None = None
     # None: every layer on the GPU when the build has one; 0: CPU only.
     n_gpu_layers: int | None = None
@@ -205,7 +207,9 @@ class LlamaCppEngine:
             name,
             model,
             context,
-            SchedulerSettings(settings.max_queue, settings.max_itl_slowdown),
+            SchedulerSettings(
+                settings.max_queue, settings.max_itl_slowdown, settings.prompts_at_once
+            ),
             kv_bytes_per_token=bytes_per_token,
             prefix_cache=cache,
             threads=threads,

@@ -18,7 +18,8 @@ node takes a lease on threads (`acquire`) and gives it back after (`release`):
   waits for nodes evaluating prompt tokens (those waiting for cores, or whose core it would
   share: not while a core is free), at most `max_wait_s` (the node's `max_itl_slowdown`
   over its decode pass, the time its own prompt work may add to a step) times the requests
-  whose prompts they evaluate over the streams of the step, if more: a wait delays the
+  waiting for their prompt work (evaluated now, or queued behind it: the scheduler's
+  prompts_at_once) over the streams of the step, if more: a wait delays the
   step's streams, a step beside the prompts delays those requests' first tokens. New
   streams then start sooner and together, in fewer, fuller passes; the first stream of a
   burst does not step alone beside the prompts of the rest.
@@ -117,11 +118,7 @@ class HostThreads:
             with self._locked():
                 peers = self._peers()
                 waited = time.perf_counter() - started
-                threads = (
-                    1
-                    if waited > STALE_S
-                    else self._grant(peers, waited, max_wait_s, streams)
-                )
+                threads = 1 if waited > STALE_S else self._grant(peers, waited, max_wait_s, streams)
                 if threads:
                     self._threads = threads
                     self._write()

@@ -4,7 +4,10 @@ Callers hand `Job`s to `Scheduler.submit` from any thread and get their results 
 the job's `emit` callback (called on the engine thread; it must not block). Each step:
 
 1. Jobs waiting in the queue take free slots (a decode node's KV state is loaded into its
-   slot here); cancelled jobs give theirs back.
+   slot here); cancelled jobs give theirs back. A finished prefill's state goes first, then
+   prompts, oldest first, and at most `prompts_at_once` long ones evaluating at a time (a
+   prompt that fits a shared pass is not counted): the first requests of a burst answer
+   first instead of every prompt finishing at the end, and a slot stays free for a state.
 2. One pass (`llama_decode`) of one token for every slot that is generating; each row is
    sampled with its slot's own sampler chain at once. A generating slot turns its token
    into text and ends on an end token, a stop string, `max_tokens` or a full context,
@@ -219,6 +222,10 @@ class SchedulerSettings:
     # While streams generate, a step with prompt tokens may take this many times a step
     # without them.
     max_itl_slowdown: float = 2.0
+    # Prompts evaluating at once, beyond those short enough to share a pass (each prompt's
+    # pieces take a pass of their own, so more at once finish no sooner in all: they only
+    # finish later each).
+    prompts_at_once: int = 1
 
 
 class Scheduler:
@@ -356,18 +363,30 @@ class Scheduler:
         return bool(admitted)
 
     def _take_pending(self) -> list[Slot]:
-        """Move queued jobs into free slots (under the lock), oldest first. A prompt whose
-        leading blocks a running slot is evaluating now stays queued until they are in the
-        prefix cache, then evaluates only the rest (SGLang's in-batch prefix caching: a
-        burst sharing a rubric evaluates it once); later jobs go ahead of it meanwhile."""
-        admitted = []
+        """Move queued jobs into free slots (under the lock): a finished prefill's state first
+        (its decode is never starved by new prompts), then prompts, oldest first, while fewer
+        than `prompts_at_once` long prompts evaluate. A prompt whose leading blocks a running
+        slot is evaluating now stays queued until they are in the prefix cache, then
+        evaluates only the rest (SGLang's in-batch prefix caching: a burst sharing a rubric
+        evaluates it once); later jobs go ahead of it meanwhile."""
+        admitted: list[Slot] = []
         free = (i for i, s in enumerate(self._slots) if s is None)
-        held: deque[Job] = deque()
-        while self._pending and self._busy < self._ctx.slots:
-            job = self._pending.popleft()
+        held: list[Job] = []
+        prompting = sum(
+            1
+            for s in self._slots
+            if s is not None and s.phase is SlotPhase.PROMPT and self._long(s)
+        )
+        queued = sorted(self._pending, key=lambda j: j.kind is not JobKind.CONTINUE)
+        self._pending.clear()
+        for job in queued:
             if job.cancelled:
                 continue
-            if self._shares_running_prompt(job):
+            if self._busy >= self._ctx.slots or self._shares_running_prompt(job):
+                held.append(job)
+                continue
+            long_prompt = job.kind is not JobKind.CONTINUE and self._uncached(job) >= self._short
+            if long_prompt and prompting >= self._settings.prompts_at_once:
                 held.append(job)
                 continue
             try:
@@ -381,6 +400,7 @@ class Scheduler:
             except MeshError as exc:
                 _emit(job, exc)
                 continue
+            prompting += long_prompt
             index = next(free)
             slot = Slot(
                 index=index,
@@ -393,8 +413,25 @@ class Scheduler:
             self._slots[index] = slot
             self._busy += 1
             admitted.append(slot)
-        self._pending.extendleft(reversed(held))
+        self._pending.extend(held)
         return admitted
+
+    @property
+    def _short(self) -> int:
+        """Prompt tokens few enough to share a pass with others' (context.alike_rows)."""
+        return self._ctx.alike_rows
+
+    def _uncached(self, job: Job) -> int:
+        """The prompt tokens a job would evaluate: those its prefix cache does not hold."""
+        if self._cache is None:
+            return len(job.tokens)
+        return len(job.tokens) - self._cache.lookup(job.hashes, len(job.tokens))[1]
+
+    def _long(self, slot: Slot) -> bool:
+        """Whether the slot's prompt counts against prompts_at_once: until it is done, if
+        what it evaluates is too long to share a pass (so the next one starts once it is
+        done: on a prefill node, on a cache as empty as it would find it alone)."""
+        return slot.prompt_tokens_total - slot.cached >= self._short
 
     def _shares_running_prompt(self, job: Job) -> bool:
         """Whether a slot evaluating its prompt now holds more of this job's leading blocks
@@ -536,8 +573,14 @@ class Scheduler:
         # The host's cores, shared with the other engine nodes on it (host_threads.py). A
         # step of generated tokens may wait for another node's prompts as long as prompt
         # work of its own may lengthen a step: (max_itl_slowdown - 1) x its decode pass,
-        # times their requests over its streams where those are more.
-        self._threads.set_prompts(len(plan.prompts))
+        # times their requests over its streams where those are more. A prompt's requests
+        # are those evaluated now and those queued behind them (prompts_at_once): all wait
+        # for this prompt work before their first token.
+        prompts = len(plan.prompts)
+        if prompts:
+            with self._cv:
+                prompts += sum(1 for j in self._pending if j.kind is not JobKind.CONTINUE)
+        self._threads.set_prompts(prompts)
         waited = time.perf_counter()
         max_wait_s = (self._settings.max_itl_slowdown - 1) * (self._decode_pass_s or 0.0)
         self._ctx.set_threads(self._threads.acquire(max_wait_s, len(plan.decode)))
