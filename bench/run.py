@@ -53,7 +53,11 @@ repeated, median reported:
 18. a class at once: 12 submissions x 2 models sharing a ~1,500-token rubric, all at once
    through the OpenAI door, against llama-server -np 8 -kvu: wall time, TTFT p50 over wall
    time, the router's failed attempts, migrations and cool-downs (bench/burst.py, a mesh and
-   a server of their own).
+   a server of their own);
+19. a class of 200 at once: 100 submissions x 2 models the same way, the mesh alone: every
+   request served or refused at once, the router's failed attempts, and the prompt tokens
+   the nodes evaluated against the requests' uncached ones (bench/class_at_once.py, a mesh
+   of its own).
 
 Every answer is greedy with ignore_eos (end tokens never sampled), so both sides of a ratio
 generate the same number of tokens on any CPU. Each row records what each side did (prompt
@@ -86,6 +90,8 @@ from bench.batching import measure as measure_batching
 from bench.batching import structured_rows
 from bench.burst import measure as measure_burst
 from bench.burst import rows as burst_rows
+from bench.class_at_once import measure as measure_class
+from bench.class_at_once import rows as class_rows
 from bench.common import ROOT, machine, median, report, say
 from bench.families import measure as measure_families
 from bench.families import rows as families_rows
@@ -129,6 +135,7 @@ OWN_MESH = (
     "llama_server",
     "bad_requests",
     "burst",
+    "class_at_once",
 )
 
 
@@ -213,6 +220,11 @@ async def run_all(bench: Bench, args: argparse.Namespace) -> dict[str, Any]:
             "burst",
             "18. a class at once, against llama-server (a mesh and a server of their own)",
             lambda: measure_burst(12),
+        ),
+        (
+            "class_at_once",
+            "19. a class of 200 at once (a mesh of its own)",
+            lambda: measure_class(100),
         ),
     ]
     for key, title, step in steps:
@@ -338,6 +350,8 @@ def table(r: dict[str, Any]) -> str:
         rows += bad_requests_rows(r["bad_requests"])
     if "burst" in r:
         rows += burst_rows(r["burst"])
+    if "class_at_once" in r:
+        rows += class_rows(r["class_at_once"])
     width = [max(len(row[i]) for row in rows) for i in range(3)]
     header = ("measurement", "result", "goal")
     lines = ["  ".join(h.ljust(width[i]) for i, h in enumerate(header))]

@@ -1,4 +1,5 @@
-"""A mesh with no room answers busy at once, says when to try again, and the clients do:
+"""A mesh with no room answers busy at once (a route that waits at most 0.2 s for a slot;
+or a queue that would outlast the budget), says when to try again, and the clients do:
 RESOURCE_EXHAUSTED with the trailing metadata retry-after-ms on gRPC, 429 (OpenAI) and 503
 (Ollama) with Retry-After on HTTP; MeshClient and the openai client try again as told and
 finish, nothing lost."""
@@ -23,7 +24,7 @@ from tests.conftest import engine_node, route, router_node, running_mesh
 from tests.streams import collect, request
 
 MODEL = "m"
-LONG = 160  # tokens: the one slot stays busy for a few seconds
+LONG = 400  # tokens: the one slot stays busy for a few seconds
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +33,7 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MeshProcesses]:
         router_node(http_port=free_port()),
         engine_node("p", "prefill", slots=1, max_queue=0),
         engine_node("d", "decode", slots=1, max_queue=0),
-        route(MODEL, ["p"], ["d"], chain=["disaggregated"]),
+        route(MODEL, ["p"], ["d"], chain=["disaggregated"], queue_budget_s=0.2),
     ]
     with running_mesh(tmp_path_factory.mktemp("busy"), parts) as processes:
         yield processes
@@ -70,6 +71,7 @@ async def test_a_full_mesh_answers_busy_at_once_and_says_when_on_grpc_and_http(
             ollama_door = await http.post(
                 "/api/generate", json={"model": MODEL, "prompt": "Hi", "stream": False}
             )
+        assert openai_door.status_code == 429, (openai_door.status_code, openai_door.text)
         assert (openai_door.status_code, openai_door.headers["Retry-After"]) == (429, "1")
         assert (ollama_door.status_code, ollama_door.headers["Retry-After"]) == (503, "1")
         assert (await holder).summary.completion_tokens == LONG

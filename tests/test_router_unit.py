@@ -504,3 +504,31 @@ async def test_a_queue_that_would_outlast_the_budget_is_refused_at_once() -> Non
     with pytest.raises(Overloaded, match="the caller's deadline"):
         await caller(0.7, and_serve=True)  # its turn fits, its turn and the call do not
     await asyncio.gather(waiter, *queued, caller(0.7))
+
+
+async def test_states_are_made_for_a_decode_node_only_while_it_has_room_for_them() -> None:
+    """A decode node of one slot, its stream running: one state may be made for it (a
+    slot's worth may wait), a second waits while the stream and the first state's decode
+    call fill twice its slot, and goes when one ends; one that would wait past its budget
+    is RESOURCE_EXHAUSTED."""
+    router, _ = build()
+    health, node = router.health, router.topology.node("d1")
+    health._slots["d1"] = 1
+    order: list[str] = []
+
+    async def state(name: str, budget_s: float = 5.0) -> None:
+        async with health.decode_room(node, budget_s):
+            order.append(name)
+            await asyncio.sleep(0.05)  # the prefill
+
+    with health.busy(node):  # the stream
+        await state("first")
+        second = asyncio.create_task(state("second"))
+        with health.busy(node):  # the first state's decode call, beside the stream
+            await asyncio.sleep(0.1)
+            assert order == ["first"]
+            with pytest.raises(MeshError) as busy:
+                await state("impatient", 0.05)
+            assert busy.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    await second
+    assert order == ["first", "second"]

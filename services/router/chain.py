@@ -18,7 +18,13 @@ import grpc
 
 from disagg_mesh.server.common.errors import MeshError
 from disagg_mesh.server.common.types import DecodeStats, KvSource, PrefillResult, Prompt, TextChunk
-from disagg_mesh.server.router.failures import attempt_failed, blame, exhausted, is_final
+from disagg_mesh.server.router.failures import (
+    attempt_failed,
+    blame,
+    decode_room,
+    exhausted,
+    is_final,
+)
 from disagg_mesh.server.router.knowledge import Knowledge
 from disagg_mesh.server.router.migration import Migrator, Stages
 from disagg_mesh.server.router.request import Attempt, Request
@@ -97,7 +103,9 @@ class Chain:
             if attempt.prefill_candidates:
                 self._knowledge.evaluating(attempt.prefill_candidates[0], request)
                 candidates = self._selection.decode_candidates(request.route)
-                result = await self._prefill.run(request, attempt, candidates)
+                assert attempt.decode is not None
+                async with decode_room(self._health, request, attempt.decode):
+                    result = await self._prefill.run(request, attempt, candidates)
                 assert attempt.prefill is not None and attempt.decode is not None
                 attempt.decode = self._selection.decode_after_prefill(
                     request.route, attempt.decode, result.kv_prefix_node

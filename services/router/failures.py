@@ -8,6 +8,8 @@ another may answer) and the caller's (`CallerDeadlineExceeded`: nothing further 
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 import grpc
@@ -134,6 +136,16 @@ async def free_slot(health: NodeHealth, request: Request, node: Node) -> None:
             ) from None
         return
     await health.free_slot(node, budget)
+
+
+@asynccontextmanager
+async def decode_room(health: NodeHealth, request: Request, node: Node) -> AsyncIterator[None]:
+    """Room on the decode node for the state the prefill stage makes (NodeHealth's), within
+    the route's queue budget and the caller's deadline."""
+    remaining = request.clock.remaining()
+    budget = request.route.queue_budget_s
+    async with health.decode_room(node, budget if remaining is None else min(budget, remaining)):
+        yield
 
 
 def midstream_error(exc: MeshError, node: str, delivered: int, migrations: int) -> MeshError:

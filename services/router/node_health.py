@@ -16,8 +16,8 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 
 import structlog
 
@@ -67,6 +67,10 @@ class NodeHealth:
         # wait (a running average), and when the wait for the next one began.
         self._drain_s: dict[str, float] = {}
         self._drain_mark: dict[str, float] = {}
+        # Decode nodes: states being made for each (prefill stages under way), and the
+        # callers waiting for room to make one (decode_room).
+        self._promised: dict[str, int] = {}
+        self._room_waiting: dict[str, deque[asyncio.Future[None]]] = {}
 
     def available(self, node: Node) -> bool:
         """Serving (or not checked yet) and not cooling down."""
@@ -177,6 +181,59 @@ class NodeHealth:
             self._reserved[name] = self._reserved.get(name, 0) + 1
             turn.set_result(None)
 
+    @asynccontextmanager
+    async def decode_room(self, node: Node, budget_s: float) -> AsyncIterator[None]:
+        """Room on a decode node for one more state, held while it is made (the prefill
+        stage): the node's calls, the callers waiting for its slots and the states being
+        made for it stay under twice its slots. So no more states are made than its streams
+        take in about one round (more would wait, hold the prefill nodes' KV memory and
+        expire, or overflow its queue: work thrown away). Waits in turn; ResourceExhausted
+        after budget_s. Slots not known: no wait."""
+        name = node.name
+        waiting = self._room_waiting.setdefault(name, deque())
+        if waiting or not self._has_room(name):
+            turn: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            waiting.append(turn)
+            try:
+                await asyncio.wait_for(asyncio.shield(turn), budget_s)
+            except (TimeoutError, asyncio.CancelledError) as exc:
+                if turn.done():  # room was given to it just then: pass it on
+                    self._promised[name] -= 1
+                    self._wake_room(name)
+                else:
+                    waiting.remove(turn)
+                if isinstance(exc, asyncio.CancelledError):
+                    raise
+                raise ResourceExhausted(
+                    f"decode node {name}: its {self._slots.get(name, 0)} slots, and as many "
+                    f"states waiting for them, taken by this router's calls for {budget_s:g} s "
+                    "(the route's queue_budget_s); try later or add decode nodes"
+                ) from None
+        else:
+            self._promised[name] = self._promised.get(name, 0) + 1
+        try:
+            yield
+        finally:
+            self._promised[name] -= 1
+            self._wake_room(name)
+
+    def _has_room(self, name: str) -> bool:
+        slots = self._slots.get(name, 0)
+        used = (
+            self._in_flight.get(name, 0)
+            + self._reserved.get(name, 0)
+            + len(self._waiting.get(name, ()))
+            + self._promised.get(name, 0)
+        )
+        return slots <= 0 or used < 2 * slots
+
+    def _wake_room(self, name: str) -> None:
+        waiting = self._room_waiting.get(name, deque())
+        while waiting and self._has_room(name):
+            turn = waiting.popleft()
+            self._promised[name] = self._promised.get(name, 0) + 1
+            turn.set_result(None)
+
     @contextmanager
     def busy(self, node: Node, request_id: int = 0) -> Iterator[None]:
         """Count a call on the node while it lasts (for the request `request_id`)."""
@@ -188,6 +245,7 @@ class NodeHealth:
             self._in_flight[node.name] -= 1
             self._freed(node.name)
             self._wake(node.name)
+            self._wake_room(node.name)
 
     def failed(self, node: Node) -> None:
         self._cool_until[node.name] = time.monotonic() + self._cooldown_s
@@ -209,9 +267,11 @@ class NodeHealth:
         if not serving:
             self._slots[node.name] = 0  # it may come back with other settings
             self._wake(node.name, every=True)  # their calls fail at once and move on
+            self._wake_room(node.name)
         elif not self._slots.get(node.name):
             self._slots[node.name] = await node_slots(channel, CHECK_TIMEOUT_S)
             self._wake(node.name)
+            self._wake_room(node.name)
         if serving != self._serving[node.name]:
             log.info("node health", node=node.name, serving=serving)
             self._serving[node.name] = serving

@@ -32,8 +32,7 @@ class DecodeStage:
         """The node's text chunks, then its DecodeStats, with the stage deadline (or what is
         left of the caller's)."""
         route = request.route
-        if isinstance(source, Prompt):  # the node evaluates the prompt: once it has a slot
-            await free_slot(self._health, request, node)
+        await free_slot(self._health, request, node)  # the stage deadline starts with a slot
         timeout, caller_bound = request.clock.stage_timeout(route.decode_deadline_s)
         client = self._clients.decode(node.address)
         generation = client.generate(route.name, source, request.sampling, timeout, continuation)
