@@ -42,10 +42,10 @@ GOAL_WALL = 0.8
 GOAL_TTFT_OVER_WALL = 0.5
 
 
-async def one(
-    session: aiohttp.ClientSession, url: str, model: str, prompt: str
-) -> tuple[float, Work]:
-    """A streamed chat completion: its time to first text, and its work (usage)."""
+async def chat(session: aiohttp.ClientSession, url: str, model: str, prompt: str) -> dict[str, Any]:
+    """A streamed chat completion (greedy, NEW_TOKENS, ignore_eos): its HTTP status, the
+    Retry-After of a refusal, the time to its first text, its usage, and whether an error
+    event ended it."""
     body = {
         "model": model,
         "messages": [{"role": "user", "content": prompt}],
@@ -56,23 +56,46 @@ async def one(
         "stream_options": {"include_usage": True},
     }
     started = time.perf_counter()
-    first = None
-    usage: dict[str, Any] = {}
+    out: dict[str, Any] = {"ttft_s": None, "usage": {}, "error": None}
     async with session.post(url + "/v1/chat/completions", json=body) as got:
-        assert got.status == 200, await got.text()
+        out["status"] = got.status
+        if got.status != 200:
+            out["retry_after"] = got.headers.get("Retry-After")
+            out["error"] = await got.text()
+            return out
         async for raw in got.content:
             line = raw.decode().strip()
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
-            if chunk.get("usage"):
-                usage = chunk["usage"]
+            if "error" in chunk:
+                out["error"] = chunk["error"]
+                return out
+            out["usage"] = chunk.get("usage") or out["usage"]
             choices = chunk.get("choices") or []
-            if first is None and choices and (choices[0].get("delta") or {}).get("content"):
-                first = time.perf_counter() - started
-    assert first is not None and usage, "a stream without text or usage"
-    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-    return first, Work(usage["prompt_tokens"], cached, usage["completion_tokens"])
+            if out["ttft_s"] is None and (
+                choices and (choices[0].get("delta") or {}).get("content")
+            ):
+                out["ttft_s"] = time.perf_counter() - started
+    return out
+
+
+def uncached(usage: dict[str, Any]) -> int:
+    """The prompt tokens a request's usage says were evaluated (not taken from a cache)."""
+    details = usage.get("prompt_tokens_details") or {}
+    return int(usage.get("prompt_tokens", 0)) - int(details.get("cached_tokens", 0))
+
+
+async def one(
+    session: aiohttp.ClientSession, url: str, model: str, prompt: str
+) -> tuple[float, Work]:
+    """A streamed chat completion that must succeed: its time to first text, its work."""
+    got = await chat(session, url, model, prompt)
+    assert got["status"] == 200 and got["error"] is None, got
+    usage = got["usage"]
+    assert got["ttft_s"] is not None and usage, "a stream without text or usage"
+    cached = int(usage["prompt_tokens"]) - uncached(usage)
+    return got["ttft_s"], Work(usage["prompt_tokens"], cached, usage["completion_tokens"])
 
 
 async def burst(url: str, models: tuple[str, ...], texts: list[str]) -> dict[str, Any]:

@@ -20,7 +20,6 @@ Writes JSON to bench/results/ when run alone; `make bench` (bench/run.py) runs i
 from __future__ import annotations
 
 import asyncio
-import json
 import re
 import sys
 import time
@@ -29,7 +28,7 @@ from typing import Any
 
 import aiohttp
 
-from bench.burst import NEW_TOKENS, _metric
+from bench.burst import _metric, chat, uncached
 from bench.common import run_alone, say
 from bench.grader import prompts as grader_prompts
 from bench.llama_server import MODELS, local_topology
@@ -37,38 +36,17 @@ from disagg_mesh.server.common.runtime.processes import MeshProcesses, serving_m
 
 
 async def one(session: aiohttp.ClientSession, url: str, model: str, prompt: str) -> dict[str, Any]:
-    """A streamed chat completion: its outcome, time to first text, usage."""
-    body = {
-        "model": model,
-        "messages": [{"role": "user", "content": prompt}],
-        "max_tokens": NEW_TOKENS,
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    started = time.perf_counter()
-    first = None
-    usage: dict[str, Any] = {}
-    async with session.post(url + "/v1/chat/completions", json=body) as got:
-        if got.status != 200:
-            return {"outcome": str(got.status), "retry_after": got.headers.get("Retry-After")}
-        async for raw in got.content:
-            line = raw.decode().strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                return {"outcome": "error after text" if first else "error"}
-            usage = chunk.get("usage") or usage
-            choices = chunk.get("choices") or []
-            if first is None and choices and (choices[0].get("delta") or {}).get("content"):
-                first = time.perf_counter() - started
-    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    """A request of the class: its outcome, time to first text, tokens evaluated."""
+    got = await chat(session, url, model, prompt)
+    if got["status"] != 200:
+        return {"outcome": str(got["status"]), "retry_after": got.get("retry_after")}
+    if got["error"] is not None:
+        return {"outcome": "error after text" if got["ttft_s"] else "error"}
+    usage = got["usage"]
     return {
         "outcome": "served",
-        "ttft_s": first,
-        "evaluated": usage.get("prompt_tokens", 0) - cached,
+        "ttft_s": got["ttft_s"],
+        "evaluated": uncached(usage),
         "completion_tokens": usage.get("completion_tokens", 0),
     }
 
@@ -141,13 +119,13 @@ def rows(m: dict[str, Any]) -> list[tuple[str, str, str]]:
             "served or refused at once",
         ),
         (
-            "a class of 200 at once: failed attempts, cool-downs in the router",
+            f"a class of {m['requests']} at once: failed attempts, cool-downs in the router",
             f"{m['failed_attempts']:.0f}, {m['cool_downs']}",
             "0, 0",
         ),
         (
-            "a class of 200 at once: prompt tokens evaluated by the nodes / the requests' "
-            "uncached prompt tokens",
+            f"a class of {m['requests']} at once: prompt tokens evaluated by the nodes / "
+            "the requests' uncached prompt tokens",
             f"{m['evaluated_by_nodes'] / max(m['evaluated_by_requests'], 1):.3f} "
             f"({m['evaluated_by_nodes']:.0f} vs {m['evaluated_by_requests']})",
             "1.000",

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import pytest_asyncio
 
-from disagg_mesh.server.common.engines.base import Generation
+from disagg_mesh.server.common.engines.base import Generation, PrefillOutput
 from disagg_mesh.server.common.engines.llama_cpp import EngineSettings, LlamaCppEngine
 from disagg_mesh.server.common.engines.llama_cpp.context import ContextSettings, Row, SlotContext
 from disagg_mesh.server.common.engines.llama_cpp.engine import plan_slots
@@ -72,6 +72,18 @@ async def drain(generation: Generation) -> tuple[str, GenerationEnd]:
             end = item
     assert end is not None
     return text, end
+
+
+def source_of(engine: LlamaCppEngine, out: PrefillOutput) -> KvReference:
+    """Where a decode engine finds a prefill's state (the state itself given alongside)."""
+    return KvReference(
+        kv_handle="-",
+        first_token_id=out.first_token_id,
+        prompt_tokens=out.prompt_tokens,
+        fingerprint=engine.fingerprint,
+        kv_size_bytes=len(out.kv_state),
+        block_hashes=out.block_hashes,
+    )
 
 
 async def started(generation: Generation) -> Generation:
@@ -200,14 +212,7 @@ async def test_a_finished_prefills_state_takes_a_free_slot_before_a_queued_promp
     prefill = await open_engine(n_ctx=1024, slots=1)
     try:
         out = await prefill.prefill(Prompt("Name a prime:"), SHORT)
-        reference = KvReference(
-            kv_handle="-",
-            first_token_id=out.first_token_id,
-            prompt_tokens=out.prompt_tokens,
-            fingerprint=decode.fingerprint,
-            kv_size_bytes=len(out.kv_state),
-            block_hashes=out.block_hashes,
-        )
+        reference = source_of(decode, out)
         holder = await started(decode.generate(Prompt("Count: 1, 2, 3,"), LONG))
         order: list[str] = []
 

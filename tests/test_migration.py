@@ -29,7 +29,6 @@ from disagg_mesh.server.common.runtime.processes import MeshProcesses, free_port
 from disagg_mesh.server.common.types import (
     Continuation,
     GenerationEnd,
-    KvReference,
     Prompt,
     Sampling,
     TextChunk,
@@ -37,7 +36,7 @@ from disagg_mesh.server.common.types import (
 from tests.conftest import engine_node, route, router_node, running_mesh
 from tests.fake_ollama import FakeOllama, WordModel
 from tests.streams import late_word
-from tests.test_engine import drain, open_engine
+from tests.test_engine import drain, open_engine, source_of
 
 PROMPT = "Count from one to fifty in words, separated by commas: one, two,"
 LONG = 200
@@ -171,17 +170,6 @@ async def disaggregated(
             end = item
     assert end is not None
     return chunks, end, out
-
-
-def source_of(engine: LlamaCppEngine, out: PrefillOutput) -> KvReference:
-    return KvReference(
-        kv_handle="-",
-        first_token_id=out.first_token_id,
-        prompt_tokens=out.prompt_tokens,
-        fingerprint=engine.fingerprint,
-        kv_size_bytes=len(out.kv_state),
-        block_hashes=out.block_hashes,
-    )
 
 
 @pytest.mark.parametrize("original", ["decode_only", "disaggregated"])

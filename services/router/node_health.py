@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 
 import structlog
@@ -129,22 +129,16 @@ class NodeHealth:
                 retry_after_s=expected_s - budget_s,
             )
         self._drain_mark.setdefault(node.name, time.monotonic())
-        turn: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        waiting.append(turn)
-        try:
-            await asyncio.wait_for(asyncio.shield(turn), budget_s)
-        except (TimeoutError, asyncio.CancelledError) as exc:
-            if turn.done():  # a slot was freed for it just then: pass it on
-                self._reserved[node.name] -= 1
-                self._wake(node.name)
-            else:
-                waiting.remove(turn)
-            if isinstance(exc, asyncio.CancelledError):
-                raise
+
+        def pass_on() -> None:
+            self._reserved[node.name] -= 1
+            self._wake(node.name)
+
+        if not await _turn(waiting, budget_s, pass_on):
             raise ResourceExhausted(
                 f"node {node.name}: all {slots} slots busy with this router's calls for "
                 f"{budget_s:g} s (the route's queue_budget_s); try later or add slots"
-            ) from None
+            )
         self._reserved[node.name] -= 1  # busy() takes it now
 
     def expected_wait(self, node: Node) -> float | None:
@@ -192,23 +186,17 @@ class NodeHealth:
         name = node.name
         waiting = self._room_waiting.setdefault(name, deque())
         if waiting or not self._has_room(name):
-            turn: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            waiting.append(turn)
-            try:
-                await asyncio.wait_for(asyncio.shield(turn), budget_s)
-            except (TimeoutError, asyncio.CancelledError) as exc:
-                if turn.done():  # room was given to it just then: pass it on
-                    self._promised[name] -= 1
-                    self._wake_room(name)
-                else:
-                    waiting.remove(turn)
-                if isinstance(exc, asyncio.CancelledError):
-                    raise
+
+            def pass_on() -> None:
+                self._promised[name] -= 1
+                self._wake_room(name)
+
+            if not await _turn(waiting, budget_s, pass_on):
                 raise ResourceExhausted(
                     f"decode node {name}: its {self._slots.get(name, 0)} slots, and as many "
                     f"states waiting for them, taken by this router's calls for {budget_s:g} s "
                     "(the route's queue_budget_s); try later or add decode nodes"
-                ) from None
+                )
         else:
             self._promised[name] = self._promised.get(name, 0) + 1
         try:
@@ -275,3 +263,23 @@ class NodeHealth:
         if serving != self._serving[node.name]:
             log.info("node health", node=node.name, serving=serving)
             self._serving[node.name] = serving
+
+
+async def _turn(
+    waiting: deque[asyncio.Future[None]], budget_s: float, pass_on: Callable[[], None]
+) -> bool:
+    """Wait in line for a turn (set by whoever frees one); False after budget_s. A caller
+    cancelled or out of time just as its turn came passes the turn on."""
+    turn: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    waiting.append(turn)
+    try:
+        await asyncio.wait_for(asyncio.shield(turn), budget_s)
+    except (TimeoutError, asyncio.CancelledError) as exc:
+        if turn.done():
+            pass_on()
+        else:
+            waiting.remove(turn)
+        if isinstance(exc, asyncio.CancelledError):
+            raise
+        return False
+    return True
