@@ -114,7 +114,7 @@ async def burst(url: str, models: tuple[str, ...], texts: list[str]) -> dict[str
     }
 
 
-def _metric(text: str, name: str, labels: str = "") -> float:
+def metric(text: str, name: str, labels: str = "") -> float:
     """The sum of a Prometheus counter's samples (those whose labels start with `labels`)."""
     pattern = rf"^{name}{{{labels}[^}}]*}} ([0-9.e+]+)$"
     if not labels:
@@ -122,20 +122,21 @@ def _metric(text: str, name: str, labels: str = "") -> float:
     return sum(float(v) for v in re.findall(pattern, text, re.M))
 
 
-async def _scrape(mesh: MeshProcesses) -> dict[str, float]:
-    """The router's failed attempts and migrations, each prefill node's prompt tokens."""
+async def scrape(mesh: MeshProcesses, roles: tuple[str, ...] = ("prefill",)) -> dict[str, float]:
+    """The router's failed attempts and migrations, and the prompt tokens each engine node
+    of these roles evaluated (`<node>_prompt`)."""
     out: dict[str, float] = {}
     async with aiohttp.ClientSession() as session:
         for node in mesh.topology.nodes:
-            if node.metrics_port is None or node.role == "decode":
+            if node.metrics_port is None or node.role not in ("router", *roles):
                 continue
             async with session.get(f"http://{node.host}:{node.metrics_port}/metrics") as got:
                 text = await got.text()
             if node.role == "router":
-                out["failed_attempts"] = _metric(text, "disagg_failed_attempts_total")
-                out["migrations"] = _metric(text, "disagg_migrations_total")
+                out["failed_attempts"] = metric(text, "disagg_failed_attempts_total")
+                out["migrations"] = metric(text, "disagg_migrations_total")
             else:
-                out[f"{node.name}_prompt"] = _metric(
+                out[f"{node.name}_prompt"] = metric(
                     text, "disagg_engine_tokens_total", 'kind="prompt"'
                 )
     return out
@@ -159,10 +160,10 @@ async def measure(submissions: int) -> dict[str, Any]:
             for name in order:
                 url, models = targets[name]
                 models = models if len(models) == 2 else models * 2
-                before = await _scrape(mesh) if name == "mesh" else {}
+                before = await scrape(mesh) if name == "mesh" else {}
                 run = await burst(url, models, texts)
                 if name == "mesh":
-                    after = await _scrape(mesh)
+                    after = await scrape(mesh)
                     run["counts"] = {k: after[k] - before.get(k, 0.0) for k in after}
                     run["cool_downs"] = mesh.log_tail("router", 100_000).count("node cooling down")
                 runs[name].append(run)

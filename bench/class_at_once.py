@@ -28,7 +28,7 @@ from typing import Any
 
 import aiohttp
 
-from bench.burst import _metric, chat, uncached
+from bench.burst import chat, scrape, uncached
 from bench.common import run_alone, say
 from bench.grader import prompts as grader_prompts
 from bench.llama_server import MODELS, local_topology
@@ -53,18 +53,9 @@ async def one(session: aiohttp.ClientSession, url: str, model: str, prompt: str)
 
 async def _counters(mesh: MeshProcesses) -> dict[str, float]:
     """The router's failed attempts, and the prompt tokens every engine node evaluated."""
-    out = {"evaluated": 0.0}
-    async with aiohttp.ClientSession() as session:
-        for node in mesh.topology.nodes:
-            if node.metrics_port is None:
-                continue
-            async with session.get(f"http://{node.host}:{node.metrics_port}/metrics") as got:
-                text = await got.text()
-            if node.role == "router":
-                out["failed_attempts"] = _metric(text, "disagg_failed_attempts_total")
-            else:
-                out["evaluated"] += _metric(text, "disagg_engine_tokens_total", 'kind="prompt"')
-    return out
+    counts = await scrape(mesh, ("prefill", "decode"))
+    evaluated = sum(v for k, v in counts.items() if k.endswith("_prompt"))
+    return {"failed_attempts": counts["failed_attempts"], "evaluated": evaluated}
 
 
 async def measure(submissions: int) -> dict[str, Any]:

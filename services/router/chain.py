@@ -106,7 +106,7 @@ class Chain:
                 assert attempt.decode is not None
                 async with decode_room(self._health, request, attempt.decode):
                     result = await self._prefill.run(request, attempt, candidates)
-                assert attempt.prefill is not None and attempt.decode is not None
+                assert attempt.prefill is not None
                 attempt.decode = self._selection.decode_after_prefill(
                     request.route, attempt.decode, result.kv_prefix_node
                 )

@@ -369,6 +369,8 @@ class Scheduler:
         slot is evaluating now stays queued until they are in the prefix cache, then
         evaluates only the rest (SGLang's in-batch prefix caching: a burst sharing a rubric
         evaluates it once); later jobs go ahead of it meanwhile."""
+        if self._busy >= self._ctx.slots:  # no slot free: nothing to look at this step
+            return []
         admitted: list[Slot] = []
         free = (i for i, s in enumerate(self._slots) if s is None)
         held: list[Job] = []
