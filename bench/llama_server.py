@@ -290,12 +290,12 @@ Targets = dict[str, tuple[str, tuple[str, ...]]]
 
 @asynccontextmanager
 async def side_by_side(
-    binary: Path, threads: int, slots: int, prefix: str
+    binary: Path, threads: int, slots: int, prefix: str, topology: str | None = None
 ) -> AsyncIterator[tuple[MeshProcesses, Targets]]:
-    """make run's mesh and llama-server (-np slots -kvu), both serving: each side's OpenAI
-    URL and the models to ask it for (llama-server has one)."""
+    """make run's mesh (or `topology`) and llama-server (-np slots -kvu), both serving: each
+    side's OpenAI URL and the models to ask it for (llama-server has one)."""
     server = LlamaServer(binary, threads, slots)
-    async with serving_mesh(local_topology(), prefix) as mesh:
+    async with serving_mesh(topology or local_topology(), prefix) as mesh:
         server.start()
         try:
             await server.ready()

@@ -57,7 +57,11 @@ repeated, median reported:
 19. a class of 200 at once: 100 submissions x 2 models the same way, the mesh alone: every
    request served or refused at once, the router's failed attempts, and the prompt tokens
    the nodes evaluated against the requests' uncached ones (bench/class_at_once.py, a mesh
-   of its own).
+   of its own);
+20. a standard load tool: NVIDIA's AIPerf (installed once into ~/.cache) drives make run's
+   mesh and llama-server -np 8 -kvu through the OpenAI door, 1, 8, 32 and 128 at once:
+   request throughput and goodput under a TTFT and inter-token latency SLO
+   (bench/aiperf_load.py, a mesh and a server of their own).
 
 Every answer is greedy with ignore_eos (end tokens never sampled), so both sides of a ratio
 generate the same number of tokens on any CPU. Each row records what each side did (prompt
@@ -82,6 +86,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from bench.aiperf_load import measure as measure_aiperf
+from bench.aiperf_load import rows as aiperf_rows
 from bench.bad_requests import measure as measure_bad_requests
 from bench.bad_requests import rows as bad_requests_rows
 from bench.batch import measure as measure_batch
@@ -136,6 +142,7 @@ OWN_MESH = (
     "bad_requests",
     "burst",
     "class_at_once",
+    "aiperf_load",
 )
 
 
@@ -225,6 +232,11 @@ async def run_all(bench: Bench, args: argparse.Namespace) -> dict[str, Any]:
             "class_at_once",
             "19. a class of 200 at once (a mesh of its own)",
             lambda: measure_class(100),
+        ),
+        (
+            "aiperf_load",
+            "20. AIPerf against llama-server (a mesh and a server of their own)",
+            lambda: measure_aiperf(60),
         ),
     ]
     for key, title, step in steps:
@@ -352,6 +364,8 @@ def table(r: dict[str, Any]) -> str:
         rows += burst_rows(r["burst"])
     if "class_at_once" in r:
         rows += class_rows(r["class_at_once"])
+    if "aiperf_load" in r:
+        rows += aiperf_rows(r["aiperf_load"])
     width = [max(len(row[i]) for row in rows) for i in range(3)]
     header = ("measurement", "result", "goal")
     lines = ["  ".join(h.ljust(width[i]) for i, h in enumerate(header))]

@@ -38,6 +38,7 @@ from disagg_mesh.server.router import failures
 from disagg_mesh.server.router.failures import CallerDeadlineExceeded, StageDeadlineExceeded
 from disagg_mesh.server.router.node_health import NodeHealth, Overloaded
 from disagg_mesh.server.router.prefixes import prompt_bytes, text_blocks
+from disagg_mesh.server.router.request import Clock, Request
 from disagg_mesh.server.router.routing import ResumeInfo, RouteMethod, Router, RouteSummary
 from disagg_mesh.server.router.stages import DecodeCalls, PrefillCalls
 
@@ -504,6 +505,35 @@ async def test_a_queue_that_would_outlast_the_budget_is_refused_at_once() -> Non
     with pytest.raises(Overloaded, match="the caller's deadline"):
         await caller(0.7, and_serve=True)  # its turn fits, its turn and the call do not
     await asyncio.gather(waiter, *queued, caller(0.7))
+
+
+async def test_a_requests_waits_draw_on_one_queue_budget_on_every_node_it_tries() -> None:
+    """The route's queue_budget_s bounds a request's waits for slots in all: after waiting
+    it out on one busy node, the next busy node refuses at once; a wait after work was done
+    for it (a state made, text delivered) may take the whole budget again."""
+    router, _ = build(queue_budget_s=0.3)
+    health = router.health
+    d1, d2 = router.topology.node("d1"), router.topology.node("d2")
+    request = Request(router.topology.models[0], PROMPT, Sampling(max_tokens=4), Clock(None), 0, [])
+    for name in ("d1", "d2"):
+        health._slots[name] = 1
+    with health.busy(d1), health.busy(d2):  # both nodes' one slot taken
+        started = time.perf_counter()
+        with pytest.raises(MeshError) as first:
+            await failures.free_slot(health, request, d1)
+        assert time.perf_counter() - started >= 0.29
+        assert first.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        started = time.perf_counter()
+        with pytest.raises(MeshError):
+            await failures.free_slot(health, request, d2)
+        assert time.perf_counter() - started < 0.05  # nothing of the budget left
+        request.work_done = True  # e.g. a state was made for it
+        started = time.perf_counter()
+        with pytest.raises(MeshError):
+            await failures.free_slot(health, request, d2)
+        assert time.perf_counter() - started >= 0.29
+    assert request.queued_s == pytest.approx(0.3, abs=0.05)  # the last wait not counted
+    await failures.free_slot(health, request, d2)  # a free slot needs no budget
 
 
 async def test_states_are_made_for_a_decode_node_only_while_it_has_room_for_them() -> None:

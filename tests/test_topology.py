@@ -14,7 +14,9 @@ import pytest
 from disagg_mesh.server.common.config.topology import Node, TopologyError, host_cores, load_topology
 from disagg_mesh.server.common.engines.llama_cpp.host_threads import (
     ENGINE_NICENESS,
+    LOAD_SAMPLE_S,
     HostThreads,
+    OtherLoad,
     yield_to_io,
 )
 from disagg_mesh.server.common.types import Fingerprint
@@ -147,7 +149,7 @@ def test_engine_nodes_of_one_host_share_its_cores(tmp_path: Path) -> None:
     fixed = engines[0].model_copy(update={"n_threads": 1})
     assert (topology.threads_for(fixed), topology.host_peers(fixed)) == (1, ())
     # The lease itself: a busy node takes its share of the free cores, at least one.
-    a, b = (HostThreads(["a", "b"], name, 4, folder=tmp_path) for name in "ab")
+    a, b = (HostThreads(["a", "b"], name, 4, folder=tmp_path, others=_no_load) for name in "ab")
     assert a.path == b.path
     a.set_busy(True)
     assert a.acquire(max_wait_s=0) == 4  # alone
@@ -166,7 +168,9 @@ def test_engine_nodes_of_one_host_share_its_cores(tmp_path: Path) -> None:
 def test_a_step_on_several_threads_holds_its_cores_alone(tmp_path: Path) -> None:
     """A node that would start beside a step on several threads waits for it to end; one
     step of a single thread each may share a core; a dead node's record holds nothing."""
-    a, b, c = (HostThreads(["a", "b", "c"], name, 2, folder=tmp_path) for name in "abc")
+    a, b, c = (
+        HostThreads(["a", "b", "c"], name, 2, folder=tmp_path, others=_no_load) for name in "abc"
+    )
     a.set_busy(True)
     assert a.acquire(max_wait_s=0) == 2
     b.set_busy(True)
@@ -197,7 +201,7 @@ def test_prompts_go_first_on_a_host_with_more_busy_nodes_than_cores(tmp_path: Pa
     max_wait_s, times the prompts' requests over its streams where those are more; prompts
     never wait for it."""
     decode, prefill, other = (
-        HostThreads(["d", "p", "o"], name, 2, folder=tmp_path) for name in "dpo"
+        HostThreads(["d", "p", "o"], name, 2, folder=tmp_path, others=_no_load) for name in "dpo"
     )
     decode.set_busy(True)
     other.set_busy(True)
@@ -239,6 +243,51 @@ def test_prompts_go_first_on_a_host_with_more_busy_nodes_than_cores(tmp_path: Pa
     assert time.perf_counter() - started < 0.1
     for node in (decode, prefill, other):
         node.close()
+
+
+def _no_load(pids: object) -> float:
+    """The host's other processes keep no core busy (the lease's tests are about its nodes)."""
+    return 0.0
+
+
+def test_cores_the_hosts_other_processes_keep_busy_are_left_to_them(tmp_path: Path) -> None:
+    """A step runs on the cores the host's other processes leave: from 0.4 of a core of
+    their load on, one fewer; never none."""
+    load = {"cores": 0.0}
+    a, b = (
+        HostThreads(["a", "b"], name, 4, folder=tmp_path, others=lambda _: load["cores"])
+        for name in "ab"
+    )
+    a.set_busy(True)
+    for cores, threads in ((0.0, 4), (0.3, 4), (0.5, 3), (1.0, 3), (1.5, 2), (3.9, 1), (8, 1)):
+        load["cores"] = cores
+        assert a.acquire(max_wait_s=0) == threads, cores
+        a.release()
+    load["cores"] = 2.0  # two cores left: two busy nodes get one each
+    b.set_busy(True)
+    assert a.acquire(max_wait_s=0) == 1
+    assert b.acquire(max_wait_s=0) == 1
+    for node in (a, b):
+        node.release()
+        node.close()
+
+
+@pytest.mark.skipif(not Path("/proc/stat").is_file(), reason="the host's load is read from /proc")
+def test_the_hosts_other_load_is_measured_without_the_engine_nodes() -> None:
+    """A process spinning on a core counts as a busy core of the host's other load, unless
+    it is one of the engine nodes' processes."""
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        for engines, low, high in (([os.getpid()], 0.6, 2.5), ([spinner.pid], 0.0, 0.5)):
+            load = OtherLoad()
+            assert load(engines.copy) == 0.0  # the first sample: nothing to compare
+            time.sleep(LOAD_SAMPLE_S + 0.5)
+            measured = load(engines.copy)
+            assert low <= measured <= high, (engines, measured)
+            assert load(engines.copy) == measured  # until the next sample is due
+    finally:
+        spinner.kill()
+        spinner.wait()
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="per-thread niceness is Linux's")

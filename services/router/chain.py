@@ -61,6 +61,7 @@ class Chain:
                                 attempt.summary.time_to_first_token_seconds = elapsed
                                 yield attempt.resume_info()
                             sent.add(chunk)
+                            request.work_done = True
                             yield chunk
                 except MeshError as exc:
                     if sent.deltas:
@@ -106,6 +107,7 @@ class Chain:
                 assert attempt.decode is not None
                 async with decode_room(self._health, request, attempt.decode):
                     result = await self._prefill.run(request, attempt, candidates)
+                request.work_done = True  # a state was made for it
                 assert attempt.prefill is not None
                 attempt.decode = self._selection.decode_after_prefill(
                     request.route, attempt.decode, result.kv_prefix_node

@@ -8,8 +8,9 @@ another may answer) and the caller's (`CallerDeadlineExceeded`: nothing further 
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+import time
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 
 import grpc
@@ -119,33 +120,49 @@ def stage_error(
 
 
 async def free_slot(health: NodeHealth, request: Request, node: Node) -> None:
-    """Wait, within the route's queue budget and the caller's deadline, until the node has
+    """Wait, within the request's queue budget and the caller's deadline, until the node has
     a free slot: the stage deadline then covers the node's work only. RESOURCE_EXHAUSTED
     past the budget (retried elsewhere, no blame); the caller's deadline is final."""
     remaining = request.clock.remaining()
-    budget = request.route.queue_budget_s
-    if remaining is not None and remaining < budget:
-        try:
-            await health.free_slot(node, remaining, and_serve=True)
-        except Overloaded:  # refused at once: the caller may try again later
-            raise
-        except ResourceExhausted:
-            raise CallerDeadlineExceeded(
-                f"the caller's deadline passed while waiting for a free slot of node "
-                f"{node.name} ({remaining:.3f} s were left)"
-            ) from None
-        return
-    await health.free_slot(node, budget)
+    budget = request.queue_left()
+    with _queued(request):
+        if remaining is not None and remaining < budget:
+            try:
+                await health.free_slot(node, remaining, and_serve=True)
+            except Overloaded:  # refused at once: the caller may try again later
+                raise
+            except ResourceExhausted:
+                raise CallerDeadlineExceeded(
+                    f"the caller's deadline passed while waiting for a free slot of node "
+                    f"{node.name} ({remaining:.3f} s were left)"
+                ) from None
+            return
+        await health.free_slot(node, budget)
 
 
 @asynccontextmanager
 async def decode_room(health: NodeHealth, request: Request, node: Node) -> AsyncIterator[None]:
     """Room on the decode node for the state the prefill stage makes (NodeHealth's), within
-    the route's queue budget and the caller's deadline."""
+    the request's queue budget and the caller's deadline."""
     remaining = request.clock.remaining()
-    budget = request.route.queue_budget_s
-    async with health.decode_room(node, budget if remaining is None else min(budget, remaining)):
+    budget = request.queue_left() if remaining is None else min(request.queue_left(), remaining)
+    with _queued(request):
+        await health.wait_for_room(node, budget)
+    try:
         yield
+    finally:
+        health.leave_room(node)
+
+
+@contextmanager
+def _queued(request: Request) -> Iterator[None]:
+    """Count the time waited against the request's queue budget (before work was done)."""
+    started, counts = time.monotonic(), not request.work_done
+    try:
+        yield
+    finally:
+        if counts:
+            request.queued_s += time.monotonic() - started
 
 
 def midstream_error(exc: MeshError, node: str, delivered: int, migrations: int) -> MeshError:

@@ -120,7 +120,7 @@ class NodeHealth:
         if expected_s is not None and and_serve:
             expected_s += slots * self._drain_s[node.name]
         if expected_s is not None and expected_s > budget_s:
-            why = "the caller's deadline" if and_serve else "the route's queue_budget_s"
+            why = "the caller's deadline" if and_serve else "the request's queue_budget_s left"
             raise Overloaded(
                 f"node {node.name} is over-full: {len(waiting)} calls already wait for its "
                 f"{slots} slots, which free every {self._drain_s[node.name]:.2f} s lately: "
@@ -137,7 +137,7 @@ class NodeHealth:
         if not await _turn(waiting, budget_s, pass_on):
             raise ResourceExhausted(
                 f"node {node.name}: all {slots} slots busy with this router's calls for "
-                f"{budget_s:g} s (the route's queue_budget_s); try later or add slots"
+                f"{budget_s:g} s (the request's queue_budget_s left); try later or add slots"
             )
         self._reserved[node.name] -= 1  # busy() takes it now
 
@@ -183,27 +183,33 @@ class NodeHealth:
         take in about one round (more would wait, hold the prefill nodes' KV memory and
         expire, or overflow its queue: work thrown away). Waits in turn; ResourceExhausted
         after budget_s. Slots not known: no wait."""
-        name = node.name
-        waiting = self._room_waiting.setdefault(name, deque())
-        if waiting or not self._has_room(name):
-
-            def pass_on() -> None:
-                self._promised[name] -= 1
-                self._wake_room(name)
-
-            if not await _turn(waiting, budget_s, pass_on):
-                raise ResourceExhausted(
-                    f"decode node {name}: its {self._slots.get(name, 0)} slots, and as many "
-                    f"states waiting for them, taken by this router's calls for {budget_s:g} s "
-                    "(the route's queue_budget_s); try later or add decode nodes"
-                )
-        else:
-            self._promised[name] = self._promised.get(name, 0) + 1
+        await self.wait_for_room(node, budget_s)
         try:
             yield
         finally:
-            self._promised[name] -= 1
-            self._wake_room(name)
+            self.leave_room(node)
+
+    async def wait_for_room(self, node: Node, budget_s: float) -> None:
+        """decode_room's wait: the room is the caller's until leave_room."""
+        name = node.name
+        waiting = self._room_waiting.setdefault(name, deque())
+        if not waiting and self._has_room(name):
+            self._promised[name] = self._promised.get(name, 0) + 1
+            return
+
+        def pass_on() -> None:
+            self.leave_room(node)
+
+        if not await _turn(waiting, budget_s, pass_on):
+            raise ResourceExhausted(
+                f"decode node {name}: its {self._slots.get(name, 0)} slots, and as many "
+                f"states waiting for them, taken by this router's calls for {budget_s:g} s "
+                "(the request's queue_budget_s left); try later or add decode nodes"
+            )
+
+    def leave_room(self, node: Node) -> None:
+        self._promised[node.name] -= 1
+        self._wake_room(node.name)
 
     def _has_room(self, name: str) -> bool:
         slots = self._slots.get(name, 0)

@@ -52,6 +52,18 @@ class Request:
     fingerprint: str = ""
     deaths: list[Death] = field(default_factory=list)
     ident: int = field(default_factory=Deaths.new_id)
+    # Seconds it waited for admission (decode room, free slots) before any work was done for
+    # it, on every node tried: the route's queue_budget_s bounds their sum. Once a state was
+    # made or text delivered for it (work_done), each wait may take the whole budget again
+    # (room was kept for it: refusing it then would throw that work away).
+    queued_s: float = 0.0
+    work_done: bool = False
+
+    def queue_left(self) -> float:
+        """What is left of the route's queue budget for this request's next wait."""
+        if self.work_done:
+            return self.route.queue_budget_s
+        return max(0.0, self.route.queue_budget_s - self.queued_s)
 
 
 @dataclass

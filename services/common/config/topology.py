@@ -243,9 +243,12 @@ class ModelRoute(_Strict):
     # Stage limits: a node's work on the request (the router sends it a prompt only when
     # the node has a free slot, so waiting for one does not count: queue_budget_s).
     prefill_deadline_s: PositiveSeconds = 60.0
-    # How long a request may wait at the router for a free slot of the node it goes to
-    # (within the caller's own deadline); past it, RESOURCE_EXHAUSTED (the next node is
-    # tried), never a cool-down: a busy node is not a failing one.
+    # How long a request may wait at the router, in all, for room and free slots before
+    # any work is done for it (on every node and chain step tried; within the caller's own
+    # deadline); past it, RESOURCE_EXHAUSTED (only a node with a free slot is tried next),
+    # at once where the nodes' measured pace says it would pass; never a cool-down: a busy
+    # node is not a failing one. Set below a time-to-first-token goal, the requests that
+    # would miss it by waiting are refused at once instead of served late (README: goodput).
     queue_budget_s: PositiveSeconds = 600.0
     # A decode node that fails after text was delivered hands the generation over to
     # another decode node of this model (from the prompt and the tokens delivered), at most

@@ -29,6 +29,13 @@ the rest of the machine (`yield_to_io`): a node's gRPC and HTTP handlers, the ro
 clients on the host take a core the moment they have work, so a burst of requests reaches
 the engines at once, instead of one request a time slice while the engines hold every core.
 
+Cores the host's other processes keep busy (a load generator, a browser, the router under a
+burst) are left to them: a step whose threads outnumber the cores it really has waits, at
+every one of the hundreds of barriers in a step, for the thread that lost its core (llama.cpp's
+threads sleep after a short spin, GOMP_SPINCOUNT in node.py), and takes 10-20 times as long.
+The engine nodes measure that load (`OtherLoad`: Linux's busy time less their own processes'
+CPU time) and run their steps on the cores left.
+
 A request alone gets every core; many at once share them without oversubscription. A node
 that dies leaves its record: the others skip records whose process is gone, and its next
 start clears it.
@@ -45,7 +52,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import NamedTuple
@@ -63,6 +70,10 @@ ENGINE_NICENESS = 10
 # A step held up this long by another node's record takes one thread anyway (a record whose
 # process id went to another live process would otherwise hold the cores for ever).
 STALE_S = 30.0
+# The host's other load is averaged over this long (sampled at most this often), and from
+# this many cores of it on the engine nodes leave it a core (two from 1.4, ...).
+LOAD_SAMPLE_S = 0.5
+LEAVE_CORE_AT = 0.4
 
 
 class _Peer(NamedTuple):
@@ -71,9 +82,64 @@ class _Peer(NamedTuple):
     requests: int
 
 
+class OtherLoad:
+    """How many cores the host's processes other than its engine nodes keep busy: the busy
+    time of Linux's /proc/stat (steal included: a vCPU the hypervisor took is no core
+    either) less the engine processes' CPU time, over the last LOAD_SAMPLE_S or more. 0
+    where the machine cannot tell (no /proc)."""
+
+    def __init__(self) -> None:
+        self._tick = float(os.sysconf("SC_CLK_TCK")) if hasattr(os, "sysconf") else 100.0
+        self._last: tuple[float, float, dict[int, float]] | None = None
+        self._cores = 0.0
+
+    def __call__(self, pids: Callable[[], Iterable[int]]) -> float:
+        """pids: the engine nodes' processes (read only when a new sample is due)."""
+        now = time.monotonic()
+        if self._last is not None and now - self._last[0] < LOAD_SAMPLE_S:
+            return self._cores
+        busy = self._host_busy_s()
+        if busy is None:
+            return 0.0
+        mine = {pid: t for pid in pids() if (t := self._process_s(pid)) is not None}
+        if self._last is not None and self._last[2].keys() == mine.keys():
+            then, busy_then, mine_then = self._last
+            engines = sum(mine.values()) - sum(mine_then.values())
+            self._cores = max(0.0, (busy - busy_then - engines) / (now - then))
+        # (an engine node that came or went: a new baseline, the last figure stands)
+        self._last = (now, busy, mine)
+        return self._cores
+
+    def _host_busy_s(self) -> float | None:
+        try:
+            with open("/proc/stat", "rb") as f:
+                fields = f.readline().split()
+        except OSError:
+            return None
+        # cpu user nice system idle iowait irq softirq steal (guest time is in user's)
+        user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, fields[1:9])
+        return (user + nice + system + irq + softirq + steal) / self._tick
+
+    def _process_s(self, pid: int) -> float | None:
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                fields = f.read().rpartition(b")")[2].split()
+        except OSError:
+            return None
+        return (int(fields[11]) + int(fields[12])) / self._tick  # utime, stime
+
+
 class HostThreads:
-    def __init__(self, peers: list[str], name: str, cores: int, folder: Path | None = None):
-        """peers: the names of the engine nodes sharing this host (name among them)."""
+    def __init__(
+        self,
+        peers: list[str],
+        name: str,
+        cores: int,
+        folder: Path | None = None,
+        others: Callable[[Callable[[], Iterable[int]]], float] | None = None,
+    ):
+        """peers: the names of the engine nodes sharing this host (name among them).
+        others: the cores the host's other processes keep busy (default: `OtherLoad`)."""
         ordered = sorted(peers)
         self._index = ordered.index(name)
         self._count = len(ordered)
@@ -92,6 +158,7 @@ class HostThreads:
         self._state = IDLE
         self._threads = 0
         self._requests = 0
+        self._others = others or OtherLoad()
         with self._locked():
             self._write()
 
@@ -114,11 +181,17 @@ class HostThreads:
         module says); `release` gives them back. streams: the step's generated tokens (for
         prompts first)."""
         started = time.perf_counter()
+        others = self._others(self._pids)
+        cores = max(1, self.cores - int(others + 1 - LEAVE_CORE_AT))
         while True:
             with self._locked():
                 peers = self._peers()
                 waited = time.perf_counter() - started
-                threads = 1 if waited > STALE_S else self._grant(peers, waited, max_wait_s, streams)
+                threads = (
+                    1
+                    if waited > STALE_S
+                    else self._grant(peers, cores, waited, max_wait_s, streams)
+                )
                 if threads:
                     self._threads = threads
                     self._write()
@@ -137,11 +210,14 @@ class HostThreads:
 
     # -- the others' ---------------------------------------------------------------------
 
-    def _grant(self, peers: list[_Peer], waited: float, max_wait_s: float, streams: int) -> int:
-        """Threads for a step now, or 0: wait."""
+    def _grant(
+        self, peers: list[_Peer], cores: int, waited: float, max_wait_s: float, streams: int
+    ) -> int:
+        """Threads for a step now, or 0: wait. cores: those the host's other processes
+        leave."""
         busy = sum(1 for p in peers if p.state != IDLE) + 1
-        free = self.cores - sum(p.threads for p in peers)
-        if self._state != PROMPTS and busy > self.cores:
+        free = cores - sum(p.threads for p in peers)
+        if self._state != PROMPTS and busy > cores:
             # Prompts first: wait for the nodes whose prompt steps wait for cores, or would
             # share a core with this step (not while a core is left free beside them), the
             # longer the more requests they serve against this step's streams.
@@ -154,7 +230,7 @@ class HostThreads:
                 return 0
         if free < 1:  # steps of one thread may share a core, one on several never does
             return 0 if any(p.threads > 1 for p in peers) else 1
-        return min(max(1, self.cores // busy), free)
+        return min(max(1, cores // busy), free)
 
     def _peers(self) -> list[_Peer]:
         """The other nodes' records, but for those whose process is gone."""
@@ -166,6 +242,11 @@ class HostThreads:
             if state != IDLE and pid and _alive(pid):
                 peers.append(_Peer(state, threads, requests))
         return peers
+
+    def _pids(self) -> list[int]:
+        """The processes of every engine node with a record (this one's among them)."""
+        pids = (_RECORD.unpack_from(self._map, i * _RECORD.size)[3] for i in range(self._count))
+        return [pid for pid in pids if pid and _alive(pid)]
 
     def _write(self) -> None:
         _RECORD.pack_into(
