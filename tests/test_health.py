@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import urllib.request
 
 import grpc
@@ -158,6 +159,21 @@ async def test_prometheus_metrics(mesh: Mesh) -> None:
     assert 'disagg_engine_kv_cache_bytes{state="total"} 4.718592e+08' in prefill
     assert 'disagg_engine_prefix_cache_tokens{state="max"} 4096.0' in prefill
     assert "disagg_engine_step_seconds_count " in prefill
+    # The same load under vLLM's names (llm-d's model-server protocol), by logical model;
+    # the share of the KV cache holding tokens is used over total, as the engine says.
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting"):
+        assert f'{name}{{model_name="qwen3-coder:30b"}} 0.0' in prefill
+    used = sample(prefill, 'disagg_engine_kv_cache_bytes{state="used"}')
+    total = sample(prefill, 'disagg_engine_kv_cache_bytes{state="total"}')
+    usage = sample(prefill, 'vllm:kv_cache_usage_perc{model_name="qwen3-coder:30b"}')
+    assert 0.0 <= usage <= 1.0 and usage == pytest.approx(used / total)
+
+
+def sample(text: str, series: str) -> float:
+    """The value of one series (name and labels, as exposed) in a scrape."""
+    found = re.search(rf"^{re.escape(series)} (\S+)$", text, re.M)
+    assert found is not None, f"no {series} in the scrape"
+    return float(found.group(1))
 
 
 def scrape(node: Node) -> str:

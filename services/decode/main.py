@@ -34,7 +34,7 @@ async def run(topology: Topology, node: Node) -> None:
         add_node_service(server, describer(topology, node, engine_of(ready)))
 
     async def load() -> None:
-        watch_engine(load_of(engine_of(ready)))
+        watch_engine(load_of(engine_of(ready)), topology.models_served_by(node.name))
         ready.set(
             DecodeNode(
                 name=node.name,

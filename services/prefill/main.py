@@ -41,7 +41,7 @@ async def run(topology: Topology, node: Node) -> None:
         engine = await open_engine(topology, node)
         store = KvStore(budget_bytes=node.kv_budget_bytes, ttl_s=node.kv_ttl_s)
         watch_kv_store(lambda: store.bytes_held, lambda: len(store))
-        watch_engine(load_of(engine_of(ready)))
+        watch_engine(load_of(engine_of(ready)), topology.models_served_by(node.name))
         background.add(asyncio.create_task(store.expire_periodically()))
         ready.set(
             PrefillNode(

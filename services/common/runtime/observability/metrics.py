@@ -3,7 +3,8 @@
 Every process: calls served by method and status code, and calls in flight. The router:
 requests by logical model, serving method (chain step) and code; histograms of time to first
 token, prefill, KV transfer, decode and total time; tokens. Prefill nodes: KV states and bytes
-held. Prefill and decode nodes: their engine's slots, queue, tokens and step times. Plain
+held. Prefill and decode nodes: their engine's slots, queue, tokens and step times, and
+the same load under vLLM's names for llm-d's model-server protocol (`vllm:...`). Plain
 Python: callers pass plain values.
 """
 
@@ -113,6 +114,21 @@ ENGINE_CORE_WAIT_SECONDS = Histogram(
     buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5, 30),
 )
 
+# llm-d's model-server protocol reads these under vLLM's names (its endpoint picker weighs a
+# node by them; vLLM's dashboards select by model_name): one series a logical model the node
+# serves (a node listed under two models shows the same load under both).
+VLLM_RUNNING = Gauge(
+    "vllm:num_requests_running", "Requests in the engine's slots now", ["model_name"]
+)
+VLLM_WAITING = Gauge(
+    "vllm:num_requests_waiting", "Requests waiting for an engine slot", ["model_name"]
+)
+VLLM_KV_CACHE_USAGE = Gauge(
+    "vllm:kv_cache_usage_perc",
+    "Share of the engine's KV cache holding tokens now (0-1; 0 where the engine cannot tell)",
+    ["model_name"],
+)
+
 
 def serve_metrics(host: str, port: int) -> None:
     start_http_server(port, addr=host)
@@ -123,11 +139,23 @@ def watch_kv_store(size_bytes: Callable[[], float], handles: Callable[[], float]
     KV_STORE_HANDLES.set_function(handles)
 
 
-def watch_engine(load: Callable[[], EngineLoad | None]) -> None:
-    """Read the engine's load (None while it is loading) whenever metrics are scraped."""
+def watch_engine(load: Callable[[], EngineLoad | None], models: list[str]) -> None:
+    """Read the engine's load (None while it is loading) whenever metrics are scraped;
+    models: the logical models the node serves (vLLM's names carry them)."""
 
     def field(name: str) -> Callable[[], float]:
         return lambda: float(getattr(load(), name, 0.0))
+
+    def kv_usage() -> float:
+        now = load()
+        if now is None or now.kv_cache_bytes <= 0:
+            return 0.0
+        return min(1.0, now.kv_cache_used_bytes / now.kv_cache_bytes)
+
+    for model in models:
+        VLLM_RUNNING.labels(model).set_function(field("slots_busy"))
+        VLLM_WAITING.labels(model).set_function(field("queue_depth"))
+        VLLM_KV_CACHE_USAGE.labels(model).set_function(kv_usage)
 
     ENGINE_SLOTS.set_function(field("slots"))
     ENGINE_SLOTS_BUSY.set_function(field("slots_busy"))
