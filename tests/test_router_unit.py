@@ -547,7 +547,9 @@ async def test_states_are_made_for_a_decode_node_only_while_it_has_room_for_them
     order: list[str] = []
 
     async def state(name: str, budget_s: float = 5.0) -> None:
-        async with health.decode_room(node, budget_s):
+        route = router.topology.models[0].model_copy(update={"queue_budget_s": budget_s})
+        request = Request(route, PROMPT, Sampling(max_tokens=4), Clock(None), 0, [])
+        async with failures.decode_room(health, request, node):
             order.append(name)
             await asyncio.sleep(0.05)  # the prefill
 

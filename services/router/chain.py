@@ -57,11 +57,11 @@ class Chain:
                     async with aclosing(self._attempt(request, attempt)) as stream:
                         async for chunk in stream:
                             if not sent.deltas:
+                                request.work_done = True  # text delivered
                                 elapsed = request.clock.elapsed()
                                 attempt.summary.time_to_first_token_seconds = elapsed
                                 yield attempt.resume_info()
                             sent.add(chunk)
-                            request.work_done = True
                             yield chunk
                 except MeshError as exc:
                     if sent.deltas:

@@ -142,8 +142,8 @@ async def free_slot(health: NodeHealth, request: Request, node: Node) -> None:
 
 @asynccontextmanager
 async def decode_room(health: NodeHealth, request: Request, node: Node) -> AsyncIterator[None]:
-    """Room on the decode node for the state the prefill stage makes (NodeHealth's), within
-    the request's queue budget and the caller's deadline."""
+    """Room on the decode node for the state the prefill stage makes (NodeHealth's
+    wait_for_room), within the request's queue budget and the caller's deadline."""
     remaining = request.clock.remaining()
     budget = request.queue_left() if remaining is None else min(request.queue_left(), remaining)
     with _queued(request):

@@ -16,8 +16,8 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import asynccontextmanager, contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import structlog
 
@@ -68,7 +68,7 @@ class NodeHealth:
         self._drain_s: dict[str, float] = {}
         self._drain_mark: dict[str, float] = {}
         # Decode nodes: states being made for each (prefill stages under way), and the
-        # callers waiting for room to make one (decode_room).
+        # callers waiting for room to make one (wait_for_room).
         self._promised: dict[str, int] = {}
         self._room_waiting: dict[str, deque[asyncio.Future[None]]] = {}
 
@@ -175,22 +175,13 @@ class NodeHealth:
             self._reserved[name] = self._reserved.get(name, 0) + 1
             turn.set_result(None)
 
-    @asynccontextmanager
-    async def decode_room(self, node: Node, budget_s: float) -> AsyncIterator[None]:
-        """Room on a decode node for one more state, held while it is made (the prefill
-        stage): the node's calls, the callers waiting for its slots and the states being
-        made for it stay under twice its slots. So no more states are made than its streams
-        take in about one round (more would wait, hold the prefill nodes' KV memory and
-        expire, or overflow its queue: work thrown away). Waits in turn; ResourceExhausted
-        after budget_s. Slots not known: no wait."""
-        await self.wait_for_room(node, budget_s)
-        try:
-            yield
-        finally:
-            self.leave_room(node)
-
     async def wait_for_room(self, node: Node, budget_s: float) -> None:
-        """decode_room's wait: the room is the caller's until leave_room."""
+        """Room on a decode node for one more state, the caller's until leave_room (held
+        while the state is made: the prefill stage): the node's calls, the callers waiting
+        for its slots and the states being made for it stay under twice its slots. So no
+        more states are made than its streams take in about one round (more would wait,
+        hold the prefill nodes' KV memory and expire, or overflow its queue: work thrown
+        away). Waits in turn; ResourceExhausted after budget_s. Slots not known: no wait."""
         name = node.name
         waiting = self._room_waiting.setdefault(name, deque())
         if not waiting and self._has_room(name):

@@ -92,11 +92,12 @@ class OtherLoad:
         self._tick = float(os.sysconf("SC_CLK_TCK")) if hasattr(os, "sysconf") else 100.0
         self._last: tuple[float, float, dict[int, float]] | None = None
         self._cores = 0.0
+        self._readable = os.path.isfile("/proc/stat")  # (not looked for again every step)
 
     def __call__(self, pids: Callable[[], Iterable[int]]) -> float:
         """pids: the engine nodes' processes (read only when a new sample is due)."""
         now = time.monotonic()
-        if self._last is not None and now - self._last[0] < LOAD_SAMPLE_S:
+        if not self._readable or (self._last is not None and now - self._last[0] < LOAD_SAMPLE_S):
             return self._cores
         busy = self._host_busy_s()
         if busy is None:
