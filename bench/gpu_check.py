@@ -1,6 +1,6 @@
 """GPU check: KV handoff between a GPU node and a CPU node of the same GGUF, both ways.
 
-    python -m bench.gpu_check [--prompts 8] [--tokens 64]
+    python -m bench.gpu_check [--prompts 8] [--tokens 64] [--families llama,gemma3,...]
 
 Needs llama-cpp-python built with a GPU backend (`make venv` on a machine with nvcc and a
 GPU, or LLAMA_BACKEND=cuda). Starts a mesh of its own on this machine: two prefill and two
@@ -19,6 +19,14 @@ differently, so greedy texts part at some token; agreement counts the tokens bef
 whole prompts identical, the handoff time (KV fetch + load) against the same-backend pairs',
 and how many of the prompts sent all at once through a same-backend pair give the text they
 give alone. Writes JSON to bench/results/.
+
+--families runs the same check for each model family in turn, a mesh of its own each:
+llama is SmolLM2-135M (chat prompts, as above); gemma3, gpt-oss and qwen3moe are the tiny
+random-weight files of tests/tiny_models.py (gemma3: 128-position sliding window on 5 of 6
+layers; gpt-oss: sinks, a 128-position window on every other layer, MXFP4 experts; qwen3moe:
+experts, q/k norms), written here since the real ones cannot travel to a lent GPU machine;
+they take the rubric and submission as one plain prompt and ignore end tokens (random
+weights). --allow-cpu runs without a GPU (every node on the CPU), to check the script itself.
 """
 
 from __future__ import annotations
@@ -77,7 +85,24 @@ PROMPTS = [
 ]
 
 
-def topology_text(threads: int) -> str:
+FAMILIES = ("llama", "gemma3", "gpt-oss", "qwen3moe")
+
+
+def family_model(family: str, folder: Path) -> str:
+    """The model spec of a family: SmolLM2 for llama, a tiny random file for the others."""
+    if family == "llama":
+        return MODEL
+    from tests import tiny_models  # the test helpers write them; numpy and gguf only
+
+    writers = {
+        "gemma3": tiny_models.write_gemma3,
+        "gpt-oss": tiny_models.write_gpt_oss,
+        "qwen3moe": tiny_models.write_qwen3moe,
+    }
+    return str(writers[family](folder / f"tiny-{family}.gguf"))
+
+
+def topology_text(threads: int, model: str) -> str:
     lines = [
         f'[[nodes]]\nname = "router"\nrole = "router"\nhost = "127.0.0.1"\nport = {free_port()}\n'
     ]
@@ -85,7 +110,7 @@ def topology_text(threads: int) -> str:
         for side in ("gpu", "cpu"):
             lines.append(
                 f'[[nodes]]\nname = "{role}-{side}"\nrole = "{role}"\nhost = "127.0.0.1"\n'
-                f'port = {free_port()}\nengine = "llama_cpp"\nmodel = "{MODEL}"\n'
+                f'port = {free_port()}\nengine = "llama_cpp"\nmodel = "{model}"\n'
                 f"n_ctx = 4096\nslots = 2\nn_threads = {threads}\n"
                 + ("n_gpu_layers = 0\n" if side == "cpu" else "")
             )
@@ -97,8 +122,17 @@ def topology_text(threads: int) -> str:
     return "\n".join(lines)
 
 
-def call(pair: str, submission: str, tokens: int) -> GenerateCall:
-    """The grader's request: the rubric as the system turn, the submission as the user's."""
+def call(pair: str, submission: str, tokens: int, chat: bool) -> GenerateCall:
+    """The grader's request: the rubric as the system turn, the submission as the user's;
+    not chat (random weights): the two as one prompt, run to `tokens` past end tokens."""
+    if not chat:
+        return GenerateCall(
+            model=pair,
+            prompt=f"{RUBRIC}\n\n{submission}\n",
+            max_tokens=tokens,
+            temperature=0.0,
+            ignore_eos=True,
+        )
     return GenerateCall(
         model=pair,
         messages=[{"role": "system", "content": RUBRIC}, {"role": "user", "content": submission}],
@@ -131,10 +165,11 @@ async def node_placements(mesh: MeshProcesses) -> dict[str, str]:
     return out
 
 
-async def run(prompts: list[str], tokens: int, threads: int) -> dict[str, Any]:
-    folder = Path(tempfile.mkdtemp(prefix="gpu-check-"))
+async def run(
+    prompts: list[str], tokens: int, threads: int, model: str, chat: bool, folder: Path
+) -> dict[str, Any]:
     path = folder / "topology.toml"
-    path.write_text(topology_text(threads))
+    path.write_text(topology_text(threads, model))
     topology = load_topology(path)
     mesh = MeshProcesses(topology, folder / "logs")
     mesh.start()
@@ -146,15 +181,15 @@ async def run(prompts: list[str], tokens: int, threads: int) -> dict[str, Any]:
         results: dict[str, list[Result]] = {name: [] for name in PAIRS}
         async with AsyncMeshClient(topology.router.address, timeout=300) as client:
             for pair in PAIRS:  # warm-up: CUDA kernels load on first use
-                await client.generate(call(pair, PROMPTS[0], 4))
+                await client.generate(call(pair, PROMPTS[0], 4, chat))
             for prompt in prompts:
                 for pair in PAIRS:
-                    results[pair].append(await client.generate(call(pair, prompt, tokens)))
+                    results[pair].append(await client.generate(call(pair, prompt, tokens, chat)))
             # The same prompts all at once: batched on each node's slots.
             batched: dict[str, list[str]] = {}
             for pair in ("gpu-to-gpu", "cpu-to-cpu"):
                 together = await asyncio.gather(
-                    *(client.generate(call(pair, p, tokens)) for p in prompts)
+                    *(client.generate(call(pair, p, tokens, chat)) for p in prompts)
                 )
                 batched[pair] = [r.text for r in together]
     finally:
@@ -162,9 +197,9 @@ async def run(prompts: list[str], tokens: int, threads: int) -> dict[str, Any]:
     return {"placements": placements, "results": results, "batched": batched}
 
 
-def report(prompts: list[str], tokens: int, raw: dict[str, Any]) -> dict[str, Any]:
+def report(prompts: list[str], tokens: int, raw: dict[str, Any], model: str) -> dict[str, Any]:
     vocab: Any = llama_cpp.Llama(
-        model_path=str(resolve_model_path(MODEL, ROOT)), vocab_only=True, verbose=False
+        model_path=str(resolve_model_path(model, ROOT)), vocab_only=True, verbose=False
     )
     results: dict[str, list[Result]] = raw["results"]
     pairs: dict[str, Any] = {}
@@ -216,6 +251,7 @@ def report(prompts: list[str], tokens: int, raw: dict[str, Any]) -> dict[str, An
     for pair in ("gpu-to-cpu", "cpu-to-gpu"):
         pairs[pair]["handoff_over_same_backend"] = pairs[pair]["handoff_seconds_median"] / same
     return {
+        "model": Path(str(resolve_model_path(model, ROOT))).name,
         "prompts": len(prompts),
         "tokens": tokens,
         "backend": gpu_backend(),
@@ -226,7 +262,11 @@ def report(prompts: list[str], tokens: int, raw: dict[str, Any]) -> dict[str, An
 
 
 def table(r: dict[str, Any]) -> str:
-    rows = [f"{r['prompts']} prompts x {r['tokens']} greedy tokens, backend {r['backend']}"]
+    rows = [
+        f"{r['model']}: {r['prompts']} prompts x {r['tokens']} greedy tokens, "
+        f"backend {r['backend']}"
+    ]
+    rows += [f"  {name}: {where}" for name, where in r["placements"].items()]
     for pair in ("gpu-to-cpu", "cpu-to-gpu", "gpu-to-gpu"):
         p = r["pairs"][pair]
         for label, a in p["agreement"].items():
@@ -264,8 +304,17 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2))
     parser.add_argument("--out", type=Path, default=ROOT / "bench/results")
+    parser.add_argument(
+        "--families", default="llama", help=f"comma-separated, of {', '.join(FAMILIES)}"
+    )
+    parser.add_argument("--allow-cpu", action="store_true", help="run with no GPU backend")
     args = parser.parse_args()
-    if gpu_backend() is None:
+    families = [f.strip() for f in args.families.split(",") if f.strip()]
+    unknown = sorted(set(families) - set(FAMILIES))
+    if unknown:
+        say(f"error: --families: unknown {', '.join(unknown)} (known: {', '.join(FAMILIES)})")
+        return 2
+    if gpu_backend() is None and not args.allow_cpu:
         say(
             "error: this llama.cpp build has no GPU backend (or sees no GPU): build it with "
             "LLAMA_BACKEND=cuda make venv on a machine with nvcc"
@@ -274,16 +323,23 @@ def main() -> int:
 
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(args.prompts)]
     started = time.perf_counter()
-    raw = asyncio.run(run(prompts, args.tokens, args.threads))
-    result = report(prompts, args.tokens, raw)
+    results: dict[str, Any] = {}
+    for family in families:
+        folder = Path(tempfile.mkdtemp(prefix=f"gpu-check-{family}-"))
+        model = family_model(family, folder)
+        say(f">> {family}: {Path(str(resolve_model_path(model, ROOT))).name}")
+        raw = asyncio.run(run(prompts, args.tokens, args.threads, model, family == "llama", folder))
+        results[family] = report(prompts, args.tokens, raw, model)
+        say(table(results[family]))
     record = {
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "machine": machine(),
         "repeats": 1,
         "wall_s": time.perf_counter() - started,
-        "gpu_check": result,
+        # One family: the layout of earlier runs; several: one such object per family.
+        "gpu_check": results[families[0]] if len(families) == 1 else results,
     }
-    write_report(args.out, "gpu_check", record, table(result))
+    write_report(args.out, "gpu_check", record, "\n\n".join(table(r) for r in results.values()))
     return 0
 
 

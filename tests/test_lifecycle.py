@@ -4,7 +4,10 @@ exits 0, and the router sends new requests elsewhere."""
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -59,3 +62,41 @@ async def test_sigterm_lets_the_stream_in_flight_finish_and_exits_0(mesh: MeshPr
         assert later.summary.decode_node == "decode-b"
     log = (mesh.log_dir / "decode-a.log").read_text()
     assert '"shutting down"' in log and '"stopped"' in log
+
+
+# What a node's process imports first, recorded by a finder ahead of Python's own.
+IMPORT_ORDER = """
+import json, sys
+order = []
+class Recorder:
+    def find_spec(self, name, path=None, target=None):
+        order.append(name)
+        return None
+sys.meta_path.insert(0, Recorder())
+import runpy
+sys.argv = ["node", "--help"]
+try:
+    runpy.run_module("disagg_mesh.server.node", run_name="__main__")
+except SystemExit:
+    pass
+print(json.dumps(order))
+"""
+
+
+def test_a_nodes_process_loads_llama_cpp_before_grpc_numpy_and_sentencepiece() -> None:
+    """A CUDA build of llama.cpp crashed every node at start (SIGSEGV in its tokenizer's
+    std::regex) when grpc's libraries were loaded first: found on an H100 machine after
+    the package's __init__ began importing the client. `python -m disagg_mesh.server.node`
+    must reach llama_cpp before any of them; numpy may follow, as llama_cpp imports it."""
+    done = subprocess.run(
+        [sys.executable, "-c", IMPORT_ORDER],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=Path(__file__).resolve().parent.parent,
+    )
+    order = json.loads(done.stdout.strip().splitlines()[-1])
+    first = order.index("llama_cpp")
+    for name in ("grpc", "numpy", "sentencepiece", "google.protobuf"):
+        if name in order:
+            assert order.index(name) > first, f"{name} is imported before llama_cpp: {order}"

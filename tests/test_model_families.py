@@ -27,6 +27,7 @@ import llama_cpp
 import pytest
 
 from disagg_mesh.proto.v1 import router_pb2, router_pb2_grpc
+from disagg_mesh.server.common.engines.llama_cpp.model import LlamaModel
 from disagg_mesh.server.common.models import resolve_model_path
 from disagg_mesh.server.common.runtime.processes import MeshProcesses
 from tests.conftest import MODEL as SMOLLM2
@@ -35,7 +36,7 @@ from tests.streams import reference_tokens, request
 from tests.test_migration import MigrationMesh, kill_serving
 from tests.test_ollama_store import ollama_gpt_oss_store
 from tests.test_prefix_cache import SamePieces
-from tests.tiny_models import write_gpt_oss, write_qwen3moe
+from tests.tiny_models import GEMMA3_WINDOW, write_gemma3, write_gpt_oss, write_qwen3moe
 
 DISAGGREGATED = "disaggregated"  # migrations: the decode node taking over evaluates
 DECODE_ONLY = "decode-only"
@@ -255,3 +256,18 @@ async def test_only_the_delta_moves_and_the_text_is_the_same_pieces_answer(
         # window cells sit, and a context reused for another prompt places them elsewhere.
         reference = SamePieces(llm, first)
         assert got.text == reference.text(tokenize(RUBRIC + submission), s.cached_prompt_tokens)
+
+
+def test_the_tiny_gemma3_has_gemma3s_layers_and_window(tmp_path: Path) -> None:
+    """The tiny gemma3 (bench/gpu_check.py's, where the real one cannot travel) loads as
+    llama.cpp's gemma3 with its 128-position window, and greedy text is the same twice."""
+    path = write_gemma3(tmp_path / "tiny-gemma3.gguf")
+    model = LlamaModel(path, n_gpu_layers=0)
+    assert model.window == GEMMA3_WINDOW
+    assert model.metadata["general.architecture"] == "gemma3"
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=512, n_gpu_layers=0, verbose=False)
+    texts = [
+        llm("Grade this: print(1)", max_tokens=8, temperature=0.0)["choices"][0]["text"]
+        for _ in range(2)
+    ]
+    assert texts[0] == texts[1] and texts[0]

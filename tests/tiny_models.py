@@ -392,6 +392,52 @@ def write_qwen3moe(path: Path) -> Path:
     return _write(writer, path)
 
 
+# llama.cpp's gemma3: a sliding window on 5 of every 6 layers, so 6 layers hold both kinds.
+GEMMA3_LAYERS = 6
+GEMMA3_WINDOW = 128
+
+
+def write_gemma3(path: Path) -> Path:
+    """A tiny gemma3 (for a machine where the real gemma-3-270m cannot travel, e.g. a lent
+    GPU machine): interleaved sliding-window attention (128 positions on layers 0-4, full
+    attention on layer 5), q/k norms, post-attention and post-feed-forward norms, a gated
+    feed-forward; SmolLM2's tokenizer."""
+    writer = gguf.GGUFWriter(path, "gemma3")
+    writer.add_name("tiny random gemma3")
+    writer.add_context_length(CONTEXT)
+    writer.add_block_count(GEMMA3_LAYERS)
+    writer.add_embedding_length(EMBED)
+    writer.add_feed_forward_length(EXPERT_FF)
+    writer.add_head_count(HEADS)
+    writer.add_head_count_kv(KV_HEADS)
+    writer.add_key_length(HEAD_DIM)
+    writer.add_value_length(HEAD_DIM)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_sliding_window(GEMMA3_WINDOW)
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    n_vocab = _tokenizer(writer)
+    w = _Weights(writer, seed=50)
+    w.ends(n_vocab)
+    q, kv = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
+    for i in range(GEMMA3_LAYERS):
+        blk = f"blk.{i}"
+        w.norm(f"{blk}.attn_norm.weight", EMBED)
+        w.add(f"{blk}.attn_q.weight", q, EMBED)
+        w.add(f"{blk}.attn_k.weight", kv, EMBED)
+        w.add(f"{blk}.attn_v.weight", kv, EMBED)
+        w.add(f"{blk}.attn_output.weight", EMBED, q)
+        w.norm(f"{blk}.post_attention_norm.weight", EMBED)
+        w.norm(f"{blk}.attn_q_norm.weight", HEAD_DIM)
+        w.norm(f"{blk}.attn_k_norm.weight", HEAD_DIM)
+        w.norm(f"{blk}.ffn_norm.weight", EMBED)
+        w.add(f"{blk}.ffn_gate.weight", EXPERT_FF, EMBED)
+        w.add(f"{blk}.ffn_up.weight", EXPERT_FF, EMBED)
+        w.add(f"{blk}.ffn_down.weight", EMBED, EXPERT_FF)
+        w.norm(f"{blk}.post_ffw_norm.weight", EMBED)
+    return _write(writer, path)
+
+
 def _write(writer: gguf.GGUFWriter, path: Path) -> Path:
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
