@@ -21,6 +21,7 @@ import signal
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 import llama_cpp
@@ -265,7 +266,7 @@ def test_the_tiny_gemma3_has_gemma3s_layers_and_window(tmp_path: Path) -> None:
     model = LlamaModel(path, n_gpu_layers=0)
     assert model.window == GEMMA3_WINDOW
     assert model.metadata["general.architecture"] == "gemma3"
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=512, n_gpu_layers=0, verbose=False)
+    llm: Any = llama_cpp.Llama(model_path=str(path), n_ctx=512, n_gpu_layers=0, verbose=False)
     texts = [
         llm("Grade this: print(1)", max_tokens=8, temperature=0.0)["choices"][0]["text"]
         for _ in range(2)
