@@ -34,7 +34,7 @@ LLAMA_CMAKE_ARGS := $(LLAMA_CMAKE_ARGS_$(LLAMA_BACKEND))
 LLAMA_CPU_FLAGS ?= $(if $(filter x86_64 amd64,$(shell uname -m)),-mno-amx-tile -mno-amx-int8 -mno-amx-bf16)
 
 .DEFAULT_GOAL := help
-.PHONY: help venv protos run test lint bench bench-modes clean
+.PHONY: help venv protos run test lint browser bench bench-modes clean
 
 help:  ## list the targets
 	@grep -E '^[a-z%-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  make %-12s %s\n", $$1, $$2}'
@@ -75,7 +75,24 @@ lint: venv  ## ruff and mypy
 	$(VENV)/bin/ruff check services disagg_mesh scripts tests examples bench
 	$(VENV)/bin/mypy
 
-test: venv lint  ## lint, then the whole test suite (real processes, real model)
+# The dashboard's browser test drives Debian's chromium (Playwright's own browsers cannot be
+# downloaded here): installed with apt-get where this machine allows it (root, or sudo without
+# a password), else the test is skipped and this says what to install.
+APT_GET := $(shell if [ "$$(id -u)" = 0 ]; then echo apt-get; elif sudo -n true 2>/dev/null; then echo "sudo apt-get"; fi)
+browser:  ## Debian's chromium for the dashboard's browser test (apt-get where it can)
+	@if command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1; then \
+	  echo ">> chromium for the dashboard's browser test: $$(command -v chromium || command -v chromium-browser)"; \
+	elif command -v apt-get >/dev/null 2>&1 && [ -n "$(APT_GET)" ]; then \
+	  echo ">> installing Debian's chromium for the dashboard's browser test ($(APT_GET) install chromium; log in .run/apt-chromium.log)"; \
+	  mkdir -p .run; \
+	  ( DEBIAN_FRONTEND=noninteractive $(APT_GET) install -y -q chromium \
+	    || ( $(APT_GET) update -q && DEBIAN_FRONTEND=noninteractive $(APT_GET) install -y -q chromium ) ) >.run/apt-chromium.log 2>&1 \
+	  || echo ">> apt-get could not install chromium (.run/apt-chromium.log): the dashboard's browser test will be skipped"; \
+	else \
+	  echo ">> no chromium here, and no apt-get to install it: the dashboard's browser test will be skipped. Install Chromium (Debian/Ubuntu: apt-get install chromium; macOS: brew install --cask chromium) and put it on PATH"; \
+	fi
+
+test: venv lint browser  ## lint, then the whole test suite (real processes, real model, a real browser)
 	$(PY) -m pytest
 
 bench: venv  ## benchmarks on a fresh local mesh (ratios; results in bench/results/)

@@ -11,7 +11,8 @@ from disagg_mesh.server.common.config.topology import Node, Topology
 from disagg_mesh.server.common.runtime.node_info import add_node_service, router_describer
 from disagg_mesh.server.common.runtime.server import serve_node
 from disagg_mesh.server.common.runtime.tls import tls_for, tls_paths
-from disagg_mesh.server.common.wire.node_clients import ChannelPool
+from disagg_mesh.server.common.wire.node_clients import ChannelPool, node_report
+from disagg_mesh.server.router.dashboard.state import ASK_TIMEOUT_S, DashboardState
 from disagg_mesh.server.router.http import HttpFrontDoor
 from disagg_mesh.server.router.node_health import NodeHealth
 from disagg_mesh.server.router.routing import Router
@@ -32,9 +33,23 @@ async def run(topology: Topology, node: Node) -> None:
     )
     router = Router(topology, pool, health)
     background: set[asyncio.Task[None]] = set()
+    dashboard = (
+        DashboardState(
+            topology,
+            node,
+            router.recent,
+            lambda other: node_report(pool.get(other.address), ASK_TIMEOUT_S),
+        )
+        if node.http_port is not None
+        else None
+    )
     http = (
         HttpFrontDoor(
-            router, node.listen_host or node.host, node.http_port, tls_paths(topology, node)
+            router,
+            node.listen_host or node.host,
+            node.http_port,
+            tls_paths(topology, node),
+            dashboard,
         )
         if node.http_port is not None
         else None
@@ -48,6 +63,8 @@ async def run(topology: Topology, node: Node) -> None:
 
     async def load() -> None:
         background.add(asyncio.create_task(health.watch()))
+        if dashboard is not None:
+            background.add(asyncio.create_task(dashboard.run()))
         if http is not None:
             await http.start()
 

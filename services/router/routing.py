@@ -23,6 +23,7 @@ from disagg_mesh.server.common.types import Continuation, Prompt, Sampling, Text
 from disagg_mesh.server.common.validation import check_format, validate_prompt, validate_sampling
 from disagg_mesh.server.common.wire.node_clients import ChannelPool
 from disagg_mesh.server.router.chain import Chain
+from disagg_mesh.server.router.dashboard.recent import Recent
 from disagg_mesh.server.router.deaths import fingerprint
 from disagg_mesh.server.router.knowledge import Knowledge
 from disagg_mesh.server.router.migration import Migrator, Stages
@@ -66,6 +67,8 @@ class Router:
         self.topology = topology
         self.health = health
         self.knowledge = Knowledge()
+        # Recent requests, for the dashboard (router/dashboard/).
+        self.recent = Recent()
         self.selection = Selection(topology, health, self.knowledge)
         calls = clients if clients is not None else PooledClients(pool)
         self._direct = DirectOllama()
@@ -138,9 +141,11 @@ class Router:
                 async for item in stream:
                     if isinstance(item, RouteSummary):
                         count_served(model, item)
+                        self.recent.served(model, item)
                     yield item
         except MeshError as exc:
             metrics.request_failed(model, exc.code.name)
+            self.recent.refused(model, exc.code.name)
             raise
 
     def _route(self, model: str) -> ModelRoute:

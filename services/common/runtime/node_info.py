@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -13,11 +14,14 @@ from disagg_mesh.proto.v1 import node_pb2, node_pb2_grpc
 from disagg_mesh.server.common.config.topology import Node, Topology
 from disagg_mesh.server.common.engines.base import Engine, EngineLoad, Placement
 from disagg_mesh.server.common.kv.store import KvStore
+from disagg_mesh.server.common.runtime.observability.host import HostUsage, this_host
 from disagg_mesh.server.common.runtime.readiness import Ready
 from disagg_mesh.server.common.types import Fingerprint, KvTransferKind
 from disagg_mesh.server.common.wire import convert
 
 SERVICE_NAME = node_pb2.DESCRIPTOR.services_by_name["NodeService"].full_name
+# When this process started (imported at start by every node's main).
+STARTED = time.monotonic()
 
 
 @dataclass
@@ -36,6 +40,27 @@ class NodeStatus:
     kv_store_bytes: int = 0
     load: EngineLoad | None = None
     placement: Placement = field(default_factory=Placement)
+
+
+@dataclass(frozen=True)
+class NodeReport:
+    """What a node tells another (GetNodeInfo), in plain values: the router's dashboard."""
+
+    name: str
+    role: str
+    engine: str
+    engine_model: str
+    backend: str
+    gpu_layers: int
+    model_layers: int
+    ready: bool
+    problem: str
+    slots: int
+    slots_busy: int
+    queue_depth: int
+    restarts: int
+    uptime_seconds: float
+    host: HostUsage | None
 
 
 def describer(
@@ -96,6 +121,8 @@ class NodeServicer(node_pb2_grpc.NodeServiceServicer):
         s = await self._describe()
         load = s.load or EngineLoad(0, 0, 0, 0, 0.0, 0.0)
         return node_pb2.GetNodeInfoResponse(
+            uptime_seconds=time.monotonic() - STARTED,
+            host=host_to_proto(this_host()),
             name=s.name,
             role=s.role,
             engine=s.engine,
@@ -124,6 +151,36 @@ class NodeServicer(node_pb2_grpc.NodeServiceServicer):
             # Set by the launcher when it starts a node again (services/launcher.py).
             restarts=int(os.environ.get("DISAGG_RESTARTS", "0") or 0),
         )
+
+
+def host_to_proto(h: HostUsage) -> node_pb2.HostUsage:
+    return node_pb2.HostUsage(
+        hostname=h.hostname,
+        cpu_cores=h.cpu_cores,
+        cpu_busy_percent=h.cpu_busy_percent,
+        memory_used_bytes=h.memory_used_bytes,
+        memory_total_bytes=h.memory_total_bytes,
+        gpu_name=h.gpu_name,
+        gpu_utilization_percent=h.gpu_utilization_percent,
+        gpu_memory_used_bytes=h.gpu_memory_used_bytes,
+        gpu_memory_total_bytes=h.gpu_memory_total_bytes,
+        unavailable=list(h.unavailable),
+    )
+
+
+def host_from_proto(h: node_pb2.HostUsage) -> HostUsage:
+    return HostUsage(
+        hostname=h.hostname,
+        cpu_cores=h.cpu_cores,
+        cpu_busy_percent=h.cpu_busy_percent,
+        memory_used_bytes=h.memory_used_bytes,
+        memory_total_bytes=h.memory_total_bytes,
+        gpu_name=h.gpu_name,
+        gpu_utilization_percent=h.gpu_utilization_percent,
+        gpu_memory_used_bytes=h.gpu_memory_used_bytes,
+        gpu_memory_total_bytes=h.gpu_memory_total_bytes,
+        unavailable=tuple(h.unavailable),
+    )
 
 
 def router_describer(topology: Topology, node: Node) -> Callable[[], Awaitable[NodeStatus]]:

@@ -22,6 +22,7 @@ from disagg_mesh.proto.v1 import (
 )
 from disagg_mesh.server.common.errors import UpstreamError
 from disagg_mesh.server.common.kv.store import KvChunk
+from disagg_mesh.server.common.runtime.node_info import NodeReport, host_from_proto
 from disagg_mesh.server.common.runtime.observability.logging import outgoing_metadata
 from disagg_mesh.server.common.types import (
     Continuation,
@@ -190,6 +191,34 @@ async def node_slots(channel: grpc.aio.Channel, timeout_s: float) -> int:
     except grpc.aio.AioRpcError:
         return 0
     return int(info.slots)
+
+
+async def node_report(channel: grpc.aio.Channel, timeout_s: float) -> NodeReport | None:
+    """What a node says of itself (GetNodeInfo) in plain values; None if it does not answer."""
+    stub: Any = node_pb2_grpc.NodeServiceStub(channel)
+    try:
+        info = await stub.GetNodeInfo(
+            node_pb2.GetNodeInfoRequest(), timeout=timeout_s, metadata=outgoing_metadata()
+        )
+    except grpc.aio.AioRpcError:
+        return None
+    return NodeReport(
+        name=info.name,
+        role=info.role,
+        engine=info.engine,
+        engine_model=info.engine_model,
+        backend=info.backend,
+        gpu_layers=info.gpu_layers,
+        model_layers=info.model_layers,
+        ready=info.ready,
+        problem=info.problem,
+        slots=info.slots,
+        slots_busy=info.slots_busy,
+        queue_depth=info.queue_depth,
+        restarts=info.restarts,
+        uptime_seconds=info.uptime_seconds,
+        host=host_from_proto(info.host) if info.HasField("host") else None,
+    )
 
 
 async def health_status(channel: grpc.aio.Channel, timeout_s: float) -> tuple[str, str]:

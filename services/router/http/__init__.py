@@ -5,6 +5,7 @@ aiohttp on the router's own event loop when the router node has `http_port`.
                    mesh errors as HTTP statuses
 - `ollama_api.py`  /api/generate, /api/chat, /api/tags, /api/ps, /api/show, /api/version
 - `openai_api.py`  /v1/chat/completions, /v1/completions, /v1/models
+- the live dashboard, /dashboard and /api/dashboard (router/dashboard/)
 
 Both call `Router.generate`, the logic behind gRPC's RouterService.Generate: the same
 fallback chain, stage deadlines, request id and metrics. A client that disconnects cancels
@@ -20,6 +21,8 @@ import structlog
 from aiohttp import web
 
 from disagg_mesh.server.common.runtime.tls import TlsPaths
+from disagg_mesh.server.router.dashboard.state import DashboardState
+from disagg_mesh.server.router.dashboard.web import DashboardApi
 from disagg_mesh.server.router.http.ollama_api import OllamaApi
 from disagg_mesh.server.router.http.openai_api import OpenAiApi
 from disagg_mesh.server.router.routing import Router
@@ -28,10 +31,19 @@ log = structlog.get_logger("http")
 
 
 class HttpFrontDoor:
-    def __init__(self, router: Router, host: str, port: int, tls: TlsPaths | None) -> None:
+    def __init__(
+        self,
+        router: Router,
+        host: str,
+        port: int,
+        tls: TlsPaths | None,
+        dashboard: DashboardState | None = None,
+    ) -> None:
         app = web.Application(client_max_size=16 << 20)
         app.add_routes(OllamaApi(router).routes())
         app.add_routes(OpenAiApi(router).routes())
+        if dashboard is not None:
+            app.add_routes(DashboardApi(dashboard).routes())
         self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         self._host, self._port = host, port
         self._ssl = _ssl_context(tls) if tls is not None else None
@@ -49,7 +61,9 @@ class HttpFrontDoor:
         await self._runner.setup()
         site = web.TCPSite(self._runner, self._host, self._port, ssl_context=self._ssl)
         await site.start()
-        log.info("http listening", url=self.url, apis="ollama /api, openai /v1")
+        log.info(
+            "http listening", url=self.url, apis="ollama /api, openai /v1, dashboard /dashboard"
+        )
 
     async def close(self) -> None:
         await self._runner.cleanup()

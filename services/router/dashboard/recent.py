@@ -1,0 +1,189 @@
+"""The router's recent requests, per logical model: what the dashboard draws from.
+
+Each finished request leaves one Done record (when it started and ended, its time to first
+token, tokens, KV handoff, prefix-cache share, migrations and failed attempts); each failed
+one its code. Figures over a window (the last 60 s by default) come from the records still
+in it: rates, percentiles, the two pipelines' overlap. Plain Python, no protobuf.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from disagg_mesh.server.router.summary import RouteSummary
+
+# Records older than this are dropped: the dashboard keeps an hour.
+KEEP_S = 3600.0
+
+
+@dataclass(frozen=True)
+class Done:
+    model: str
+    started: float  # time.time()
+    ended: float
+    ttft_s: float
+    total_s: float
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    kv_handoff_s: float
+    kv_bytes_moved: int
+    migrations: int
+    failovers: int
+    # The longest a failure held the answer up: a failed attempt's time, a migration's resume.
+    failover_s: float
+
+
+@dataclass(frozen=True)
+class Failed:
+    model: str
+    at: float
+    code: str
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """The q-th percentile (0-100) by nearest rank; None without values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = max(1, math.ceil(q / 100 * len(ordered)))
+    return ordered[min(rank, len(ordered)) - 1]
+
+
+def busy_seconds(spans: Iterable[tuple[float, float]]) -> float:
+    """Seconds covered by the union of these (start, end) spans."""
+    total, end = 0.0, -math.inf
+    for start, stop in sorted(spans):
+        if stop <= end:
+            continue
+        total += stop - max(start, end)
+        end = stop
+    return total
+
+
+@dataclass
+class ModelFigures:
+    """One logical model over a window."""
+
+    requests: int = 0
+    failed: int = 0
+    requests_per_second: float = 0.0
+    tokens_per_second: float = 0.0
+    ttft_seconds: dict[str, float | None] = field(default_factory=dict)
+    total_seconds: dict[str, float | None] = field(default_factory=dict)
+    kv_handoff_seconds_p50: float | None = None
+    kv_megabytes_per_second: float | None = None
+    prefix_cache_hit_rate: float | None = None
+    migrations: int = 0
+    failovers: int = 0
+    errors: dict[str, int] = field(default_factory=dict)
+
+
+class Recent:
+    def __init__(self, clock: Callable[[], float] = time.time) -> None:
+        self._clock = clock
+        self.done: deque[Done] = deque()
+        self.failed: deque[Failed] = deque()
+
+    def served(self, model: str, s: RouteSummary) -> None:
+        now = self._clock()
+        failover_s = max(
+            [a.seconds for a in s.failed_attempts] + [m.resume_seconds for m in s.migrations],
+            default=0.0,
+        )
+        self.done.append(
+            Done(
+                model=model,
+                started=now - s.total_seconds,
+                ended=now,
+                ttft_s=s.time_to_first_token_seconds,
+                total_s=s.total_seconds,
+                prompt_tokens=s.prompt_tokens,
+                completion_tokens=s.completion_tokens,
+                # The prompt tokens no node evaluated again: the prefill node's cache (the
+                # decode node's, for decode_only).
+                cached_tokens=s.cached_prompt_tokens,
+                kv_handoff_s=s.kv_transfer_seconds + s.kv_load_seconds,
+                kv_bytes_moved=s.kv_transfer_bytes,
+                migrations=len(s.migrations),
+                failovers=len(s.failed_attempts),
+                failover_s=failover_s,
+            )
+        )
+        self._trim(now)
+
+    def refused(self, model: str, code: str) -> None:
+        now = self._clock()
+        self.failed.append(Failed(model, now, code))
+        self._trim(now)
+
+    def _trim(self, now: float) -> None:
+        for records in (self.done, self.failed):
+            while records and now - self._at(records[0]) > KEEP_S:
+                records.popleft()
+
+    @staticmethod
+    def _at(record: Done | Failed) -> float:
+        return record.ended if isinstance(record, Done) else record.at
+
+    def since(self, seconds: float) -> tuple[list[Done], list[Failed]]:
+        start = self._clock() - seconds
+        return (
+            [d for d in self.done if d.ended >= start],
+            [f for f in self.failed if f.at >= start],
+        )
+
+    def figures(self, models: list[str], window_s: float) -> dict[str, ModelFigures]:
+        done, failed = self.since(window_s)
+        out = {}
+        for model in models:
+            mine = [d for d in done if d.model == model]
+            errors = Counter(f.code for f in failed if f.model == model)
+            handoffs = [d for d in mine if d.kv_bytes_moved > 0]
+            handoff_s = sum(d.kv_handoff_s for d in handoffs)
+            prompt = sum(d.prompt_tokens for d in mine)
+            out[model] = ModelFigures(
+                requests=len(mine),
+                failed=sum(errors.values()),
+                requests_per_second=len(mine) / window_s,
+                tokens_per_second=sum(d.completion_tokens for d in mine) / window_s,
+                ttft_seconds=_quantiles([d.ttft_s for d in mine]),
+                total_seconds=_quantiles([d.total_s for d in mine]),
+                kv_handoff_seconds_p50=percentile([d.kv_handoff_s for d in handoffs], 50),
+                kv_megabytes_per_second=(
+                    sum(d.kv_bytes_moved for d in handoffs) / 1e6 / handoff_s
+                    if handoff_s > 0
+                    else None
+                ),
+                prefix_cache_hit_rate=(
+                    sum(d.cached_tokens for d in mine) / prompt if prompt else None
+                ),
+                migrations=sum(d.migrations for d in mine),
+                failovers=sum(d.failovers for d in mine),
+                errors=dict(errors),
+            )
+        return out
+
+    def parallel_efficiency(self, window_s: float) -> float | None:
+        """The seeds' parallel efficiency over the window: the logical models' busy time
+        added up (each model's requests as one union of spans), over the time any was busy.
+        2.0: two pipelines ran side by side all along; 1.0: one after the other. None when
+        fewer than two models served anything."""
+        done, _ = self.since(window_s)
+        by_model: dict[str, list[tuple[float, float]]] = {}
+        for d in done:
+            by_model.setdefault(d.model, []).append((d.started, d.ended))
+        if len(by_model) < 2:
+            return None
+        union = busy_seconds(span for spans in by_model.values() for span in spans)
+        if union <= 0:
+            return None
+        return sum(busy_seconds(spans) for spans in by_model.values()) / union
+
+
+def _quantiles(values: list[float]) -> dict[str, float | None]:
+    return {f"p{q}": percentile(values, q) for q in (50, 95, 99)}

@@ -1,0 +1,258 @@
+"""The dashboard's state: the whole mesh every SAMPLE_S, the last hour of it, and the page's
+live feed.
+
+Every tick the router asks every node of the topology (routers too) for GetNodeInfo, with a
+short deadline: a node that does not answer is drawn down, and the tick goes on. From the
+answers and the router's recent requests (recent.py) it builds one snapshot: the topology
+by host, each host's CPU, memory and GPU, each logical model's figures over the last
+WINDOW_S, and the seeds' targets green or red. A compact sample of it joins the history
+(an hour: a page opened late still draws its charts), and every open page's feed gets it.
+
+The JSON shape is documented in the README (`GET /api/dashboard`); `SCHEMA` names it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import asdict
+from typing import Any
+
+import structlog
+
+from disagg_mesh.server.common.config.topology import Node, Topology
+from disagg_mesh.server.common.runtime.node_info import STARTED, NodeReport
+from disagg_mesh.server.common.runtime.observability.host import this_host
+from disagg_mesh.server.router.dashboard.recent import KEEP_S, Recent, percentile
+
+log = structlog.get_logger("dashboard")
+
+SCHEMA = "disagg-mesh.dashboard.v1"
+SAMPLE_S = 2.0
+WINDOW_S = 60.0
+ASK_TIMEOUT_S = 1.5
+HISTORY = int(KEEP_S / SAMPLE_S)
+# What the seeds' guide sets as targets: (key, what, goal, unit, lower is better).
+TARGETS = (
+    ("end_to_end_p95", "end-to-end latency p95", 15.0, "s", True),
+    ("requests_per_second", "throughput", 10.0, "req/s", False),
+    ("parallel_efficiency", "parallel efficiency (two pipelines' overlap)", 1.5, "x", False),
+    ("uptime", "uptime (nodes serving)", 99.9, "%", False),
+    ("error_rate", "error rate", 0.1, "%", True),
+    ("failover", "failover time (longest)", 5.0, "s", True),
+)
+
+
+# How the dashboard asks a node: its NodeReport, or None when it did not answer.
+Ask = Callable[[Node], Awaitable[NodeReport | None]]
+
+
+class DashboardState:
+    def __init__(
+        self,
+        topology: Topology,
+        router: Node,
+        recent: Recent,
+        ask: Ask,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._topology = topology
+        self._router = router
+        self._recent = recent
+        self._ask = ask
+        self._clock = clock
+        self.history: deque[dict[str, Any]] = deque(maxlen=HISTORY)
+        self.current: dict[str, Any] = {}
+        self._feeds: set[asyncio.Queue[dict[str, Any]]] = set()
+        # Ticks each node was serving, and ticks since it first served (uptime: a node still
+        # loading its model when the router started is not down).
+        self._serving_ticks: dict[str, int] = {n.name: 0 for n in topology.nodes}
+        self._watched_ticks: dict[str, int] = {n.name: 0 for n in topology.nodes}
+
+    async def run(self) -> None:
+        """Sample forever (a background task of the router)."""
+        while True:
+            started = time.monotonic()
+            try:
+                await self.tick()
+            except Exception:  # a tick that fails must not end the dashboard
+                log.exception("dashboard tick failed")
+            await asyncio.sleep(max(0.1, SAMPLE_S - (time.monotonic() - started)))
+
+    async def tick(self) -> None:
+        nodes = self._topology.nodes
+        reports = await asyncio.gather(*(self._ask_or_none(n) for n in nodes))
+        now = self._clock()
+        for node, report in zip(nodes, reports, strict=True):
+            if report is not None and report.ready:
+                self._serving_ticks[node.name] += 1
+            if self._serving_ticks[node.name]:
+                self._watched_ticks[node.name] += 1
+        self.current = self._snapshot(now, list(zip(nodes, reports, strict=True)))
+        sample = self._sample(now)
+        self.history.append(sample)
+        for feed in list(self._feeds):
+            if feed.full():  # a page that stopped reading loses its oldest update
+                with contextlib.suppress(asyncio.QueueEmpty):
+                    feed.get_nowait()
+            feed.put_nowait({**self.current, "sample": sample})
+
+    async def _ask_or_none(self, node: Node) -> NodeReport | None:
+        if node.name == self._router.name:
+            return self._own_report()
+        try:
+            return await asyncio.wait_for(self._ask(node), ASK_TIMEOUT_S)
+        except TimeoutError:
+            return None
+
+    def _own_report(self) -> NodeReport:
+        return NodeReport(
+            name=self._router.name,
+            role="router",
+            engine="",
+            engine_model="",
+            backend="",
+            gpu_layers=0,
+            model_layers=0,
+            ready=True,
+            problem="",
+            slots=0,
+            slots_busy=0,
+            queue_depth=0,
+            restarts=int(os.environ.get("DISAGG_RESTARTS", "0") or 0),  # set by the launcher
+            uptime_seconds=time.monotonic() - STARTED,
+            host=this_host(),
+        )
+
+    def snapshot(self) -> dict[str, Any]:
+        """The current state with the history: GET /api/dashboard."""
+        current = self.current or self._snapshot(self._clock(), [])
+        return {**current, "history": list(self.history)}
+
+    @contextlib.asynccontextmanager
+    async def feed(self) -> AsyncIterator[asyncio.Queue[dict[str, Any]]]:
+        """A page's live updates: each tick's state with its sample."""
+        queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue(maxsize=8)
+        self._feeds.add(queue)
+        try:
+            yield queue
+        finally:
+            self._feeds.discard(queue)
+
+    # -- building ------------------------------------------------------------------------
+
+    def _snapshot(
+        self, now: float, reports: list[tuple[Node, NodeReport | None]]
+    ) -> dict[str, Any]:
+        models = [m.name for m in self._topology.models]
+        nodes = [self._node_row(node, report) for node, report in reports]
+        figures = self._recent.figures(models, WINDOW_S)
+        return {
+            "schema": SCHEMA,
+            "router": self._router.name,
+            "generated_at": now,
+            "sample_every_seconds": SAMPLE_S,
+            "window_seconds": WINDOW_S,
+            "nodes": nodes,
+            "hosts": self._hosts(reports),
+            "models": {name: asdict(f) for name, f in figures.items()},
+            "targets": self._targets(),
+        }
+
+    def _node_row(self, node: Node, r: NodeReport | None) -> dict[str, Any]:
+        health = "down" if r is None else ("serving" if r.ready else "not ready")
+        return {
+            "name": node.name,
+            "role": node.role,
+            "host": node.host,
+            "address": node.address,
+            "models": self._topology.models_served_by(node.name)
+            if node.role != "router"
+            else [m.name for m in self._topology.models],
+            "engine": node.engine or "",
+            "health": health,
+            "problem": r.problem if r is not None else "no answer to GetNodeInfo",
+            "backend": r.backend if r is not None else "",
+            "gpu_layers": r.gpu_layers if r is not None else 0,
+            "model_layers": r.model_layers if r is not None else 0,
+            "slots": r.slots if r is not None else 0,
+            "slots_busy": r.slots_busy if r is not None else 0,
+            "queue_depth": r.queue_depth if r is not None else 0,
+            "restarts": r.restarts if r is not None else 0,
+            "uptime_seconds": r.uptime_seconds if r is not None else None,
+        }
+
+    def _hosts(self, reports: list[tuple[Node, NodeReport | None]]) -> list[dict[str, Any]]:
+        """The topology's hosts, each with its nodes and the machine's figures (from the
+        first of its nodes that answered)."""
+        hosts: dict[str, dict[str, Any]] = {}
+        for node, report in reports:
+            row = hosts.setdefault(node.host, {"host": node.host, "nodes": [], "usage": None})
+            row["nodes"].append(node.name)
+            if row["usage"] is None and report is not None and report.host is not None:
+                row["usage"] = asdict(report.host)
+        return list(hosts.values())
+
+    def _targets(self) -> list[dict[str, Any]]:
+        done, _ = self._recent.since(WINDOW_S)
+        hour_done, hour_failed = self._recent.since(KEEP_S)
+        values: dict[str, float | None] = {
+            "end_to_end_p95": percentile([d.total_s for d in done], 95),
+            "requests_per_second": len(done) / WINDOW_S if done else None,
+            "parallel_efficiency": self._recent.parallel_efficiency(WINDOW_S),
+            "uptime": (
+                100.0 * sum(self._serving_ticks.values()) / sum(self._watched_ticks.values())
+                if any(self._watched_ticks.values())
+                else None
+            ),
+            "error_rate": (
+                100.0 * len(hour_failed) / (len(hour_done) + len(hour_failed))
+                if hour_done or hour_failed
+                else None
+            ),
+            "failover": max((d.failover_s for d in hour_done if d.failover_s > 0), default=None),
+        }
+        rows = []
+        for key, what, goal, unit, lower in TARGETS:
+            value = values[key]
+            ok = None if value is None else (value < goal if lower else value > goal)
+            rows.append(
+                {"key": key, "what": what, "goal": goal, "unit": unit, "value": value, "ok": ok}
+            )
+        return rows
+
+    def _sample(self, now: float) -> dict[str, Any]:
+        """What the charts draw: one point per tick."""
+        models = self.current.get("models", {})
+        hosts = [h for h in self.current.get("hosts", []) if h["usage"] is not None]
+        return {
+            "t": now,
+            "models": {
+                name: {
+                    "rps": f["requests_per_second"],
+                    "tps": f["tokens_per_second"],
+                    "ttft_p50": f["ttft_seconds"].get("p50"),
+                    "ttft_p95": f["ttft_seconds"].get("p95"),
+                    "ttft_p99": f["ttft_seconds"].get("p99"),
+                    "total_p50": f["total_seconds"].get("p50"),
+                    "total_p95": f["total_seconds"].get("p95"),
+                    "total_p99": f["total_seconds"].get("p99"),
+                }
+                for name, f in models.items()
+            },
+            "hosts": {h["host"]: _host_point(h["usage"]) for h in hosts},
+            "serving": sum(1 for n in self.current.get("nodes", []) if n["health"] == "serving"),
+        }
+
+
+def _host_point(u: dict[str, Any]) -> dict[str, float | None]:
+    """A host's CPU, memory and GPU (None: no GPU seen) in percent."""
+    return {
+        "cpu": u["cpu_busy_percent"],
+        "memory": 100.0 * u["memory_used_bytes"] / max(1, u["memory_total_bytes"]),
+        "gpu": u["gpu_utilization_percent"] if u["gpu_name"] else None,
+    }

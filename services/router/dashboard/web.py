@@ -1,0 +1,114 @@
+"""The dashboard's HTTP routes on the router's HTTP port.
+
+- `GET /dashboard`               the page (static files shipped in this package: no CDN)
+- `GET /dashboard/static/NAME`   its script, style and the vendored uPlot (MIT, LICENSE-uPlot)
+- `GET /api/dashboard`           the state as JSON, with the last hour's samples
+- `GET /api/dashboard/events`    server-sent events: one `update` a tick (the state and
+                                 that tick's sample); a page reconnects on its own
+
+When the mesh has a token, every route wants it: `Authorization: Bearer TOKEN`, or
+`?token=TOKEN` (a browser's EventSource sends no headers; the page passes on its own URL's).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+from importlib import resources
+from typing import Any
+
+import structlog
+from aiohttp import web
+
+from disagg_mesh.server.common.runtime.auth import configured_token
+from disagg_mesh.server.router.dashboard.state import DashboardState
+
+log = structlog.get_logger("dashboard")
+
+STATIC = {
+    "dashboard.js": "text/javascript",
+    "dashboard.css": "text/css",
+    "uPlot.iife.min.js": "text/javascript",
+    "uPlot.min.css": "text/css",
+    "LICENSE-uPlot": "text/plain",
+}
+# A comment line when nothing else was sent for this long keeps proxies from closing the feed.
+KEEPALIVE_S = 15.0
+
+
+def _static(name: str) -> bytes:
+    return resources.files(__package__).joinpath("static", name).read_bytes()
+
+
+class DashboardApi:
+    def __init__(self, state: DashboardState) -> None:
+        self._state = state
+
+    def routes(self) -> list[web.RouteDef]:
+        return [
+            web.get("/dashboard", self.page),
+            web.get("/dashboard/", self.page),
+            web.get("/dashboard/static/{name}", self.static),
+            web.get("/api/dashboard", self.snapshot),
+            web.get("/api/dashboard/events", self.events),
+        ]
+
+    async def page(self, request: web.Request) -> web.StreamResponse:
+        _authorize(request)
+        return web.Response(body=_static("index.html"), content_type="text/html", charset="utf-8")
+
+    async def static(self, request: web.Request) -> web.StreamResponse:
+        _authorize(request)
+        name = request.match_info["name"]
+        if name not in STATIC:
+            raise web.HTTPNotFound(text=f"no dashboard file {name!r}")
+        return web.Response(
+            body=_static(name),
+            content_type=STATIC[name],
+            headers={"Cache-Control": "max-age=3600"},
+        )
+
+    async def snapshot(self, request: web.Request) -> web.StreamResponse:
+        _authorize(request)
+        return web.json_response(self._state.snapshot(), dumps=_dumps)
+
+    async def events(self, request: web.Request) -> web.StreamResponse:
+        _authorize(request)
+        response = web.StreamResponse(
+            headers={
+                "Content-Type": "text/event-stream",
+                "Cache-Control": "no-cache",
+                "X-Accel-Buffering": "no",
+            }
+        )
+        await response.prepare(request)
+        await response.write(b"retry: 1000\n\n")  # reconnect after 1 s (a router restart)
+        async with self._state.feed() as updates:
+            while True:
+                try:
+                    update = await asyncio.wait_for(updates.get(), KEEPALIVE_S)
+                except TimeoutError:
+                    await response.write(b": keep-alive\n\n")
+                    continue
+                await response.write(f"event: update\ndata: {_dumps(update)}\n\n".encode())
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"), allow_nan=False)
+
+
+def _authorize(request: web.Request) -> None:
+    token = configured_token()
+    if token is None:
+        return
+    given = request.headers.get("Authorization", "")
+    if given.startswith("Bearer "):
+        given = given.removeprefix("Bearer ")
+    else:
+        given = request.query.get("token", "")
+    if not hmac.compare_digest(given.encode(), token.encode()):
+        raise web.HTTPUnauthorized(
+            text="missing or invalid token: send Authorization: Bearer <token>, or open "
+            "/dashboard?token=<token>"
+        )
