@@ -34,7 +34,7 @@ LLAMA_CMAKE_ARGS := $(LLAMA_CMAKE_ARGS_$(LLAMA_BACKEND))
 LLAMA_CPU_FLAGS ?= $(if $(filter x86_64 amd64,$(shell uname -m)),-mno-amx-tile -mno-amx-int8 -mno-amx-bf16)
 
 .DEFAULT_GOAL := help
-.PHONY: help venv protos run test lint browser bench bench-modes clean
+.PHONY: help venv protos run test lint test-tools bench bench-modes clean
 
 help:  ## list the targets
 	@grep -E '^[a-z%-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  make %-12s %s\n", $$1, $$2}'
@@ -72,27 +72,29 @@ run-%: venv  ## start one node of $(TOPOLOGY) by name: make run-router, make run
 	LOG_FORMAT=$${LOG_FORMAT:-json} $(PY) -m disagg_mesh.server.node --topology $(TOPOLOGY) --node $*
 
 lint: venv  ## ruff and mypy
-	$(VENV)/bin/ruff check services disagg_mesh scripts tests examples bench
+	$(VENV)/bin/ruff check services disagg_mesh scripts tests examples bench deploy
 	$(VENV)/bin/mypy
 
-# The dashboard's browser test drives Debian's chromium (Playwright's own browsers cannot be
-# downloaded here): installed with apt-get where this machine allows it (root, or sudo without
-# a password), else the test is skipped and this says what to install.
+# Tools some tests drive, from Debian: chromium (the dashboard's browser test; Playwright's
+# own browsers cannot be downloaded here) and prometheus with promtool (tests/test_deploy.py).
+# Installed with apt-get where this machine allows it (root, or sudo without a password);
+# else those tests are skipped and this says what to install.
 APT_GET := $(shell if [ "$$(id -u)" = 0 ]; then echo apt-get; elif sudo -n true 2>/dev/null; then echo "sudo apt-get"; fi)
-browser:  ## Debian's chromium for the dashboard's browser test (apt-get where it can)
-	@if command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1; then \
-	  echo ">> chromium for the dashboard's browser test: $$(command -v chromium || command -v chromium-browser)"; \
-	elif command -v apt-get >/dev/null 2>&1 && [ -n "$(APT_GET)" ]; then \
-	  echo ">> installing Debian's chromium for the dashboard's browser test ($(APT_GET) install chromium; log in .run/apt-chromium.log)"; \
-	  mkdir -p .run; \
-	  ( DEBIAN_FRONTEND=noninteractive $(APT_GET) install -y -q chromium \
-	    || ( $(APT_GET) update -q && DEBIAN_FRONTEND=noninteractive $(APT_GET) install -y -q chromium ) ) >.run/apt-chromium.log 2>&1 \
-	  || echo ">> apt-get could not install chromium (.run/apt-chromium.log): the dashboard's browser test will be skipped"; \
-	else \
-	  echo ">> no chromium here, and no apt-get to install it: the dashboard's browser test will be skipped. Install Chromium (Debian/Ubuntu: apt-get install chromium; macOS: brew install --cask chromium) and put it on PATH"; \
-	fi
+TEST_TOOLS := chromium:chromium promtool:prometheus
+test-tools:  ## Debian's chromium and prometheus for the dashboard's and deploy/'s tests (apt-get where it can)
+	@mkdir -p .run; for pair in $(TEST_TOOLS); do tool=$${pair%%:*}; package=$${pair##*:}; \
+	  if command -v $$tool >/dev/null 2>&1; then \
+	    echo ">> $$tool for the tests: $$(command -v $$tool)"; \
+	  elif command -v apt-get >/dev/null 2>&1 && [ -n "$(APT_GET)" ]; then \
+	    echo ">> installing Debian's $$package for the tests ($(APT_GET) install $$package; log in .run/apt-$$package.log)"; \
+	    ( DEBIAN_FRONTEND=noninteractive $(APT_GET) install -y -q $$package \
+	      || ( $(APT_GET) update -q && DEBIAN_FRONTEND=noninteractive $(APT_GET) install -y -q $$package ) ) >.run/apt-$$package.log 2>&1 \
+	    || echo ">> apt-get could not install $$package (.run/apt-$$package.log): the tests that need $$tool will be skipped"; \
+	  else \
+	    echo ">> no $$tool here, and no apt-get to install it: the tests that need it will be skipped. Install $$package (Debian/Ubuntu: apt-get install $$package; macOS: brew install $$package) and put $$tool on PATH"; \
+	  fi; done
 
-test: venv lint browser  ## lint, then the whole test suite (real processes, real model, a real browser)
+test: venv lint test-tools  ## lint, then the whole test suite (real processes, real model, a real browser, a real Prometheus)
 	$(PY) -m pytest
 
 bench: venv  ## benchmarks on a fresh local mesh (ratios; results in bench/results/)

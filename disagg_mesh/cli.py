@@ -175,6 +175,23 @@ def _parser() -> argparse.ArgumentParser:
     doctor.add_argument("--json", action="store_true")
     doctor.set_defaults(run=_doctor)
 
+    prometheus = commands.add_parser(
+        "prometheus-config",
+        help="a Prometheus configuration scraping every node of --topology (its alert rules: "
+        "deploy/prometheus/alerts.yml)",
+    )
+    prometheus.add_argument(
+        "--topology", default=argparse.SUPPRESS, help="as the global --topology, after the command"
+    )
+    prometheus.add_argument("--out", type=Path, help="write it to this file (default: print it)")
+    prometheus.add_argument(
+        "--rules", default="alerts.yml", help="the rule file it names (default: alerts.yml)"
+    )
+    prometheus.add_argument(
+        "--scrape-interval", type=float, default=5.0, metavar="SECONDS", help="default: 5"
+    )
+    prometheus.set_defaults(run=_prometheus_config)
+
     service = commands.add_parser(
         "service", help="run a node under systemd (Linux) or launchd (macOS): boot, restarts"
     )
@@ -191,6 +208,30 @@ def _parser() -> argparse.ArgumentParser:
         sub.add_argument("--print", action="store_true", help="show it, change nothing")
         sub.set_defaults(run=_service, action=action)
     return parser
+
+
+def _prometheus_config(args: argparse.Namespace) -> int:
+    from disagg_mesh.server.common.runtime.observability.prometheus_config import (
+        prometheus_config,
+    )
+
+    if not args.scrape_interval > 0:
+        raise CliError(f"--scrape-interval: must be above 0, got {args.scrape_interval}", 2)
+    topology = _topology(args)
+    text = prometheus_config(topology, str(args.topology), args.rules, args.scrape_interval)
+    if all(n.metrics_port is None for n in topology.nodes):
+        print(
+            f"note: no node of {args.topology} has a metrics_port, so there is nothing to "
+            "scrape: give each node one (e.g. metrics_port = 9100) and start them again",
+            file=sys.stderr,
+        )
+    if args.out is None:
+        print(text, end="")
+        return 0
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(text)
+    print(f"wrote {args.out}: {text.count('- targets:')} targets; rules: {args.rules}")
+    return 0
 
 
 def _service(args: argparse.Namespace) -> int:

@@ -10,10 +10,15 @@ Python: callers pass plain values.
 
 from __future__ import annotations
 
+import os
+import socket
+import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from socketserver import ThreadingMixIn
+from typing import TYPE_CHECKING, Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import Counter, Gauge, Histogram, start_http_server
+from prometheus_client import Counter, Gauge, Histogram, make_wsgi_app
 
 if TYPE_CHECKING:
     from disagg_mesh.server.common.engines.base import EngineLoad
@@ -130,8 +135,38 @@ VLLM_KV_CACHE_USAGE = Gauge(
 )
 
 
+NODE_RESTARTS = Gauge(
+    "disagg_node_restarts",
+    "Times the launcher (make run) started this node again after it exited unasked",
+)
+
+
+class _Server(ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+
+
+class _Quiet(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
 def serve_metrics(host: str, port: int) -> None:
-    start_http_server(port, addr=host)
+    """/metrics on a thread of its own, always in Prometheus's text format: asked for
+    OpenMetrics (as Prometheus 2 asks), prometheus-client writes vLLM's names with an
+    underscore for the colon (vllm_num_requests_running), which llm-d and vLLM's dashboards
+    would not find."""
+    # Set by the launcher when it starts a node again (services/launcher.py).
+    NODE_RESTARTS.set(int(os.environ.get("DISAGG_RESTARTS", "0") or 0))
+    app = make_wsgi_app()
+
+    def text_format(environ: dict[str, Any], start_response: Any) -> Any:
+        environ.pop("HTTP_ACCEPT", None)
+        return app(environ, start_response)
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    server_class = type("_Server", (_Server,), {"address_family": family})
+    server: WSGIServer = make_server(host, port, text_format, server_class, handler_class=_Quiet)
+    threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
 
 
 def watch_kv_store(size_bytes: Callable[[], float], handles: Callable[[], float]) -> None:
