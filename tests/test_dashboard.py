@@ -50,6 +50,7 @@ SCHEMA: dict[str, Any] = {
     "required": [
         "schema",
         "router",
+        "routers_counted",
         "generated_at",
         "sample_every_seconds",
         "window_seconds",
@@ -62,6 +63,7 @@ SCHEMA: dict[str, Any] = {
     "properties": {
         "schema": {"const": "disagg-mesh.dashboard.v1"},
         "router": {"type": "string"},
+        "routers_counted": {"type": "array", "items": {"type": "string"}},
         "generated_at": {"type": "number"},
         "nodes": {
             "type": "array",
@@ -255,6 +257,42 @@ def test_the_json_endpoint_keeps_its_documented_shape(dash: Dash) -> None:
         reply = httpx.get(f"{dash.url}{path}", timeout=10)
         assert reply.status_code == 200 and reply.headers["content-type"].startswith(kind)
     assert httpx.get(f"{dash.url}/dashboard/static/../x", timeout=10).status_code == 404
+
+
+def test_every_routers_page_counts_the_whole_meshs_requests(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """Requests served by one router show on the other's page: each pulls the others'
+    requests (GET /api/dashboard/requests) every tick."""
+    ports = [free_port(), free_port()]
+    routers = [
+        f'[[nodes]]\nname = "router-{i}"\nrole = "router"\nhost = "127.0.0.1"\n'
+        f"port = {free_port()}\nhttp_port = {ports[i]}\n"
+        for i in range(2)
+    ]
+    parts = [
+        *routers,
+        engine_node("decode-r", "decode", 1, slots=2),
+        route("code", [], ["decode-r"], chain=["decode_only"]),
+    ]
+    with running_mesh(tmp_path_factory.mktemp("two-routers"), parts):
+        first, second = (f"http://127.0.0.1:{port}" for port in ports)
+        for _ in range(2):
+            ask(second, "code")
+        ask(first, "code")
+
+        def counted() -> bool:
+            body = state(first)
+            return body["models"]["code"]["requests"] == 3 and sorted(body["routers_counted"]) == [
+                "router-0",
+                "router-1",
+            ]
+
+        wait_for("the other router's requests on the first's page", counted, 10)
+        reply = httpx.get(f"{second}/api/dashboard/requests", params={"since": "0"}, timeout=5)
+        assert reply.status_code == 200 and len(reply.json()["done"]) == 2
+        bad = httpx.get(f"{second}/api/dashboard/requests", params={"since": "x"}, timeout=5)
+        assert bad.status_code == 400 and "since" in bad.text
 
 
 # -- the page in a real browser ------------------------------------------------------------

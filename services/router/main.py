@@ -13,6 +13,7 @@ from disagg_mesh.server.common.runtime.server import serve_node
 from disagg_mesh.server.common.runtime.tls import tls_for, tls_paths
 from disagg_mesh.server.common.wire.node_clients import ChannelPool, node_report
 from disagg_mesh.server.router.dashboard.state import ASK_TIMEOUT_S, DashboardState
+from disagg_mesh.server.router.dashboard.web import PeerPull
 from disagg_mesh.server.router.http import HttpFrontDoor
 from disagg_mesh.server.router.node_health import NodeHealth
 from disagg_mesh.server.router.routing import Router
@@ -33,12 +34,14 @@ async def run(topology: Topology, node: Node) -> None:
     )
     router = Router(topology, pool, health)
     background: set[asyncio.Task[None]] = set()
+    peers = PeerPull(tls_paths(topology, node))
     dashboard = (
         DashboardState(
             topology,
             node,
             router.recent,
             lambda other: node_report(pool.get(other.address), ASK_TIMEOUT_S),
+            peers,
         )
         if node.http_port is not None
         else None
@@ -73,6 +76,7 @@ async def run(topology: Topology, node: Node) -> None:
             await http.close()
         for task in background:
             task.cancel()
+        await peers.close()
         await router.close()
         await pool.close()
 

@@ -83,11 +83,66 @@ class ModelFigures:
     errors: dict[str, int] = field(default_factory=dict)
 
 
-class Recent:
+class Records:
+    """Done and failed requests kept for an hour, and the figures over a window of them."""
+
     def __init__(self, clock: Callable[[], float] = time.time) -> None:
         self._clock = clock
         self.done: deque[Done] = deque()
         self.failed: deque[Failed] = deque()
+
+    def add(self, done: Iterable[Done], failed: Iterable[Failed]) -> None:
+        """Records another router served (its dashboard's /api/dashboard/requests)."""
+        self.done.extend(done)
+        self.failed.extend(failed)
+        self._trim(self._clock())
+
+    def _trim(self, now: float) -> None:
+        for records in (self.done, self.failed):
+            while records and now - self._at(records[0]) > KEEP_S:
+                records.popleft()
+
+    @staticmethod
+    def _at(record: Done | Failed) -> float:
+        return record.ended if isinstance(record, Done) else record.at
+
+    def since(self, seconds: float) -> tuple[list[Done], list[Failed]]:
+        start = self._clock() - seconds
+        return (
+            [d for d in self.done if d.ended >= start],
+            [f for f in self.failed if f.at >= start],
+        )
+
+    def after(self, t: float) -> tuple[list[Done], list[Failed]]:
+        """Records that ended after t (what a peer router has not pulled yet)."""
+        return [d for d in self.done if d.ended > t], [f for f in self.failed if f.at > t]
+
+    def figures(self, models: list[str], window_s: float) -> dict[str, ModelFigures]:
+        return figures(*self.since(window_s), models, window_s)
+
+    def parallel_efficiency(self, window_s: float) -> float | None:
+        return parallel_efficiency(self.since(window_s)[0])
+
+
+class Merged(Records):
+    """Several routers' records as one: the whole mesh's traffic."""
+
+    def __init__(self, parts: list[Records], clock: Callable[[], float] = time.time) -> None:
+        super().__init__(clock)
+        self._parts = parts
+
+    def since(self, seconds: float) -> tuple[list[Done], list[Failed]]:
+        done: list[Done] = []
+        failed: list[Failed] = []
+        for part in self._parts:
+            d, f = part.since(seconds)
+            done += d
+            failed += f
+        return done, failed
+
+
+class Recent(Records):
+    """This router's own requests, recorded as they finish."""
 
     def served(self, model: str, s: RouteSummary) -> None:
         now = self._clock()
@@ -121,68 +176,50 @@ class Recent:
         self.failed.append(Failed(model, now, code))
         self._trim(now)
 
-    def _trim(self, now: float) -> None:
-        for records in (self.done, self.failed):
-            while records and now - self._at(records[0]) > KEEP_S:
-                records.popleft()
 
-    @staticmethod
-    def _at(record: Done | Failed) -> float:
-        return record.ended if isinstance(record, Done) else record.at
-
-    def since(self, seconds: float) -> tuple[list[Done], list[Failed]]:
-        start = self._clock() - seconds
-        return (
-            [d for d in self.done if d.ended >= start],
-            [f for f in self.failed if f.at >= start],
+def figures(
+    done: list[Done], failed: list[Failed], models: list[str], window_s: float
+) -> dict[str, ModelFigures]:
+    """Each logical model's figures from the records of a window of window_s seconds."""
+    out = {}
+    for model in models:
+        mine = [d for d in done if d.model == model]
+        errors = Counter(f.code for f in failed if f.model == model)
+        handoffs = [d for d in mine if d.kv_bytes_moved > 0]
+        handoff_s = sum(d.kv_handoff_s for d in handoffs)
+        prompt = sum(d.prompt_tokens for d in mine)
+        out[model] = ModelFigures(
+            requests=len(mine),
+            failed=sum(errors.values()),
+            requests_per_second=len(mine) / window_s,
+            tokens_per_second=sum(d.completion_tokens for d in mine) / window_s,
+            ttft_seconds=_quantiles([d.ttft_s for d in mine]),
+            total_seconds=_quantiles([d.total_s for d in mine]),
+            kv_handoff_seconds_p50=percentile([d.kv_handoff_s for d in handoffs], 50),
+            kv_megabytes_per_second=(
+                sum(d.kv_bytes_moved for d in handoffs) / 1e6 / handoff_s if handoff_s > 0 else None
+            ),
+            prefix_cache_hit_rate=(sum(d.cached_tokens for d in mine) / prompt if prompt else None),
+            migrations=sum(d.migrations for d in mine),
+            failovers=sum(d.failovers for d in mine),
+            errors=dict(errors),
         )
+    return out
 
-    def figures(self, models: list[str], window_s: float) -> dict[str, ModelFigures]:
-        done, failed = self.since(window_s)
-        out = {}
-        for model in models:
-            mine = [d for d in done if d.model == model]
-            errors = Counter(f.code for f in failed if f.model == model)
-            handoffs = [d for d in mine if d.kv_bytes_moved > 0]
-            handoff_s = sum(d.kv_handoff_s for d in handoffs)
-            prompt = sum(d.prompt_tokens for d in mine)
-            out[model] = ModelFigures(
-                requests=len(mine),
-                failed=sum(errors.values()),
-                requests_per_second=len(mine) / window_s,
-                tokens_per_second=sum(d.completion_tokens for d in mine) / window_s,
-                ttft_seconds=_quantiles([d.ttft_s for d in mine]),
-                total_seconds=_quantiles([d.total_s for d in mine]),
-                kv_handoff_seconds_p50=percentile([d.kv_handoff_s for d in handoffs], 50),
-                kv_megabytes_per_second=(
-                    sum(d.kv_bytes_moved for d in handoffs) / 1e6 / handoff_s
-                    if handoff_s > 0
-                    else None
-                ),
-                prefix_cache_hit_rate=(
-                    sum(d.cached_tokens for d in mine) / prompt if prompt else None
-                ),
-                migrations=sum(d.migrations for d in mine),
-                failovers=sum(d.failovers for d in mine),
-                errors=dict(errors),
-            )
-        return out
 
-    def parallel_efficiency(self, window_s: float) -> float | None:
-        """The seeds' parallel efficiency over the window: the logical models' busy time
-        added up (each model's requests as one union of spans), over the time any was busy.
-        2.0: two pipelines ran side by side all along; 1.0: one after the other. None when
-        fewer than two models served anything."""
-        done, _ = self.since(window_s)
-        by_model: dict[str, list[tuple[float, float]]] = {}
-        for d in done:
-            by_model.setdefault(d.model, []).append((d.started, d.ended))
-        if len(by_model) < 2:
-            return None
-        union = busy_seconds(span for spans in by_model.values() for span in spans)
-        if union <= 0:
-            return None
-        return sum(busy_seconds(spans) for spans in by_model.values()) / union
+def parallel_efficiency(done: list[Done]) -> float | None:
+    """The seeds' parallel efficiency: the logical models' busy time added up (each model's
+    requests as one union of spans), over the time any was busy. 2.0: two pipelines ran side
+    by side all along; 1.0: one after the other. None when fewer than two models served."""
+    by_model: dict[str, list[tuple[float, float]]] = {}
+    for d in done:
+        by_model.setdefault(d.model, []).append((d.started, d.ended))
+    if len(by_model) < 2:
+        return None
+    union = busy_seconds(span for spans in by_model.values() for span in spans)
+    if union <= 0:
+        return None
+    return sum(busy_seconds(spans) for spans in by_model.values()) / union
 
 
 def _quantiles(values: list[float]) -> dict[str, float | None]:

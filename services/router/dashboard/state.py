@@ -27,7 +27,15 @@ import structlog
 from disagg_mesh.server.common.config.topology import Node, Topology
 from disagg_mesh.server.common.runtime.node_info import STARTED, NodeReport
 from disagg_mesh.server.common.runtime.observability.host import this_host
-from disagg_mesh.server.router.dashboard.recent import KEEP_S, Recent, percentile
+from disagg_mesh.server.router.dashboard.recent import (
+    KEEP_S,
+    Done,
+    Failed,
+    Merged,
+    Recent,
+    Records,
+    percentile,
+)
 
 log = structlog.get_logger("dashboard")
 
@@ -49,6 +57,10 @@ TARGETS = (
 
 # How the dashboard asks a node: its NodeReport, or None when it did not answer.
 Ask = Callable[[Node], Awaitable[NodeReport | None]]
+# How it pulls another router's requests that ended after a time of that router's clock:
+# (done, failed, that router's time now), or None when it did not answer.
+Pulled = tuple[list[Done], list[Failed], float]
+Pull = Callable[[Node, float], Awaitable[Pulled | None]]
 
 
 class DashboardState:
@@ -58,12 +70,26 @@ class DashboardState:
         router: Node,
         recent: Recent,
         ask: Ask,
+        pull: Pull | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
+        """pull: how to get the other routers' requests (None: count this router's only)."""
         self._topology = topology
         self._router = router
-        self._recent = recent
         self._ask = ask
+        self._pull = pull
+        # The other routers with a dashboard, and how far each was pulled (its clock).
+        self._peers = [
+            n
+            for n in topology.routers
+            if n.name != router.name and n.http_port is not None and pull is not None
+        ]
+        self._pulled: dict[str, float] = {}
+        self._counted: list[str] = [router.name]
+        self._peer_records = Records(clock)
+        # The whole mesh's requests: this router's and the others'.
+        self._own = recent
+        self._recent = Merged([recent, self._peer_records], clock)
         self._clock = clock
         self.history: deque[dict[str, Any]] = deque(maxlen=HISTORY)
         self.current: dict[str, Any] = {}
@@ -85,7 +111,10 @@ class DashboardState:
 
     async def tick(self) -> None:
         nodes = self._topology.nodes
-        reports = await asyncio.gather(*(self._ask_or_none(n) for n in nodes))
+        reports, counted = await asyncio.gather(
+            asyncio.gather(*(self._ask_or_none(n) for n in nodes)), self._pull_peers()
+        )
+        self._counted = [self._router.name, *counted]
         now = self._clock()
         for node, report in zip(nodes, reports, strict=True):
             if report is not None and report.ready:
@@ -108,6 +137,37 @@ class DashboardState:
             return await asyncio.wait_for(self._ask(node), ASK_TIMEOUT_S)
         except TimeoutError:
             return None
+
+    async def _pull_peers(self) -> list[str]:
+        """Pull the other routers' new requests; the names of those that answered."""
+
+        async def one(peer: Node) -> str | None:
+            assert self._pull is not None
+            try:
+                pulled = await asyncio.wait_for(
+                    self._pull(peer, self._pulled.get(peer.name, 0.0)), ASK_TIMEOUT_S
+                )
+            except TimeoutError:
+                return None
+            if pulled is None:
+                return None
+            done, failed, now = pulled
+            self._peer_records.add(done, failed)
+            self._pulled[peer.name] = now
+            return peer.name
+
+        answered = await asyncio.gather(*(one(peer) for peer in self._peers))
+        return [name for name in answered if name is not None]
+
+    @property
+    def router_name(self) -> str:
+        return self._router.name
+
+    def requests_after(self, t: float) -> Pulled:
+        """This router's own requests that ended after t, and its time now: what another
+        router's dashboard pulls (GET /api/dashboard/requests)."""
+        done, failed = self._own.after(t)
+        return done, failed, self._clock()
 
     def _own_report(self) -> NodeReport:
         return NodeReport(
@@ -154,6 +214,9 @@ class DashboardState:
         return {
             "schema": SCHEMA,
             "router": self._router.name,
+            # The routers whose requests the figures count (this one, and the others with
+            # an HTTP door that answered this tick).
+            "routers_counted": list(self._counted),
             "generated_at": now,
             "sample_every_seconds": SAMPLE_S,
             "window_seconds": WINDOW_S,

@@ -5,6 +5,9 @@
 - `GET /api/dashboard`           the state as JSON, with the last hour's samples
 - `GET /api/dashboard/events`    server-sent events: one `update` a tick (the state and
                                  that tick's sample); a page reconnects on its own
+- `GET /api/dashboard/requests?since=T`  this router's requests that ended after T (its
+                                 own clock), for the other routers' dashboards: each page
+                                 counts the whole mesh's traffic, whichever router serves it
 
 When the mesh has a token, every route wants it: `Authorization: Bearer TOKEN`, or
 `?token=TOKEN` (a browser's EventSource sends no headers; the page passes on its own URL's).
@@ -15,14 +18,20 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import ssl
+from dataclasses import asdict
 from importlib import resources
 from typing import Any
 
+import aiohttp
 import structlog
 from aiohttp import web
 
+from disagg_mesh.server.common.config.topology import Node
 from disagg_mesh.server.common.runtime.auth import configured_token
-from disagg_mesh.server.router.dashboard.state import DashboardState
+from disagg_mesh.server.common.runtime.tls import TlsPaths
+from disagg_mesh.server.router.dashboard.recent import Done, Failed
+from disagg_mesh.server.router.dashboard.state import DashboardState, Pulled
 
 log = structlog.get_logger("dashboard")
 
@@ -52,6 +61,7 @@ class DashboardApi:
             web.get("/dashboard/static/{name}", self.static),
             web.get("/api/dashboard", self.snapshot),
             web.get("/api/dashboard/events", self.events),
+            web.get("/api/dashboard/requests", self.requests),
         ]
 
     async def page(self, request: web.Request) -> web.StreamResponse:
@@ -73,6 +83,23 @@ class DashboardApi:
         _authorize(request)
         return web.json_response(self._state.snapshot(), dumps=_dumps)
 
+    async def requests(self, request: web.Request) -> web.StreamResponse:
+        _authorize(request)
+        try:
+            since = float(request.query.get("since", "0"))
+        except ValueError:
+            raise web.HTTPBadRequest(
+                text=f"since: a time in Unix seconds, got {request.query['since']!r}"
+            ) from None
+        done, failed, now = self._state.requests_after(since)
+        body = {
+            "router": self._state.router_name,
+            "now": now,
+            "done": [asdict(d) for d in done],
+            "failed": [asdict(f) for f in failed],
+        }
+        return web.json_response(body, dumps=_dumps)
+
     async def events(self, request: web.Request) -> web.StreamResponse:
         _authorize(request)
         response = web.StreamResponse(
@@ -92,6 +119,46 @@ class DashboardApi:
                     await response.write(b": keep-alive\n\n")
                     continue
                 await response.write(f"event: update\ndata: {_dumps(update)}\n\n".encode())
+
+
+class PeerPull:
+    """Pulls another router's requests over its HTTP door (TLS and the token as the mesh
+    has them): DashboardState's `pull`."""
+
+    def __init__(self, tls: TlsPaths | None) -> None:
+        self._ssl: ssl.SSLContext | bool = False
+        if tls is not None:
+            context = ssl.create_default_context(cafile=str(tls.ca_file))
+            if tls.mutual:
+                context.load_cert_chain(tls.cert_file, tls.key_file)
+            self._ssl = context
+        self._scheme = "https" if tls is not None else "http"
+        self._session: aiohttp.ClientSession | None = None
+
+    async def __call__(self, peer: Node, since: float) -> Pulled | None:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5))
+        token = configured_token()
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        url = f"{self._scheme}://{peer.host}:{peer.http_port}/api/dashboard/requests"
+        try:
+            async with self._session.get(
+                url, params={"since": repr(since)}, headers=headers, ssl=self._ssl
+            ) as reply:
+                if reply.status != 200:
+                    return None
+                body = await reply.json()
+        except (aiohttp.ClientError, TimeoutError, ValueError):
+            return None
+        return (
+            [Done(**d) for d in body["done"]],
+            [Failed(**f) for f in body["failed"]],
+            float(body["now"]),
+        )
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
 
 
 def _dumps(value: Any) -> str:
