@@ -25,9 +25,9 @@ from typing import Any
 import grpc
 import httpx
 
-from bench.common import MODEL, median, run_alone, say
+from bench.common import median, run_alone, say, small_mesh
 from disagg_mesh.proto.v1 import router_pb2, router_pb2_grpc, types_pb2
-from disagg_mesh.server.common.runtime.processes import free_port, serving_mesh
+from disagg_mesh.server.common.runtime.processes import serving_mesh
 
 GOAL_ADDED_TTFT_S = 0.010
 _unique = itertools.count()
@@ -65,19 +65,6 @@ REFUSED: dict[str, dict[str, Any]] = {
 }
 
 
-def topology_text() -> str:
-    node = '[[nodes]]\nname = "{}"\nrole = "{}"\nhost = "127.0.0.1"\nport = {}\n'
-    engine = f'engine = "llama_cpp"\nmodel = "{MODEL}"\n'
-    return "\n".join(
-        [
-            node.format("router", "router", free_port()) + f"http_port = {free_port()}\n",
-            node.format("prefill", "prefill", free_port()) + engine,
-            node.format("decode", "decode", free_port()) + engine,
-            '[[models]]\nname = "m"\nprefill = ["prefill"]\ndecode = ["decode"]\n',
-        ]
-    )
-
-
 def _body(schema: dict[str, Any]) -> dict[str, Any]:
     unique = {**schema, "description": f"repeat {next(_unique)}"}  # no cache answers
     return {
@@ -113,7 +100,7 @@ async def _ttft(stub: Any) -> float:
 
 
 async def measure(repeats: int) -> dict[str, Any]:
-    async with serving_mesh(topology_text(), "bench-bad-requests-") as mesh:
+    async with serving_mesh(small_mesh(), "bench-bad-requests-") as mesh:
         router = mesh.topology.router
         base = f"http://127.0.0.1:{router.http_port}"
         async with (

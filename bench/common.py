@@ -148,3 +148,24 @@ def run_alone(
     text = "\n".join("  ".join(row) for row in table_rows(result))
     report_alone(args.out, key, getattr(args, repeats) if repeats else 1, started, result, text)
     return 0
+
+
+def small_mesh(models: tuple[str, ...] = ("m",), engine_extra: str = "") -> str:
+    """The topology of a row's small mesh of its own: a router with its HTTP door, a prefill
+    and a decode node of the embedded model on free ports (engine_extra: more keys for
+    both), and these logical models on them."""
+    from disagg_mesh.server.common.runtime.processes import free_port
+
+    node = '[[nodes]]\nname = "{}"\nrole = "{}"\nhost = "127.0.0.1"\nport = {}\n'
+    engine = f'engine = "llama_cpp"\nmodel = "{MODEL}"\n{engine_extra}'
+    return "\n".join(
+        [
+            node.format("router", "router", free_port()) + f"http_port = {free_port()}\n",
+            node.format("prefill", "prefill", free_port()) + engine,
+            node.format("decode", "decode", free_port()) + engine,
+            *(
+                f'[[models]]\nname = "{m}"\nprefill = ["prefill"]\ndecode = ["decode"]\n'
+                for m in models
+            ),
+        ]
+    )

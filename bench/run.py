@@ -61,7 +61,9 @@ repeated, median reported:
 20. a standard load tool: NVIDIA's AIPerf (installed once into ~/.cache) drives make run's
    mesh and llama-server -np 8 -kvu through the OpenAI door, 1, 8, 32 and 128 at once:
    request throughput and goodput under a TTFT and inter-token latency SLO
-   (bench/aiperf_load.py, a mesh and a server of their own).
+   (bench/aiperf_load.py, a mesh and a server of their own);
+21. the dashboard: the router's CPU per request and the TTFT with a page open and streaming,
+   against closed (bench/dashboard.py, a mesh of its own).
 
 Every answer is greedy with ignore_eos (end tokens never sampled), so both sides of a ratio
 generate the same number of tokens on any CPU. Each row records what each side did (prompt
@@ -99,6 +101,8 @@ from bench.burst import rows as burst_rows
 from bench.class_at_once import measure as measure_class
 from bench.class_at_once import rows as class_rows
 from bench.common import ROOT, machine, median, report, say
+from bench.dashboard import measure as measure_dashboard
+from bench.dashboard import rows as dashboard_rows
 from bench.families import measure as measure_families
 from bench.families import rows as families_rows
 from bench.grader import measure as measure_grader
@@ -143,6 +147,7 @@ OWN_MESH = (
     "burst",
     "class_at_once",
     "aiperf_load",
+    "dashboard",
 )
 
 
@@ -237,6 +242,11 @@ async def run_all(bench: Bench, args: argparse.Namespace) -> dict[str, Any]:
             "aiperf_load",
             "20. AIPerf against llama-server (a mesh and a server of their own)",
             lambda: measure_aiperf(60),
+        ),
+        (
+            "dashboard",
+            "21. the dashboard open against closed (a mesh of its own)",
+            lambda: measure_dashboard(bench.repeats, 40),
         ),
     ]
     for key, title, step in steps:
@@ -366,6 +376,8 @@ def table(r: dict[str, Any]) -> str:
         rows += class_rows(r["class_at_once"])
     if "aiperf_load" in r:
         rows += aiperf_rows(r["aiperf_load"])
+    if "dashboard" in r:
+        rows += dashboard_rows(r["dashboard"])
     width = [max(len(row[i]) for row in rows) for i in range(3)]
     header = ("measurement", "result", "goal")
     lines = ["  ".join(h.ljust(width[i]) for i, h in enumerate(header))]

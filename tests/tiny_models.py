@@ -209,6 +209,18 @@ class _Weights:
         self.norm("output_norm.weight", EMBED)
         self.add("output.weight", n_vocab, EMBED, scale=1.0, dtype=np.float16)
 
+    def attention(self, blk: str) -> None:
+        """A layer's attention: its input norm, q, k, v and output projections, and q/k
+        norms (qwen3moe's and gemma3's)."""
+        q, kv = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
+        self.norm(f"{blk}.attn_norm.weight", EMBED)
+        self.add(f"{blk}.attn_q.weight", q, EMBED)
+        self.add(f"{blk}.attn_k.weight", kv, EMBED)
+        self.add(f"{blk}.attn_v.weight", kv, EMBED)
+        self.add(f"{blk}.attn_output.weight", EMBED, q)
+        self.norm(f"{blk}.attn_q_norm.weight", HEAD_DIM)
+        self.norm(f"{blk}.attn_k_norm.weight", HEAD_DIM)
+
     def norm(self, name: str, size: int) -> None:
         values = 1.0 + 0.1 * self.rng.standard_normal(size)
         if self.fixed:  # a scripted model: plain norms
@@ -374,16 +386,9 @@ def write_qwen3moe(path: Path) -> Path:
     n_vocab = _tokenizer(writer)
     w = _Weights(writer, seed=30)
     w.ends(n_vocab)
-    q, kv = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
     for i in range(LAYERS):
         blk = f"blk.{i}"
-        w.norm(f"{blk}.attn_norm.weight", EMBED)
-        w.add(f"{blk}.attn_q.weight", q, EMBED)
-        w.add(f"{blk}.attn_k.weight", kv, EMBED)
-        w.add(f"{blk}.attn_v.weight", kv, EMBED)
-        w.add(f"{blk}.attn_output.weight", EMBED, q)
-        w.norm(f"{blk}.attn_q_norm.weight", HEAD_DIM)
-        w.norm(f"{blk}.attn_k_norm.weight", HEAD_DIM)
+        w.attention(blk)
         w.norm(f"{blk}.ffn_norm.weight", EMBED)
         w.add(f"{blk}.ffn_gate_inp.weight", EXPERTS, EMBED)
         w.add(f"{blk}.ffn_gate_exps.weight", EXPERTS, EXPERT_FF, EMBED)
@@ -419,17 +424,10 @@ def write_gemma3(path: Path) -> Path:
     n_vocab = _tokenizer(writer)
     w = _Weights(writer, seed=50)
     w.ends(n_vocab)
-    q, kv = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
     for i in range(GEMMA3_LAYERS):
         blk = f"blk.{i}"
-        w.norm(f"{blk}.attn_norm.weight", EMBED)
-        w.add(f"{blk}.attn_q.weight", q, EMBED)
-        w.add(f"{blk}.attn_k.weight", kv, EMBED)
-        w.add(f"{blk}.attn_v.weight", kv, EMBED)
-        w.add(f"{blk}.attn_output.weight", EMBED, q)
+        w.attention(blk)
         w.norm(f"{blk}.post_attention_norm.weight", EMBED)
-        w.norm(f"{blk}.attn_q_norm.weight", HEAD_DIM)
-        w.norm(f"{blk}.attn_k_norm.weight", HEAD_DIM)
         w.norm(f"{blk}.ffn_norm.weight", EMBED)
         w.add(f"{blk}.ffn_gate.weight", EXPERT_FF, EMBED)
         w.add(f"{blk}.ffn_up.weight", EXPERT_FF, EMBED)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import grpc
@@ -154,33 +154,12 @@ class NodeServicer(node_pb2_grpc.NodeServiceServicer):
 
 
 def host_to_proto(h: HostUsage) -> node_pb2.HostUsage:
-    return node_pb2.HostUsage(
-        hostname=h.hostname,
-        cpu_cores=h.cpu_cores,
-        cpu_busy_percent=h.cpu_busy_percent,
-        memory_used_bytes=h.memory_used_bytes,
-        memory_total_bytes=h.memory_total_bytes,
-        gpu_name=h.gpu_name,
-        gpu_utilization_percent=h.gpu_utilization_percent,
-        gpu_memory_used_bytes=h.gpu_memory_used_bytes,
-        gpu_memory_total_bytes=h.gpu_memory_total_bytes,
-        unavailable=list(h.unavailable),
-    )
+    return node_pb2.HostUsage(**{**asdict(h), "unavailable": list(h.unavailable)})
 
 
 def host_from_proto(h: node_pb2.HostUsage) -> HostUsage:
-    return HostUsage(
-        hostname=h.hostname,
-        cpu_cores=h.cpu_cores,
-        cpu_busy_percent=h.cpu_busy_percent,
-        memory_used_bytes=h.memory_used_bytes,
-        memory_total_bytes=h.memory_total_bytes,
-        gpu_name=h.gpu_name,
-        gpu_utilization_percent=h.gpu_utilization_percent,
-        gpu_memory_used_bytes=h.gpu_memory_used_bytes,
-        gpu_memory_total_bytes=h.gpu_memory_total_bytes,
-        unavailable=tuple(h.unavailable),
-    )
+    values = {f.name: getattr(h, f.name) for f in fields(HostUsage)}
+    return HostUsage(**{**values, "unavailable": tuple(h.unavailable)})
 
 
 def router_describer(topology: Topology, node: Node) -> Callable[[], Awaitable[NodeStatus]]:
