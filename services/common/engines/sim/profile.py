@@ -1,0 +1,256 @@
+"""Hardware profiles of the simulated engine: how long a machine takes to evaluate a prompt
+and to make a decode step, for each model it serves, and its link to the other machines.
+
+A profile is a TOML file (the shipped ones are in profiles/, each number citing its source):
+
+    [link]                 bandwidth_bytes_per_second, latency_seconds
+    [models."NAME"]        kv_bytes_per_token (+ window_tokens, window_kv_bytes_per_token)
+    [models."NAME".prefill]  depth_tokens = [...], tokens_per_second = [...]
+    [models."NAME".decode]   depth_tokens, tokens_per_second (one stream by depth),
+                             batch, batch_tokens_per_second (streams at once, shallow)
+
+Times come from those tables by piecewise-linear interpolation, never one constant: a prompt
+of n new tokens after c cached ones is evaluated at the rate of the depth it reaches halfway
+(c + n/2); a decode step of b streams at mean depth d takes b / (batch rate(b) x depth
+factor(d)), the depth factor being one stream's rate at d over its rate at depth 0. A
+prefill table measured with prompts of P tokens (`measured_prompt_tokens`) gives the rate at
+depth d + P/2. Beyond a table's last depth a rate keeps the last segment's slope (floored at
+a tenth of the last value); no batching gain is assumed beyond the largest batch measured.
+Plain Python: the sim engine and `disagg simulate` use it.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from disagg_mesh.server.common.errors import MeshError
+
+PROFILES = Path(__file__).resolve().parent / "profiles"
+
+
+class ProfileError(MeshError):
+    """A hardware profile that cannot be read: the message names the file and the key."""
+
+
+@dataclass(frozen=True)
+class Table:
+    """y as a piecewise-linear function of x (x ascending)."""
+
+    x: tuple[float, ...]
+    y: tuple[float, ...]
+    # Beyond the last point: keep the last segment's slope (floored), or stay flat.
+    flat_beyond: bool = False
+
+    def __call__(self, at: float) -> float:
+        x, y = self.x, self.y
+        if len(x) == 1:
+            return y[0]
+        if at <= x[0]:
+            return y[0]
+        i = bisect.bisect_right(x, at)
+        if i >= len(x) and self.flat_beyond:
+            return y[-1]
+        if i >= len(x):  # beyond the last point: the last segment's slope, floored
+            slope = (y[-1] - y[-2]) / (x[-1] - x[-2])
+            return max(y[-1] + slope * (at - x[-1]), y[-1] / 10)
+        x0, x1, y0, y1 = x[i - 1], x[i], y[i - 1], y[i]
+        return y0 + (y1 - y0) * (at - x0) / (x1 - x0)
+
+
+@dataclass(frozen=True)
+class ModelSpeed:
+    """One model on one machine."""
+
+    kv_bytes_per_token: int
+    prefill_rate: Table  # tokens/s by depth
+    decode_rate: Table  # one stream's tokens/s by depth
+    batch_rate: Table  # all streams' tokens/s by streams at once
+    window_tokens: int = 0
+    window_kv_bytes_per_token: int = 0
+    estimate: bool = False  # some of these numbers are estimates (the file says which)
+
+    def prefill_seconds(self, new_tokens: int, cached_tokens: int = 0) -> float:
+        """Seconds to evaluate new_tokens after cached_tokens already in the cache (several
+        prompts in one pass: their new tokens added up, at their mean depth)."""
+        if new_tokens <= 0:
+            return 0.0
+        return new_tokens / self.prefill_rate(cached_tokens + new_tokens / 2)
+
+    def decode_step_seconds(self, streams: int, mean_depth: float) -> float:
+        """Seconds for one decode step of `streams` sequences at this mean context depth."""
+        if streams <= 0:
+            return 0.0
+        factor = self.decode_rate(mean_depth) / self.decode_rate(0)
+        return streams / (self.batch_rate(streams) * factor)
+
+    def kv_bytes(self, tokens: int) -> int:
+        """The KV state of a sequence of this many tokens: every position of the full
+        layers, and at most the window of the sliding-window layers."""
+        return tokens * self.kv_bytes_per_token + min(tokens, self.window_tokens) * (
+            self.window_kv_bytes_per_token
+        )
+
+
+@dataclass(frozen=True)
+class Link:
+    bandwidth_bytes_per_second: float
+    latency_seconds: float
+
+    def seconds(self, nbytes: int) -> float:
+        return self.latency_seconds + nbytes / self.bandwidth_bytes_per_second
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    name: str
+    source: Path
+    link: Link
+    models: dict[str, ModelSpeed]
+
+    def model(self, name: str) -> ModelSpeed:
+        speed = self.models.get(name)
+        if speed is None:
+            known = ", ".join(sorted(self.models)) or "none"
+            raise ProfileError(f"{self.source}: no [models.{name!r}] (it has: {known})")
+        return speed
+
+
+def find_profile(spec: str, relative_to: Path | None = None) -> Path:
+    """A shipped profile by name ("dgx-spark"), or a TOML file's path."""
+    shipped = PROFILES / f"{spec}.toml"
+    if shipped.is_file():
+        return shipped
+    path = Path(spec).expanduser()
+    if not path.is_absolute() and relative_to is not None:
+        path = relative_to / path
+    if path.is_file():
+        return path
+    names = ", ".join(sorted(p.stem for p in PROFILES.glob("*.toml")))
+    raise ProfileError(f"hardware profile {spec!r}: no such file, and no shipped one ({names})")
+
+
+def load_profile(spec: str, relative_to: Path | None = None) -> HardwareProfile:
+    path = find_profile(spec, relative_to)
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise ProfileError(f"{path}: {exc}") from None
+    reader = _Reader(path)
+    link = data.get("link", {})
+    return HardwareProfile(
+        name=str(data.get("profile", {}).get("name", path.stem)),
+        source=path,
+        link=Link(
+            reader.positive(link, "link", "bandwidth_bytes_per_second", 1.15e9),
+            reader.number(link, "link", "latency_seconds", 0.0002),
+        ),
+        models={name: reader.model(name, table) for name, table in data.get("models", {}).items()},
+    )
+
+
+class _Reader:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def fail(self, key: str, why: str) -> ProfileError:
+        return ProfileError(f"{self.path}: {key}: {why}")
+
+    def number(self, table: dict[str, Any], where: str, key: str, default: float) -> float:
+        value = table.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise self.fail(f"{where}.{key}", f"a number, got {value!r}")
+        return float(value)
+
+    def positive(self, table: dict[str, Any], where: str, key: str, default: float) -> float:
+        value = self.number(table, where, key, default)
+        if value <= 0:
+            raise self.fail(f"{where}.{key}", f"must be above 0, got {value}")
+        return value
+
+    def table(
+        self,
+        data: dict[str, Any],
+        where: str,
+        xs: str,
+        ys: str,
+        shift: float = 0.0,
+        flat_beyond: bool = False,
+    ) -> Table:
+        x, y = data.get(xs), data.get(ys)
+        if not isinstance(x, list) or not isinstance(y, list) or not x or len(x) != len(y):
+            raise self.fail(f"{where}.{xs}/{ys}", "two lists of numbers of the same length")
+        if any(not isinstance(v, int | float) or isinstance(v, bool) for v in [*x, *y]):
+            raise self.fail(f"{where}.{xs}/{ys}", "numbers only")
+        if any(b <= a for a, b in itertools.pairwise(x)):
+            raise self.fail(f"{where}.{xs}", f"must rise, got {x}")
+        if any(v <= 0 for v in y):
+            raise self.fail(f"{where}.{ys}", f"rates must be above 0, got {y}")
+        return Table(tuple(float(v) + shift for v in x), tuple(float(v) for v in y), flat_beyond)
+
+    def model(self, name: str, data: dict[str, Any]) -> ModelSpeed:
+        where = f"models.{name!r}"
+        prefill, decode = data.get("prefill"), data.get("decode")
+        if not isinstance(prefill, dict) or not isinstance(decode, dict):
+            raise self.fail(where, "needs [prefill] and [decode] tables")
+        kv = self.positive(data, where, "kv_bytes_per_token", 0)
+        # A rate measured over a prompt of P tokens from depth d is the rate halfway, d + P/2.
+        measured = self.number(prefill, f"{where}.prefill", "measured_prompt_tokens", 0)
+        return ModelSpeed(
+            kv_bytes_per_token=int(kv),
+            prefill_rate=self.table(
+                prefill, f"{where}.prefill", "depth_tokens", "tokens_per_second", measured / 2
+            ),
+            decode_rate=self.table(decode, f"{where}.decode", "depth_tokens", "tokens_per_second"),
+            batch_rate=self.table(
+                decode, f"{where}.decode", "batch", "batch_tokens_per_second", flat_beyond=True
+            ),
+            window_tokens=int(self.number(data, where, "window_tokens", 0)),
+            window_kv_bytes_per_token=int(self.number(data, where, "window_kv_bytes_per_token", 0)),
+            estimate=bool(prefill.get("estimate") or decode.get("estimate")),
+        )
+
+
+@dataclass(frozen=True)
+class OllamaBaseline:
+    """How Ollama serves the grader today (profiles/ollama.toml): requests each model's
+    server runs at once, and the flow (no KV handoff: the decode machine evaluates the
+    whole prompt again)."""
+
+    parallel: dict[str, int]
+    max_queue: int
+    prompt_evaluated_on_decode_host: bool
+    kv_handoff: bool
+    prefix_cache: str
+
+    def parallel_for(self, model: str) -> int:
+        return self.parallel.get(model, 1)
+
+
+def load_baseline(spec: str = "ollama") -> OllamaBaseline:
+    path = find_profile(spec)
+    try:
+        serving = tomllib.loads(path.read_text()).get("serving")
+    except tomllib.TOMLDecodeError as exc:
+        raise ProfileError(f"{path}: {exc}") from None
+    if not isinstance(serving, dict):
+        raise ProfileError(f"{path}: no [serving] table")
+    reader = _Reader(path)
+    parallel = serving.get("parallel", {})
+    if not isinstance(parallel, dict) or any(
+        not isinstance(v, int) or isinstance(v, bool) or v < 1 for v in parallel.values()
+    ):
+        raise reader.fail(
+            "serving.parallel", f"model = requests at once (1 or more), got {parallel!r}"
+        )
+    return OllamaBaseline(
+        parallel={str(k): int(v) for k, v in parallel.items()},
+        max_queue=int(reader.positive(serving, "serving", "max_queue", 512)),
+        prompt_evaluated_on_decode_host=bool(serving.get("prompt_evaluated_on_decode_host", True)),
+        kv_handoff=bool(serving.get("kv_handoff", False)),
+        prefix_cache=str(serving.get("prefix_cache", "per-slot")),
+    )
