@@ -229,7 +229,7 @@ def test_example_grader_grades_one_submission_with_both_models(mesh: Mesh) -> No
 
 
 # The server extra's packages (pyproject.toml): the client and the CLI run without them.
-SERVER_ONLY = ("llama_cpp", "numpy", "gguf", "ollama", "grpc_reflection")
+SERVER_ONLY = ("llama_cpp", "numpy", "gguf", "ollama", "grpc_reflection", "psutil", "pynvml")
 BLOCKER = """
 import importlib.abc, sys
 BLOCKED = {blocked!r}

@@ -26,9 +26,8 @@ import pytest
 
 from disagg_mesh.proto.v1 import node_pb2, node_pb2_grpc
 from disagg_mesh.server.common.config.topology import load_topology
-from disagg_mesh.server.common.runtime.node_info import NodeReport
-from disagg_mesh.server.common.runtime.observability.host import HostUsage
 from disagg_mesh.server.common.runtime.processes import MeshProcesses, free_port
+from disagg_mesh.server.common.types import HostUsage, NodeReport
 from disagg_mesh.server.router.dashboard.recent import Recent, busy_seconds, percentile
 from disagg_mesh.server.router.dashboard.state import DashboardState
 from disagg_mesh.server.router.summary import FailedAttempt, RouteMethod, RouteSummary

@@ -312,3 +312,41 @@ class DecodeStats:
         self.kv_load_seconds = end.kv_load_seconds
         self.prompt_eval_seconds = end.prompt_eval_seconds
         self.decode_seconds = end.decode_seconds
+
+
+@dataclass(frozen=True)
+class HostUsage:
+    """What a node's machine is doing (runtime/observability/host.py measures it)."""
+
+    hostname: str
+    cpu_cores: int
+    cpu_busy_percent: float
+    memory_used_bytes: int
+    memory_total_bytes: int
+    gpu_name: str = ""
+    gpu_utilization_percent: float = 0.0
+    gpu_memory_used_bytes: int = 0
+    gpu_memory_total_bytes: int = 0
+    # What could not be measured here, and why.
+    unavailable: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class NodeReport:
+    """What a node tells another (GetNodeInfo), in plain values: the router's dashboard."""
+
+    name: str
+    role: str
+    engine: str
+    engine_model: str
+    backend: str
+    gpu_layers: int
+    model_layers: int
+    ready: bool
+    problem: str
+    slots: int
+    slots_busy: int
+    queue_depth: int
+    restarts: int
+    uptime_seconds: float
+    host: HostUsage | None

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -14,10 +14,11 @@ from disagg_mesh.proto.v1 import node_pb2, node_pb2_grpc
 from disagg_mesh.server.common.config.topology import Node, Topology
 from disagg_mesh.server.common.engines.base import Engine, EngineLoad, Placement
 from disagg_mesh.server.common.kv.store import KvStore
-from disagg_mesh.server.common.runtime.observability.host import HostUsage, this_host
+from disagg_mesh.server.common.runtime.observability.host import this_host
 from disagg_mesh.server.common.runtime.readiness import Ready
 from disagg_mesh.server.common.types import Fingerprint, KvTransferKind
 from disagg_mesh.server.common.wire import convert
+from disagg_mesh.server.common.wire.convert import host_to_proto
 
 SERVICE_NAME = node_pb2.DESCRIPTOR.services_by_name["NodeService"].full_name
 # When this process started (imported at start by every node's main).
@@ -40,27 +41,6 @@ class NodeStatus:
     kv_store_bytes: int = 0
     load: EngineLoad | None = None
     placement: Placement = field(default_factory=Placement)
-
-
-@dataclass(frozen=True)
-class NodeReport:
-    """What a node tells another (GetNodeInfo), in plain values: the router's dashboard."""
-
-    name: str
-    role: str
-    engine: str
-    engine_model: str
-    backend: str
-    gpu_layers: int
-    model_layers: int
-    ready: bool
-    problem: str
-    slots: int
-    slots_busy: int
-    queue_depth: int
-    restarts: int
-    uptime_seconds: float
-    host: HostUsage | None
 
 
 def describer(
@@ -151,15 +131,6 @@ class NodeServicer(node_pb2_grpc.NodeServiceServicer):
             # Set by the launcher when it starts a node again (services/launcher.py).
             restarts=int(os.environ.get("DISAGG_RESTARTS", "0") or 0),
         )
-
-
-def host_to_proto(h: HostUsage) -> node_pb2.HostUsage:
-    return node_pb2.HostUsage(**{**asdict(h), "unavailable": list(h.unavailable)})
-
-
-def host_from_proto(h: node_pb2.HostUsage) -> HostUsage:
-    values = {f.name: getattr(h, f.name) for f in fields(HostUsage)}
-    return HostUsage(**{**values, "unavailable": tuple(h.unavailable)})
 
 
 def router_describer(topology: Topology, node: Node) -> Callable[[], Awaitable[NodeStatus]]:

@@ -8,8 +8,9 @@ summaries) convert by mirror.py's rules; the others here, by hand.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import asdict, fields
 
-from disagg_mesh.proto.v1 import decode_pb2, prefill_pb2, types_pb2
+from disagg_mesh.proto.v1 import decode_pb2, node_pb2, prefill_pb2, types_pb2
 from disagg_mesh.server.common.errors import InvalidArgument
 from disagg_mesh.server.common.types import (
     DEFAULT_TEMPERATURE,
@@ -19,6 +20,7 @@ from disagg_mesh.server.common.types import (
     DecodeStats,
     Fingerprint,
     FinishReason,
+    HostUsage,
     KvReference,
     KvSource,
     KvTransferKind,
@@ -205,3 +207,12 @@ register(
     grouped=("reference", "stats"),
     open_message="open_message_token_ids",
 )
+
+
+def host_to_proto(h: HostUsage) -> node_pb2.HostUsage:
+    return node_pb2.HostUsage(**{**asdict(h), "unavailable": list(h.unavailable)})
+
+
+def host_from_proto(h: node_pb2.HostUsage) -> HostUsage:
+    values = {f.name: getattr(h, f.name) for f in fields(HostUsage)}
+    return HostUsage(**{**values, "unavailable": tuple(h.unavailable)})

@@ -22,19 +22,20 @@ from disagg_mesh.proto.v1 import (
 )
 from disagg_mesh.server.common.errors import UpstreamError
 from disagg_mesh.server.common.kv.store import KvChunk
-from disagg_mesh.server.common.runtime.node_info import NodeReport, host_from_proto
 from disagg_mesh.server.common.runtime.observability.logging import outgoing_metadata
 from disagg_mesh.server.common.types import (
     Continuation,
     DecodeCandidate,
     DecodeStats,
     KvSource,
+    NodeReport,
     PrefillResult,
     Prompt,
     Sampling,
     TextChunk,
 )
 from disagg_mesh.server.common.wire import convert
+from disagg_mesh.server.common.wire.convert import host_from_proto
 from disagg_mesh.server.common.wire.kv_wire import parse_fetch_kv_response
 from disagg_mesh.server.common.wire.mirror import from_proto, to_proto
 

@@ -25,8 +25,9 @@ from typing import Any
 import structlog
 
 from disagg_mesh.server.common.config.topology import Node, Topology
-from disagg_mesh.server.common.runtime.node_info import STARTED, NodeReport
+from disagg_mesh.server.common.runtime.node_info import STARTED
 from disagg_mesh.server.common.runtime.observability.host import this_host
+from disagg_mesh.server.common.types import NodeReport
 from disagg_mesh.server.router.dashboard.recent import (
     KEEP_S,
     Done,

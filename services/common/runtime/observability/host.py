@@ -13,28 +13,14 @@ import platform
 import socket
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import psutil
 
+from disagg_mesh.server.common.types import HostUsage
+
 # A measurement is reused for this long: every router's dashboard asks every node each tick.
 FRESH_S = 1.0
-
-
-@dataclass(frozen=True)
-class HostUsage:
-    hostname: str
-    cpu_cores: int
-    cpu_busy_percent: float
-    memory_used_bytes: int
-    memory_total_bytes: int
-    gpu_name: str = ""
-    gpu_utilization_percent: float = 0.0
-    gpu_memory_used_bytes: int = 0
-    gpu_memory_total_bytes: int = 0
-    # What could not be measured here, and why.
-    unavailable: tuple[str, ...] = ()
 
 
 class _Nvml:
