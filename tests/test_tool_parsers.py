@@ -1,0 +1,187 @@
+"""Tool-call parsers (#43): Qwen3-Coder's XML-style calls and Hermes-style JSON calls, fed
+whole, cut at every character, and token by token as a real tokenizer cuts the text; what
+the pieces put together must be the same every way, and what does not parse is text."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import llama_cpp
+import pytest
+
+from disagg_mesh.server.common.models import resolve_model_path
+from disagg_mesh.server.common.tools.calls import (
+    ArgumentsPiece,
+    CallStart,
+    Piece,
+    Tool,
+    ToolCallParser,
+    assemble,
+)
+from disagg_mesh.server.common.tools.hermes import HermesParser
+from disagg_mesh.server.common.tools.qwen3_coder import Qwen3CoderParser
+from tests.conftest import MODEL, ROOT
+
+RUN_TESTS = Tool(
+    "run_tests",
+    "Run the student's tests",
+    {
+        "type": "object",
+        "properties": {
+            "code": {"type": "string"},
+            "timeout_s": {"type": "integer"},
+            "verbose": {"type": "boolean"},
+            "cases": {"type": "array"},
+            "ratio": {"type": "number"},
+        },
+        "required": ["code"],
+    },
+)
+LOOKUP = Tool("lookup_rubric", "", {"type": "object", "properties": {"item": {"type": "string"}}})
+TOOLS = {t.name: t for t in (RUN_TESTS, LOOKUP)}
+
+QWEN = (
+    "Let me run the tests first.\n"
+    "<tool_call>\n<function=run_tests>\n<parameter=code>\ndef add(a, b):\n"
+    '    return a + b  # "<b>" & \\n\n</parameter>\n<parameter=timeout_s>\n30\n</parameter>\n'
+    "<parameter=verbose>\ntrue\n</parameter>\n<parameter=cases>\n[[1, 2], [3, 4]]\n"
+    "</parameter>\n<parameter=ratio>\n0.5\n</parameter>\n</function>\n</tool_call>\n"
+    "<tool_call>\n<function=lookup_rubric>\n<parameter=item>\nstyle\n</parameter>\n"
+    "</function>\n</tool_call>"
+)
+QWEN_CALLS = [
+    (
+        "run_tests",
+        {
+            "code": 'def add(a, b):\n    return a + b  # "<b>" & \\n',
+            "timeout_s": 30,
+            "verbose": True,
+            "cases": [[1, 2], [3, 4]],
+            "ratio": 0.5,
+        },
+    ),
+    ("lookup_rubric", {"item": "style"}),
+]
+HERMES = (
+    "I will check.\n<tool_call>\n"
+    '{"name": "run_tests", "arguments": {"code": "print(\\"<tool_call>\\")", "timeout_s": 5}}\n'
+    '</tool_call>\n<tool_call>\n{"arguments": {"item": "style"}, "name": "lookup_rubric"}\n'
+    "</tool_call>\nDone."
+)
+HERMES_CALLS = [
+    ("run_tests", {"code": 'print("<tool_call>")', "timeout_s": 5}),
+    ("lookup_rubric", {"item": "style"}),
+]
+
+
+def parse(make: Callable[[], ToolCallParser], pieces: Iterator[str] | list[str]) -> Any:
+    parser = make()
+    out: list[Piece] = []
+    for piece in pieces:
+        out += parser.feed(piece)
+    out += parser.finish()
+    text, calls = assemble(out)
+    return text, [(c.name, c.parsed_arguments()) for c in calls], out
+
+
+def token_pieces(text: str) -> list[str]:
+    """The text as a real tokenizer (SmolLM2's) cuts it, one token's text at a time."""
+    vocab: Any = llama_cpp.Llama(
+        model_path=str(resolve_model_path(MODEL, ROOT)), vocab_only=True, verbose=False
+    )
+    tokens = vocab.tokenize(text.encode(), add_bos=False, special=False)
+    pieces = [vocab.detokenize([t]).decode("utf-8", errors="surrogateescape") for t in tokens]
+    assert "".join(pieces) == text
+    return pieces
+
+
+@pytest.mark.parametrize(
+    ("make", "text", "expected_text", "expected_calls"),
+    [
+        (lambda: Qwen3CoderParser(TOOLS), QWEN, "Let me run the tests first.\n", QWEN_CALLS),
+        (HermesParser, HERMES, "I will check.\nDone.", HERMES_CALLS),
+    ],
+    ids=["qwen3-coder", "hermes"],
+)
+def test_calls_are_the_same_whole_cut_anywhere_and_token_by_token(
+    make: Callable[[], ToolCallParser],
+    text: str,
+    expected_text: str,
+    expected_calls: list[tuple[str, dict[str, Any]]],
+) -> None:
+    whole_text, calls, pieces = parse(make, [text])
+    assert (whole_text, calls) == (expected_text, expected_calls)
+    # OpenAI's order: each call's start (index, id, name) before its arguments.
+    started: set[int] = set()
+    for piece in pieces:
+        if isinstance(piece, CallStart):
+            started.add(piece.index)
+            assert piece.id.startswith("call_")
+        elif isinstance(piece, ArgumentsPiece):
+            assert piece.index in started
+    for cut in range(len(text) + 1):
+        assert parse(make, [text[:cut], text[cut:]])[:2] == (expected_text, expected_calls), cut
+    assert parse(make, iter(text))[:2] == (expected_text, expected_calls)  # a character at a time
+    assert parse(make, token_pieces(text))[:2] == (expected_text, expected_calls)
+
+
+def test_qwen3_coder_streams_each_parameter_as_it_ends() -> None:
+    parser = Qwen3CoderParser(TOOLS)
+    first = parser.feed("<tool_call>\n<function=run_tests>\n<parameter=code>\nx")
+    assert [type(p).__name__ for p in first] == ["CallStart"]  # the name at once
+    second = parser.feed("\n</parameter>\n<parameter=timeout_s>\n")
+    assert second == [ArgumentsPiece(0, '{"code": "x"')]
+    third = parser.feed("7\n</parameter>\n</function>\n</tool_call>")
+    assert third == [ArgumentsPiece(0, ', "timeout_s": 7'), ArgumentsPiece(0, "}")]
+    assert parser.finish() == []
+
+
+def test_qwen3_coder_edge_cases() -> None:
+    def q(*parts: str) -> Any:
+        return parse(lambda: Qwen3CoderParser(TOOLS), list(parts))[:2]
+
+    # No <tool_call> wrapper, and no parameters.
+    assert q("<function=lookup_rubric>\n</function>") == ("", [("lookup_rubric", {})])
+    # Cut off inside a value (max_tokens): the call is closed with what came.
+    assert q("<tool_call>\n<function=run_tests>\n<parameter=code>\nprint(") == (
+        "",
+        [("run_tests", {"code": "print("})],
+    )
+    # A value that does not convert stays text; a parameter the schema lacks is text.
+    assert q(
+        "<function=run_tests><parameter=timeout_s>soon</parameter>"
+        "<parameter=extra>5</parameter></function>"
+    ) == (
+        "",
+        [("run_tests", {"timeout_s": "soon", "extra": "5"})],
+    )
+    # An unknown function is still a call (the door decides what to do with it).
+    assert q("<function=rm_rf><parameter=path>/</parameter></function>")[1] == [
+        ("rm_rf", {"path": "/"})
+    ]
+    # Not a call: text, whole.
+    for text in ("<tool_call>hello", "a <function=not a name\nreally", "x <tool_ca", "<tool_call>"):
+        assert q(text) == (text, []), text
+
+
+def test_hermes_edge_cases() -> None:
+    def h(*parts: str) -> Any:
+        return parse(HermesParser, list(parts))[:2]
+
+    assert h('<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>') == (
+        "",
+        [("f", {"a": 1})],
+    )
+    assert h('<tool_call>{"name": "f"}</tool_call>') == ("", [("f", {})])
+    # Ended before </tool_call>: a whole call is still one.
+    assert h('<tool_call>{"name": "f", "arguments": {"a": [1]}}') == ("", [("f", {"a": [1]})])
+    for text in (
+        "<tool_call>{not json}</tool_call>",
+        '<tool_call>{"arguments": {}}</tool_call>',  # no name
+        '<tool_call>{"name": "f", "arguments": {"a": ',  # cut off
+        "plain text with a < sign and <tool_ at the end <tool_",
+    ):
+        assert h(text) == (text, []), text
+    assert json.loads(json.dumps(h("x")[0])) == "x"
