@@ -185,3 +185,85 @@ def test_hermes_edge_cases() -> None:
     ):
         assert h(text) == (text, []), text
     assert json.loads(json.dumps(h("x")[0])) == "x"
+
+
+# -- what a request offers, and the generic format -------------------------------------------
+
+
+def offered(**extra: Any) -> dict[str, Any]:
+    return {
+        "type": "function",
+        "function": {"name": "run_tests", "description": "Run them", **extra},
+    }
+
+
+def test_a_requests_tools_are_read_and_every_mistake_names_its_field() -> None:
+    from disagg_mesh.server.common.errors import InvalidArgument
+    from disagg_mesh.server.common.tools.requests import read_tools
+
+    assert read_tools(None) is None and read_tools([], "auto") is None
+    params = {"type": "object", "properties": {"code": {"type": "string"}}}
+    request = read_tools(
+        [offered(parameters=params)], {"type": "function", "function": {"name": "run_tests"}}, False
+    )
+    assert request is not None and request.forced and not request.parallel
+    assert request.function == "run_tests" and request.offered()[0].parameters == params
+    auto = read_tools([offered()])
+    assert auto is not None and auto.choice == "auto" and not auto.forced and auto.parallel
+    for tools, choice, parallel, field in (
+        ("run_tests", None, None, "tools"),
+        ([42], None, None, "tools[0]"),
+        ([{"type": "retrieval"}], None, None, "tools[0].type"),
+        ([{"type": "function"}], None, None, "tools[0].function"),
+        ([offered(name="bad name!")], None, None, "tools[0].function.name"),
+        ([offered(), offered()], None, None, "tools[1].function.name"),
+        ([offered(description=3)], None, None, "tools[0].function.description"),
+        ([offered(parameters={"type": "array"})], None, None, "tools[0].function.parameters.type"),
+        ([offered()], "sometimes", None, "tool_choice"),
+        (
+            [offered()],
+            {"type": "function", "function": {"name": "nope"}},
+            None,
+            "tool_choice.function.name",
+        ),
+        ([offered()], 7, None, "tool_choice"),
+        ([offered()], None, "yes", "parallel_tool_calls"),
+        (None, "required", None, "tool_choice"),
+    ):
+        with pytest.raises(InvalidArgument) as caught:
+            read_tools(tools, choice, parallel)
+        assert caught.value.field == field, (tools, choice, caught.value)
+
+
+def test_the_generic_format_holds_calls_to_the_schema_and_reads_them_back() -> None:
+    import jsonschema
+
+    from disagg_mesh.server.common.tools import generic
+
+    tools = [RUN_TESTS, LOOKUP]
+    required = generic.schema(tools, required=True, parallel=False)
+    call = {"tool_call": {"name": "run_tests", "arguments": {"code": "x", "timeout_s": 3}}}
+    jsonschema.validate(call, required)
+    for wrong in (
+        {"tool_call": {"name": "other", "arguments": {}}},
+        {"tool_call": {"name": "run_tests", "arguments": {"timeout_s": 3}}},  # code required
+        {"response": "hi"},  # required: a call
+    ):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(wrong, required)
+    free = generic.schema(tools, required=False, parallel=True)
+    jsonschema.validate({"response": "hi"}, free)
+    jsonschema.validate(
+        {"tool_calls": [call["tool_call"], {"name": "lookup_rubric", "arguments": {}}]}, free
+    )
+    assert "run_tests" in generic.system_text(tools, required=True)
+
+    def read(text: str) -> Any:
+        return parse(generic.GenericParser, list(text))[:2]
+
+    assert read(json.dumps(call)) == ("", [("run_tests", {"code": "x", "timeout_s": 3})])
+    assert read('{"response": "All good."}') == ("All good.", [])
+    both = {"tool_calls": [call["tool_call"], {"name": "lookup_rubric", "arguments": {}}]}
+    assert [c[0] for c in read(json.dumps(both))[1]] == ["run_tests", "lookup_rubric"]
+    for text in ("not json", '{"tool_call": {"arguments": {}}}', "[1, 2]", '{"tool_calls": []}'):
+        assert read(text) == (text, []), text
