@@ -185,6 +185,7 @@ async def main_async(args: argparse.Namespace) -> int:
                 f'>> HTTP: Ollama API at {base} (e.g. ollama.Client(host="{base}")), OpenAI API '
                 f"at {base}/v1"
             )
+            say(f">> dashboard: {base}/dashboard (the mesh live; JSON at {base}/api/dashboard)")
         await stop.wait()
         await supervisor
         return 0

@@ -90,7 +90,10 @@ class OllamaApi:
         ]
 
     async def root(self, request: web.Request) -> web.Response:
-        return web.Response(text="disagg-mesh router: Ollama API under /api, OpenAI under /v1")
+        return web.Response(
+            text="disagg-mesh router: Ollama API under /api, OpenAI under /v1, "
+            "the dashboard at /dashboard"
+        )
 
     # -- generation ------------------------------------------------------------------------
 
