@@ -11,6 +11,7 @@ import asyncio
 import os
 import shutil
 import signal
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -274,7 +275,7 @@ def test_every_routers_page_counts_the_whole_meshs_requests(
         engine_node("decode-r", "decode", 1, slots=2),
         route("code", [], ["decode-r"], chain=["decode_only"]),
     ]
-    with running_mesh(tmp_path_factory.mktemp("two-routers"), parts):
+    with running_mesh(tmp_path_factory.mktemp("two-routers"), parts) as processes:
         first, second = (f"http://127.0.0.1:{port}" for port in ports)
         for _ in range(2):
             ask(second, "code")
@@ -292,6 +293,24 @@ def test_every_routers_page_counts_the_whole_meshs_requests(
         assert reply.status_code == 200 and len(reply.json()["done"]) == 2
         bad = httpx.get(f"{second}/api/dashboard/requests", params={"since": "x"}, timeout=5)
         assert bad.status_code == 400 and "since" in bad.text
+
+        # A router stopping with a page open ends the page's feed and exits at once.
+        ended = threading.Event()
+
+        def read() -> None:
+            with httpx.stream("GET", f"{first}/api/dashboard/events", timeout=30) as events:
+                for _ in events.iter_lines():
+                    pass
+            ended.set()
+
+        threading.Thread(target=read, daemon=True).start()
+        time.sleep(2.5)  # connected, and an update read
+        router = processes.procs["router-0"]
+        started = time.monotonic()
+        router.send_signal(signal.SIGTERM)
+        assert router.wait(30) == 0
+        assert time.monotonic() - started < 8
+        assert ended.wait(5)
 
 
 # -- the page in a real browser ------------------------------------------------------------

@@ -121,7 +121,21 @@ def test_a_real_prometheus_has_data_for_every_grafana_expression(
     )
     api = f"http://127.0.0.1:{port}/api/v1"
     try:
-        # Traffic: both models, a shared rubric (the prefix cache serves its blocks).
+
+        def targets_up() -> bool:
+            try:
+                reply = httpx.get(f"{api}/query", params={"query": "up"}, timeout=5).json()
+            except httpx.HTTPError:
+                return False
+            values = [r["value"][1] for r in reply["data"]["result"]]
+            return len(values) == 3 and all(v == "1" for v in values)
+
+        deadline = time.monotonic() + 60
+        while not targets_up():
+            assert time.monotonic() < deadline, (tmp_path / "prometheus.log").read_text()[-3000:]
+            time.sleep(0.5)
+        # Traffic once Prometheus scrapes (rates need points before and after it): both
+        # models, a shared rubric (the prefix cache serves its blocks).
         rubric = "Grade this homework. Say what is right and wrong, and one fix. " * 20
         for i in range(6):
             reply = httpx.post(
@@ -139,19 +153,7 @@ def test_a_real_prometheus_has_data_for_every_grafana_expression(
             assert reply.status_code == 200, reply.text
             time.sleep(0.5)
 
-        def targets_up() -> bool:
-            try:
-                reply = httpx.get(f"{api}/query", params={"query": "up"}, timeout=5).json()
-            except httpx.HTTPError:
-                return False
-            values = [r["value"][1] for r in reply["data"]["result"]]
-            return len(values) == 3 and all(v == "1" for v in values)
-
-        deadline = time.monotonic() + 60
-        while not targets_up():
-            assert time.monotonic() < deadline, (tmp_path / "prometheus.log").read_text()[-3000:]
-            time.sleep(0.5)
-        time.sleep(4)  # a few scrapes after the traffic: rates over [1m] have their points
+        time.sleep(5)  # a few scrapes after the traffic: rates over [1m] have their points
         empty: list[str] = []
         for expr in builder().expressions():
             reply = httpx.get(f"{api}/query", params={"query": expr}, timeout=10).json()

@@ -94,7 +94,8 @@ class DashboardState:
         self._clock = clock
         self.history: deque[dict[str, Any]] = deque(maxlen=HISTORY)
         self.current: dict[str, Any] = {}
-        self._feeds: set[asyncio.Queue[dict[str, Any]]] = set()
+        self._feeds: set[asyncio.Queue[dict[str, Any] | None]] = set()
+        self._closed = False
         # Ticks each node was serving, and ticks since it first served (uptime: a node still
         # loading its model when the router started is not down).
         self._serving_ticks: dict[str, int] = {n.name: 0 for n in topology.nodes}
@@ -194,10 +195,21 @@ class DashboardState:
         current = self.current or self._snapshot(self._clock(), [])
         return {**current, "history": list(self.history)}
 
+    def close(self) -> None:
+        """End every page's feed (the router is stopping: an open page must not hold its
+        HTTP door's shutdown up; the page reconnects to whichever router comes back)."""
+        self._closed = True
+        for feed in self._feeds:
+            while not feed.empty():
+                feed.get_nowait()
+            feed.put_nowait(None)
+
     @contextlib.asynccontextmanager
-    async def feed(self) -> AsyncIterator[asyncio.Queue[dict[str, Any]]]:
-        """A page's live updates: each tick's state with its sample."""
-        queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue(maxsize=8)
+    async def feed(self) -> AsyncIterator[asyncio.Queue[dict[str, Any] | None]]:
+        """A page's live updates: each tick's state with its sample; None when it ends."""
+        queue: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue(maxsize=8)
+        if self._closed:
+            queue.put_nowait(None)
         self._feeds.add(queue)
         try:
             yield queue

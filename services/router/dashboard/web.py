@@ -118,6 +118,8 @@ class DashboardApi:
                 except TimeoutError:
                     await response.write(b": keep-alive\n\n")
                     continue
+                if update is None:  # the router is stopping
+                    return response
                 await response.write(f"event: update\ndata: {_dumps(update)}\n\n".encode())
 
 

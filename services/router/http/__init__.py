@@ -39,6 +39,7 @@ class HttpFrontDoor:
         tls: TlsPaths | None,
         dashboard: DashboardState | None = None,
     ) -> None:
+        self._dashboard = dashboard
         app = web.Application(client_max_size=16 << 20)
         app.add_routes(OllamaApi(router).routes())
         app.add_routes(OpenAiApi(router).routes())
@@ -66,6 +67,8 @@ class HttpFrontDoor:
         )
 
     async def close(self) -> None:
+        if self._dashboard is not None:
+            self._dashboard.close()  # open pages' feeds end, so shutdown waits for none
         await self._runner.cleanup()
 
 
