@@ -451,16 +451,12 @@ class SingleProcess:
     def __init__(self, model_path: Path, node: Node, threads: int) -> None:
         import llama_cpp
 
-        from disagg_mesh.server.common.engines.llama_cpp.model import ALL_LAYERS, gpu_backend
+        from disagg_mesh.server.common.engines.llama_cpp.model import gpu_backend, layers_on_gpu
         from disagg_mesh.server.common.engines.llama_cpp.sampling import SlotSampler, end_tokens
 
-        # Layers where the node puts them (model.py): all on the GPU of a GPU build unless
-        # the topology says otherwise; llama-cpp-python's own default is none.
-        gpu_layers = node.n_gpu_layers
-        if gpu_backend() is None or gpu_layers == 0:
-            gpu_layers = 0
-        elif gpu_layers is None or gpu_layers < 0:
-            gpu_layers = ALL_LAYERS
+        # Layers where the node puts them: all on the GPU of a GPU build unless the topology
+        # says otherwise (llama-cpp-python's own default is none).
+        gpu_layers = layers_on_gpu(node.n_gpu_layers, gpu_backend())
         self.llm: Any = llama_cpp.Llama(
             model_path=str(model_path),
             n_gpu_layers=gpu_layers,

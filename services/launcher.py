@@ -21,7 +21,7 @@ from disagg_mesh import AsyncMeshClient, GenerateCall, MeshError, Metrics, TlsFi
 from disagg_mesh.errors import Unavailable
 from disagg_mesh.server.common.config.topology import TopologyError, load_topology
 from disagg_mesh.server.common.runtime.auth import TokenError, token_from_topology
-from disagg_mesh.server.common.runtime.processes import MeshProcesses, MeshStartError
+from disagg_mesh.server.common.runtime.processes import RESTARTS_ENV, MeshProcesses, MeshStartError
 from disagg_mesh.server.common.runtime.tls import tls_paths
 
 EXAMPLES = {
@@ -36,8 +36,6 @@ DEFAULT_EXAMPLE = "Say hello in one short sentence."
 BACKOFF_FIRST_S = 1.0
 BACKOFF_MAX_S = 30.0
 STABLE_AFTER_S = 60.0
-# What a restarted node is told of its restarts (GetNodeInfo.restarts, disagg status).
-RESTARTS_ENV = "DISAGG_RESTARTS"
 # How long the first example tries again while the router's channels reconnect.
 START_RETRY_S = 10.0
 

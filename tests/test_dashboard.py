@@ -501,3 +501,26 @@ def test_targets_go_red_and_green_with_what_they_measure(tmp_path: Path) -> None
     rows = {n["name"]: n for n in dashboard.current["nodes"]}
     assert rows["decode-t"]["health"] == "down" and t["uptime"][1] is False
     assert len(dashboard.history) == 3 and dashboard.history[-1]["serving"] == 2
+
+
+def test_with_a_mesh_token_the_dashboard_wants_it_as_a_header_or_in_the_url(
+    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("DISAGG_TEST_DASHBOARD_TOKEN", "s3cret")
+    port = free_port()
+    parts = [
+        '[security]\ntoken_env = "DISAGG_TEST_DASHBOARD_TOKEN"\n',
+        router_node(http_port=port),
+        engine_node("decode-k", "decode", 1, slots=2),
+        route("k", [], ["decode-k"], chain=["decode_only"]),
+    ]
+    with running_mesh(tmp_path_factory.mktemp("dashboard-token"), parts):
+        url = f"http://127.0.0.1:{port}"
+        for path in ("/dashboard", "/api/dashboard", "/api/dashboard/requests"):
+            assert httpx.get(f"{url}{path}", timeout=10).status_code == 401, path
+            wrong = httpx.get(f"{url}{path}", params={"token": "nope"}, timeout=10)
+            assert wrong.status_code == 401, path
+            header = {"Authorization": "Bearer s3cret"}
+            assert httpx.get(f"{url}{path}", headers=header, timeout=10).status_code == 200
+            query = httpx.get(f"{url}{path}", params={"token": "s3cret"}, timeout=10)
+            assert query.status_code == 200, path

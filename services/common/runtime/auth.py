@@ -50,6 +50,14 @@ def configured_token() -> str | None:
     return _token
 
 
+def bearer_accepted(authorization: str) -> bool:
+    """Whether an Authorization value carries the mesh's token (any value, for a mesh
+    without one): the HTTP doors and the dashboard."""
+    if _token is None:
+        return True
+    return hmac.compare_digest(authorization.encode(), f"Bearer {_token}".encode())
+
+
 def outgoing_auth() -> tuple[tuple[str, str], ...]:
     return ((HEADER, f"Bearer {_token}"),) if _token else ()
 

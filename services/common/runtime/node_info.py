@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -15,6 +14,7 @@ from disagg_mesh.server.common.config.topology import Node, Topology
 from disagg_mesh.server.common.engines.base import Engine, EngineLoad, Placement
 from disagg_mesh.server.common.kv.store import KvStore
 from disagg_mesh.server.common.runtime.observability.host import this_host
+from disagg_mesh.server.common.runtime.processes import restarts
 from disagg_mesh.server.common.runtime.readiness import Ready
 from disagg_mesh.server.common.types import Fingerprint, KvTransferKind
 from disagg_mesh.server.common.wire import convert
@@ -128,8 +128,7 @@ class NodeServicer(node_pb2_grpc.NodeServiceServicer):
             backend=s.placement.backend,
             gpu_layers=s.placement.gpu_layers,
             model_layers=s.placement.layers,
-            # Set by the launcher when it starts a node again (services/launcher.py).
-            restarts=int(os.environ.get("DISAGG_RESTARTS", "0") or 0),
+            restarts=restarts(),
         )
 
 

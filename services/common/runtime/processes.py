@@ -23,6 +23,16 @@ from disagg_mesh.server.common.config.topology import Node, Topology, load_topol
 from disagg_mesh.server.common.runtime.tls import tls_for
 from disagg_mesh.server.common.wire.node_clients import health_status, open_channel
 
+# What a node started again by the launcher (make run) is told of its restarts: read by
+# GetNodeInfo, the router's dashboard and the restarts metric.
+RESTARTS_ENV = "DISAGG_RESTARTS"
+
+
+def restarts() -> int:
+    """Times the launcher started this process again (0 for a first start)."""
+    return int(os.environ.get(RESTARTS_ENV, "0") or 0)
+
+
 _ISSUED: set[int] = set()
 
 

@@ -24,6 +24,7 @@ from disagg_mesh.server.common.runtime.auth import TokenInterceptor, configured_
 from disagg_mesh.server.common.runtime.grpc_status import RequestScopeInterceptor
 from disagg_mesh.server.common.runtime.node_info import SERVICE_NAME as NODE_SERVICE_NAME
 from disagg_mesh.server.common.runtime.observability.metrics import serve_metrics
+from disagg_mesh.server.common.runtime.processes import restarts
 from disagg_mesh.server.common.runtime.readiness import Ready
 from disagg_mesh.server.common.runtime.tls import NodeTls
 from disagg_mesh.server.common.wire.node_clients import MAX_MESSAGE_BYTES
@@ -81,7 +82,7 @@ async def serve(
         raise BindError(f"cannot listen on {bind_address}: {exc}") from None
     await server.start()
     if metrics_address is not None:
-        serve_metrics(*metrics_address)
+        serve_metrics(*metrics_address, restarts())
         log.info("metrics", url=f"http://{metrics_address[0]}:{metrics_address[1]}/metrics")
 
     stop = asyncio.Event()

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -27,6 +26,7 @@ import structlog
 from disagg_mesh.server.common.config.topology import Node, Topology
 from disagg_mesh.server.common.runtime.node_info import STARTED
 from disagg_mesh.server.common.runtime.observability.host import this_host
+from disagg_mesh.server.common.runtime.processes import restarts
 from disagg_mesh.server.common.types import NodeReport
 from disagg_mesh.server.router.dashboard.recent import (
     KEEP_S,
@@ -35,6 +35,8 @@ from disagg_mesh.server.router.dashboard.recent import (
     Merged,
     Recent,
     Records,
+    figures,
+    parallel_efficiency,
     percentile,
 )
 
@@ -185,7 +187,7 @@ class DashboardState:
             slots=0,
             slots_busy=0,
             queue_depth=0,
-            restarts=int(os.environ.get("DISAGG_RESTARTS", "0") or 0),  # set by the launcher
+            restarts=restarts(),
             uptime_seconds=time.monotonic() - STARTED,
             host=this_host(),
         )
@@ -223,7 +225,7 @@ class DashboardState:
     ) -> dict[str, Any]:
         models = [m.name for m in self._topology.models]
         nodes = [self._node_row(node, report) for node, report in reports]
-        figures = self._recent.figures(models, WINDOW_S)
+        done, failed = self._recent.since(WINDOW_S)  # the window's records, read once
         return {
             "schema": SCHEMA,
             "router": self._router.name,
@@ -235,8 +237,10 @@ class DashboardState:
             "window_seconds": WINDOW_S,
             "nodes": nodes,
             "hosts": self._hosts(reports),
-            "models": {name: asdict(f) for name, f in figures.items()},
-            "targets": self._targets(),
+            "models": {
+                name: asdict(f) for name, f in figures(done, failed, models, WINDOW_S).items()
+            },
+            "targets": self._targets(done),
         }
 
     def _node_row(self, node: Node, r: NodeReport | None) -> dict[str, Any]:
@@ -273,13 +277,14 @@ class DashboardState:
                 row["usage"] = asdict(report.host)
         return list(hosts.values())
 
-    def _targets(self) -> list[dict[str, Any]]:
-        done, _ = self._recent.since(WINDOW_S)
+    def _targets(self, done: list[Done]) -> list[dict[str, Any]]:
+        """The seeds' targets: latency, rate and overlap over the window's `done`; errors
+        and failovers over the hour."""
         hour_done, hour_failed = self._recent.since(KEEP_S)
         values: dict[str, float | None] = {
             "end_to_end_p95": percentile([d.total_s for d in done], 95),
             "requests_per_second": len(done) / WINDOW_S if done else None,
-            "parallel_efficiency": self._recent.parallel_efficiency(WINDOW_S),
+            "parallel_efficiency": parallel_efficiency(done),
             "uptime": (
                 100.0 * sum(self._serving_ticks.values()) / sum(self._watched_ticks.values())
                 if any(self._watched_ticks.values())

@@ -16,7 +16,7 @@ When the mesh has a token, every route wants it: `Authorization: Bearer TOKEN`, 
 from __future__ import annotations
 
 import asyncio
-import hmac
+import functools
 import json
 import ssl
 from dataclasses import asdict
@@ -28,7 +28,7 @@ import structlog
 from aiohttp import web
 
 from disagg_mesh.server.common.config.topology import Node
-from disagg_mesh.server.common.runtime.auth import configured_token
+from disagg_mesh.server.common.runtime.auth import bearer_accepted, outgoing_auth
 from disagg_mesh.server.common.runtime.tls import TlsPaths
 from disagg_mesh.server.router.dashboard.recent import Done, Failed
 from disagg_mesh.server.router.dashboard.state import DashboardState, Pulled
@@ -46,6 +46,7 @@ STATIC = {
 KEEPALIVE_S = 15.0
 
 
+@functools.cache
 def _static(name: str) -> bytes:
     return resources.files(__package__).joinpath("static", name).read_bytes()
 
@@ -140,8 +141,7 @@ class PeerPull:
     async def __call__(self, peer: Node, since: float) -> Pulled | None:
         if self._session is None:
             self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5))
-        token = configured_token()
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        headers = dict(outgoing_auth())
         url = f"{self._scheme}://{peer.host}:{peer.http_port}/api/dashboard/requests"
         try:
             async with self._session.get(
@@ -168,15 +168,10 @@ def _dumps(value: Any) -> str:
 
 
 def _authorize(request: web.Request) -> None:
-    token = configured_token()
-    if token is None:
-        return
     given = request.headers.get("Authorization", "")
-    if given.startswith("Bearer "):
-        given = given.removeprefix("Bearer ")
-    else:
-        given = request.query.get("token", "")
-    if not hmac.compare_digest(given.encode(), token.encode()):
+    if not given.startswith("Bearer "):  # a browser's page: ?token=
+        given = f"Bearer {request.query.get('token', '')}"
+    if not bearer_accepted(given):
         raise web.HTTPUnauthorized(
             text="missing or invalid token: send Authorization: Bearer <token>, or open "
             "/dashboard?token=<token>"

@@ -5,7 +5,6 @@ statuses. Plain Python and aiohttp; no protobuf."""
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import math
 import time
@@ -19,7 +18,7 @@ import structlog
 from aiohttp import web
 
 from disagg_mesh.server.common.errors import InvalidArgument, MeshError, retry_after
-from disagg_mesh.server.common.runtime.auth import configured_token
+from disagg_mesh.server.common.runtime.auth import bearer_accepted
 from disagg_mesh.server.common.runtime.observability import metrics
 from disagg_mesh.server.common.runtime.observability.logging import REQUEST_ID_KEY, new_request_id
 from disagg_mesh.server.common.types import (
@@ -117,11 +116,7 @@ def scoped(
 
 
 def _check_token(request: web.Request) -> None:
-    token = configured_token()
-    if token is None:
-        return
-    given = request.headers.get("Authorization", "").encode()
-    if not hmac.compare_digest(given, f"Bearer {token}".encode()):
+    if not bearer_accepted(request.headers.get("Authorization", "")):
         raise Unauthenticated("missing or invalid token: send Authorization: Bearer <token>")
 
 

@@ -77,6 +77,16 @@ def gpu_backend() -> str | None:
     return "GPU"
 
 
+def layers_on_gpu(n_gpu_layers: int | None, backend: str | None) -> int:
+    """The n_gpu_layers to give llama.cpp: none without a GPU backend or when asked for 0,
+    every layer when unset (or negative), else as asked."""
+    if backend is None or n_gpu_layers == 0:
+        return 0
+    if n_gpu_layers is None or n_gpu_layers < 0:
+        return ALL_LAYERS
+    return n_gpu_layers
+
+
 def attended_from(position: int, window: int) -> int:
     """The lowest position a token at `position` attends to in every layer of a model with
     this sliding window (0: none): what a KV cache must hold for that token. llama.cpp's
@@ -105,10 +115,7 @@ class LlamaModel:
                 "`make clean venv` unless AMX works here",
                 model=str(path),
             )
-        if backend is None or n_gpu_layers == 0:
-            n_gpu_layers = 0
-        elif n_gpu_layers is None or n_gpu_layers < 0:
-            n_gpu_layers = ALL_LAYERS
+        n_gpu_layers = layers_on_gpu(n_gpu_layers, backend)
         params = llama_cpp.llama_model_default_params()
         params.n_gpu_layers = n_gpu_layers
         try:

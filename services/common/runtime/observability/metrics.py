@@ -10,7 +10,6 @@ Python: callers pass plain values.
 
 from __future__ import annotations
 
-import os
 import socket
 import threading
 from collections.abc import Callable
@@ -150,13 +149,12 @@ class _Quiet(WSGIRequestHandler):
         pass
 
 
-def serve_metrics(host: str, port: int) -> None:
+def serve_metrics(host: str, port: int, restarts: int) -> None:
     """/metrics on a thread of its own, always in Prometheus's text format: asked for
     OpenMetrics (as Prometheus 2 asks), prometheus-client writes vLLM's names with an
     underscore for the colon (vllm_num_requests_running), which llm-d and vLLM's dashboards
     would not find."""
-    # Set by the launcher when it starts a node again (services/launcher.py).
-    NODE_RESTARTS.set(int(os.environ.get("DISAGG_RESTARTS", "0") or 0))
+    NODE_RESTARTS.set(restarts)  # the launcher's count (processes.restarts)
     app = make_wsgi_app()
 
     def text_format(environ: dict[str, Any], start_response: Any) -> Any:
