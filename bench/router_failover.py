@@ -54,6 +54,7 @@ async def answer(
             if isinstance(item, Metrics):
                 metrics = item
                 continue
+            assert isinstance(item, str)  # no tools offered: text alone
             text += item
             deltas += 1
             if deltas == KILL_AFTER and kill is not None:

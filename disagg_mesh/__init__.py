@@ -23,6 +23,8 @@ if TYPE_CHECKING:
         Reasoning,
         Result,
         TlsFiles,
+        ToolCall,
+        ToolCallDelta,
     )
     from disagg_mesh.errors import (
         InvalidRequest,
@@ -40,6 +42,8 @@ _HOMES = {
     "Reasoning": "client",
     "Result": "client",
     "TlsFiles": "client",
+    "ToolCall": "client",
+    "ToolCallDelta": "client",
     "InvalidRequest": "errors",
     "MeshError": "errors",
     "ModelNotFound": "errors",
@@ -72,5 +76,7 @@ __all__ = [
     "Result",
     "Timeout",
     "TlsFiles",
+    "ToolCall",
+    "ToolCallDelta",
     "Unavailable",
 ]

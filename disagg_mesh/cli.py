@@ -39,6 +39,8 @@ from disagg_mesh.client import (
     MeshClient,
     Reasoning,
     TlsFiles,
+    ToolCall,
+    ToolCallDelta,
 )
 from disagg_mesh.errors import MeshError
 from disagg_mesh.metrics import Metrics
@@ -125,7 +127,22 @@ def _parser() -> argparse.ArgumentParser:
         help="how hard a reasoning model (gpt-oss) thinks; implies --chat",
     )
     gen.add_argument(
-        "--json", action="store_true", help="one JSON object: text, reasoning and metrics"
+        "--tools",
+        metavar="FILE",
+        help="functions the model may call: a JSON file holding a list in OpenAI's shape "
+        '([{"type": "function", "function": {"name", "description", "parameters"}}]); '
+        "implies --chat; the calls are printed after the text, one JSON object a line",
+    )
+    gen.add_argument(
+        "--tool-choice",
+        default="auto",
+        metavar="auto|none|required|NAME",
+        help="with --tools: whether (and which function) the model must call (default auto)",
+    )
+    gen.add_argument(
+        "--json",
+        action="store_true",
+        help="one JSON object: text, reasoning, tool calls and metrics",
     )
     gen.set_defaults(run=_generate)
 
@@ -307,7 +324,7 @@ def _client(args: argparse.Namespace) -> MeshClient:
 
 def _generate(args: argparse.Namespace) -> int:
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-    chat = args.chat or args.reasoning_effort is not None
+    chat = args.chat or args.reasoning_effort is not None or args.tools is not None
     call = GenerateCall(
         model=args.model,
         prompt="" if chat else prompt,
@@ -320,17 +337,27 @@ def _generate(args: argparse.Namespace) -> int:
         seed=args.seed,
         stop=args.stop,
         format=_format(args.format),
+        tools=_tools(args.tools),
+        tool_choice=args.tool_choice,
     )
     with _client(args) as mesh:
         if args.json:
             result = mesh.generate(call)
-            out = {"text": result.text, "reasoning": result.reasoning}
+            out = {
+                "text": result.text,
+                "reasoning": result.reasoning,
+                "tool_calls": [_call_json(c) for c in result.tool_calls],
+            }
             print(json.dumps({**out, "metrics": result.metrics.as_dict()}, indent=2))
             return 0
         metrics: Metrics | None = None
+        calls: dict[int, ToolCall] = {}
         for item in mesh.stream(call, reasoning=True):
             if isinstance(item, Metrics):
                 metrics = item
+            elif isinstance(item, ToolCallDelta):
+                calls.setdefault(item.index, ToolCall(item.id, item.name))
+                calls[item.index].arguments += item.arguments
             elif isinstance(item, Reasoning):  # on stderr: stdout is the answer alone
                 sys.stderr.write(item)
                 sys.stderr.flush()
@@ -338,9 +365,32 @@ def _generate(args: argparse.Namespace) -> int:
                 sys.stdout.write(item)
                 sys.stdout.flush()
         sys.stdout.write("\n")
+        for index in sorted(calls):
+            print(json.dumps(_call_json(calls[index])))
         if metrics is not None:
             print(metrics.one_line(), file=sys.stderr)
     return 0
+
+
+def _call_json(call: ToolCall) -> dict[str, Any]:
+    try:
+        arguments: Any = json.loads(call.arguments or "{}")
+    except ValueError:
+        arguments = call.arguments  # as the model wrote it
+    return {"id": call.id, "name": call.name, "arguments": arguments}
+
+
+def _tools(path: str | None) -> list[dict[str, Any]]:
+    """--tools: a JSON file holding a list of tools in OpenAI's shape."""
+    if path is None:
+        return []
+    try:
+        tools = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise CliError(f"--tools: {exc}", 2) from None
+    if not isinstance(tools, list):
+        raise CliError(f"--tools: {path} must hold a JSON list of tools", 2)
+    return tools
 
 
 def _format(value: str | None) -> str | dict[str, Any] | None:

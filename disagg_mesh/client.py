@@ -69,11 +69,12 @@ class TlsFiles:
 
 @dataclass(frozen=True)
 class GenerateCall:
-    """One request: a prompt or chat messages (dicts with role and content)."""
+    """One request: a prompt or chat messages (dicts with role and content; an assistant's
+    tool_calls, a tool result's tool_call_id)."""
 
     model: str
     prompt: str = ""
-    messages: Sequence[dict[str, str]] = ()
+    messages: Sequence[Mapping[str, Any]] = ()
     max_tokens: int = 512
     temperature: float | None = None  # None: the server's default (0.8); 0: greedy
     top_p: float | None = None
@@ -89,6 +90,14 @@ class GenerateCall:
     # Tokens per text delta (the first token and the end go at once); None: 1 for stream(),
     # WHOLE_ANSWER_INTERVAL_TOKENS for generate() and gather(), which read the whole answer.
     stream_interval_tokens: int | None = None
+    # Functions the model may call, in OpenAI's shape ({"type": "function", "function":
+    # {"name", "description", "parameters"}}); the calls come back in Result.tool_calls
+    # (stream(): ToolCallDelta items). tool_choice: "auto", "none", "required" or a
+    # function's name.
+    tools: Sequence[Mapping[str, Any]] = ()
+    tool_choice: str = "auto"
+    # Several calls in one answer; None: as the model's format does by default.
+    parallel_tool_calls: bool | None = None
 
     def __post_init__(self) -> None:
         if (self.reasoning_effort or "") not in _EFFORTS:
@@ -112,9 +121,7 @@ class GenerateCall:
         return router_pb2.GenerateRequest(
             model=self.model,
             prompt=self.prompt,
-            messages=[
-                types_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in self.messages
-            ],
+            messages=[_message(m) for m in self.messages],
             sampling=types_pb2.SamplingParams(
                 max_tokens=self.max_tokens,
                 temperature=self.temperature,
@@ -124,9 +131,59 @@ class GenerateCall:
                 ignore_eos=self.ignore_eos or None,
                 response_format=self._response_format(),
                 stream_interval_tokens=self.stream_interval_tokens,
+                tools=self._tools(),
             ),
             reasoning_effort=_EFFORTS[self.reasoning_effort or ""],
         )
+
+    def _tools(self) -> types_pb2.ToolSet | None:
+        if not self.tools:
+            return None
+        choices = {
+            "auto": types_pb2.TOOL_CHOICE_AUTO,
+            "none": types_pb2.TOOL_CHOICE_NONE,
+            "required": types_pb2.TOOL_CHOICE_REQUIRED,
+        }
+        definitions = []
+        for tool in self.tools:
+            function = tool.get("function", tool)
+            parameters = function.get("parameters")
+            definitions.append(
+                types_pb2.ToolDefinition(
+                    name=function.get("name", ""),
+                    description=function.get("description", ""),
+                    parameters_json_schema=json.dumps(parameters) if parameters else "",
+                )
+            )
+        return types_pb2.ToolSet(
+            definitions=definitions,
+            choice=choices.get(self.tool_choice, types_pb2.TOOL_CHOICE_FUNCTION),
+            function_name="" if self.tool_choice in choices else self.tool_choice,
+            parallel_calls=self.parallel_tool_calls,
+        )
+
+
+def _message(m: Mapping[str, Any]) -> types_pb2.ChatMessage:
+    """A chat message: role and content; an assistant's tool_calls (ToolCall or OpenAI's
+    dicts) and a tool result's tool_call_id."""
+    calls = []
+    for call in m.get("tool_calls") or ():
+        arguments: Any
+        if isinstance(call, ToolCall):
+            call_id, name, arguments = call.id, call.name, call.arguments
+        else:
+            function = call.get("function", call)
+            call_id, name = call.get("id", ""), function["name"]
+            arguments = function.get("arguments", "{}")
+        if not isinstance(arguments, str):
+            arguments = json.dumps(arguments)
+        calls.append(types_pb2.ToolCall(id=call_id, name=name, arguments_json=arguments))
+    return types_pb2.ChatMessage(
+        role=m["role"],
+        content=m.get("content") or "",
+        tool_calls=calls,
+        tool_call_id=m.get("tool_call_id", ""),
+    )
 
 
 _EFFORTS = {
@@ -143,12 +200,40 @@ class Reasoning(str):
 
 
 @dataclass(frozen=True)
+class ToolCallDelta:
+    """A piece of a tool call as stream() yields it: the first of a call has its id and
+    name, the next ones pieces of its arguments' JSON; index places it among the calls."""
+
+    index: int
+    id: str = ""
+    name: str = ""
+    arguments: str = ""
+
+
+@dataclass
+class ToolCall:
+    """A call the model made; send it back in the assistant message's tool_calls, with a
+    {"role": "tool", "tool_call_id": id, "content": result} message after it. (The client
+    needs no server code: the nodes' own ToolCall is services/common/tools/calls.py.)"""
+
+    id: str
+    name: str
+    arguments: str = ""  # a JSON object's text
+
+    def parsed_arguments(self) -> dict[str, Any]:
+        value = json.loads(self.arguments or "{}")
+        return value if isinstance(value, dict) else {}
+
+
+@dataclass(frozen=True)
 class Result:
     text: str
     metrics: Metrics
     request_id: str = ""
     # The model's reasoning before its answer (gpt-oss); "" for other models.
     reasoning: str = ""
+    # The tool calls it made (finish reason "tool_calls"), when the call offered tools.
+    tool_calls: tuple[ToolCall, ...] = ()
 
 
 DEFAULT_COOLDOWN_S = 30.0
@@ -318,14 +403,15 @@ def _whole(model: str | GenerateCall, prompt: str, kwargs: dict[str, Any]) -> Ge
 
 def _items(
     reply: router_pb2.GenerateResponse, reasoning: bool, progress: _Progress
-) -> list[str | Metrics]:
+) -> list[str | Metrics | ToolCallDelta]:
     progress.take(reply)
     if not reply.HasField("delta"):
         return [progress.metrics(reply.summary)]
     thought = [Reasoning(reply.delta.reasoning)] if reasoning and reply.delta.reasoning else []
-    if thought and not reply.delta.text:
-        return list(thought)
-    return [*thought, reply.delta.text]
+    calls = [ToolCallDelta(d.index, d.id, d.name, d.arguments_json) for d in reply.delta.tool_calls]
+    if (thought or calls) and not reply.delta.text:
+        return [*thought, *calls]
+    return [*thought, reply.delta.text, *calls]
 
 
 class _Collector:
@@ -334,11 +420,16 @@ class _Collector:
     def __init__(self) -> None:
         self.parts: list[str] = []
         self.reasoning: list[str] = []
+        self.calls: dict[int, ToolCall] = {}
         self.metrics: Metrics | None = None
 
-    def add(self, item: str | Metrics) -> None:
+    def add(self, item: str | Metrics | ToolCallDelta) -> None:
         if isinstance(item, Metrics):
             self.metrics = item
+        elif isinstance(item, ToolCallDelta):
+            if item.name:
+                self.calls[item.index] = ToolCall(item.id, item.name)
+            self.calls[item.index].arguments += item.arguments
         elif isinstance(item, Reasoning):
             self.reasoning.append(item)
         else:
@@ -347,7 +438,12 @@ class _Collector:
     def result(self, address: str) -> Result:
         if self.metrics is None:
             raise MeshError(grpc.StatusCode.DATA_LOSS, "stream ended without metrics", address)
-        return Result("".join(self.parts), self.metrics, reasoning="".join(self.reasoning))
+        return Result(
+            "".join(self.parts),
+            self.metrics,
+            reasoning="".join(self.reasoning),
+            tool_calls=tuple(self.calls[i] for i in sorted(self.calls)),
+        )
 
 
 class _Client:
@@ -416,7 +512,7 @@ class AsyncMeshClient(_Client):
 
     async def stream(
         self, model: str | GenerateCall, prompt: str = "", reasoning: bool = False, **kwargs: Any
-    ) -> AsyncIterator[str | Metrics]:
+    ) -> AsyncIterator[str | Metrics | ToolCallDelta]:
         """Text deltas as they arrive, then the Metrics. reasoning: the model's reasoning
         too, as `Reasoning` pieces (a str subclass) before the answer's."""
         call = _call(model, prompt, kwargs)
@@ -622,7 +718,7 @@ class MeshClient(_Client):
 
     def stream(
         self, model: str | GenerateCall, prompt: str = "", reasoning: bool = False, **kwargs: Any
-    ) -> Iterator[str | Metrics]:
+    ) -> Iterator[str | Metrics | ToolCallDelta]:
         """Text deltas as they arrive, then the Metrics. reasoning: the model's reasoning
         too, as `Reasoning` pieces (a str subclass) before the answer's."""
         call = _call(model, prompt, kwargs)

@@ -51,7 +51,7 @@ class Metrics:
     kv_transfer_time: float
     kv_load_time: float
     decode_prompt_eval_time: float
-    finish_reason: str  # "stop" or "length"
+    finish_reason: str  # "stop", "length" or "tool_calls"
     prefill_node: str
     decode_node: str
     failed_attempts: tuple[FailedAttempt, ...] = field(default=())

@@ -74,7 +74,7 @@ async def stream_example(
                         started = True
                         if isinstance(item, Metrics):
                             metrics = item
-                        else:
+                        elif isinstance(item, str):
                             sys.stdout.write(item)
                             sys.stdout.flush()
                 except Unavailable as exc:

@@ -372,7 +372,8 @@ def _openai_case(mesh: Mesh, schema: Any, prompt: str, k: Knobs) -> str:
             _answer_holds(choice.message.content or "", choice.finish_reason, schema)
         return "answered"
     except openai.BadRequestError as exc:
-        named = ("tools:" if k.tools else FIELD, "messages[0].content:", "messages:")
+        # With tools, response_format is refused (its schema first, if bad).
+        named = ("response_format" if k.tools else FIELD, "messages[0].content:", "messages:")
         assert any(n in str(exc) for n in named), str(exc)
         return "refused"
 

@@ -498,6 +498,86 @@ async def test_a_constrained_answer_stays_constrained_across_a_migration(
     assert 6 <= len(numbers) <= 12 and all(len(n) <= 10 for n in numbers)
 
 
+RUN_TESTS = types_pb2.ToolDefinition(
+    name="run_tests",
+    description="Run the student's tests on their code.",
+    parameters_json_schema=json.dumps(
+        {
+            "type": "object",
+            "properties": {
+                "code": {"type": "string", "maxLength": 120},
+                "names": {"type": "array", "items": {"type": "string"}, "maxItems": 6},
+            },
+            "required": ["code", "names"],
+        }
+    ),
+)
+
+
+async def tool_call_stream(
+    router: str, action: Callable[[], Awaitable[None]] | None = None, seed: int | None = None
+) -> tuple[list[types_pb2.ToolCallDelta], router_pb2.GenerateSummary, int]:
+    """A named call of run_tests through the router: its call pieces, the summary and the
+    deltas seen; action() runs after the 5th delta."""
+    request = router_pb2.GenerateRequest(
+        model="m",
+        messages=[
+            types_pb2.ChatMessage(
+                role="user", content="Run the tests of: def add(a, b): return a - b"
+            )
+        ],
+        sampling=types_pb2.SamplingParams(
+            max_tokens=LONG,
+            temperature=0.0 if seed is None else 0.9,
+            seed=seed,
+            tools=types_pb2.ToolSet(
+                definitions=[RUN_TESTS],
+                choice=types_pb2.TOOL_CHOICE_FUNCTION,
+                function_name="run_tests",
+            ),
+        ),
+    )
+    pieces: list[types_pb2.ToolCallDelta] = []
+    summary = None
+    deltas = 0
+    async with grpc.aio.insecure_channel(router) as channel:
+        stub = router_pb2_grpc.RouterServiceStub(channel)
+        async for reply in stub.Generate(request, timeout=120):
+            if reply.HasField("summary"):
+                summary = reply.summary
+                continue
+            deltas += 1
+            pieces += reply.delta.tool_calls
+            if deltas == 5 and action is not None:
+                await action()
+    assert summary is not None
+    return pieces, summary, deltas
+
+
+@pytest.mark.parametrize("seed", [None, 5])
+async def test_a_tool_call_goes_on_across_a_migration(
+    migration_mesh: MigrationMesh, seed: int | None
+) -> None:
+    """The node taking over feeds the delivered tokens' text to its call parser (and the
+    grammar): the same call as uninterrupted, once."""
+    alone, alone_summary, deltas = await tool_call_stream(migration_mesh.router, seed=seed)
+    assert deltas > 5 and not alone_summary.migrations
+    killed: list[str] = []
+    try:
+        kill = kill_serving(migration_mesh, signal.SIGKILL, killed)
+        got, summary, _ = await tool_call_stream(migration_mesh.router, kill, seed)
+    finally:
+        await migration_mesh.restart(*killed)
+    assert killed and len(summary.migrations) == 1
+    assert summary.finish_reason == types_pb2.FINISH_REASON_TOOL_CALLS
+    assert [(p.index, p.name, p.arguments_json) for p in got] == [
+        (p.index, p.name, p.arguments_json) for p in alone
+    ]
+    assert [p.name for p in got if p.name] == ["run_tests"]
+    arguments = json.loads("".join(p.arguments_json for p in got))
+    assert set(arguments) == {"code", "names"}
+
+
 class Verdict(BaseModel):
     verdict: Literal["correct", "wrong"]
     reasons: list[str] = Field(min_length=2, max_length=3)

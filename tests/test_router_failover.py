@@ -68,7 +68,7 @@ async def stream_all(
         async for item in client.stream(call):
             if isinstance(item, Metrics):
                 metrics = item
-            else:
+            elif isinstance(item, str):
                 text += item
                 deltas += 1
                 if deltas == after_deltas:

@@ -7,6 +7,9 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from disagg_mesh.server.common.tools.calls import Piece, ToolCall
+from disagg_mesh.server.common.tools.requests import ToolRequest
+
 DEFAULT_TEMPERATURE = 0.8
 DEFAULT_TOP_P = 0.95
 # What a caller may ask of a reasoning model's effort (gpt-oss's harmony "Reasoning:" line).
@@ -38,12 +41,17 @@ class Sampling:
     # Each text chunk carries at least this many tokens (the first token and the end go
     # at once): fewer messages for a caller that reads the whole answer.
     stream_interval_tokens: int = 1
+    # Functions the model may call (None: none); the node renders them and parses the calls.
+    tools: ToolRequest | None = None
 
 
 @dataclass(frozen=True)
 class ChatTurn:
-    role: str
+    role: str  # system, user, assistant or tool
     content: str
+    # An assistant turn's calls; a tool turn's call id.
+    tool_calls: tuple[ToolCall, ...] = ()
+    tool_call_id: str = ""
 
 
 @dataclass(frozen=True)
@@ -111,6 +119,7 @@ class Fingerprint:
 class FinishReason(enum.Enum):
     STOP = "stop"
     LENGTH = "length"
+    TOOL_CALLS = "tool_calls"
 
 
 class KvTransferKind(enum.Enum):
@@ -128,13 +137,16 @@ class TextChunk:
     # The model's reasoning these tokens produced (gpt-oss's analysis channel), apart from
     # the answer in `text`.
     reasoning: str = ""
+    # Pieces of tool calls these tokens made (CallStart, ArgumentsPiece), apart from `text`.
+    tool_calls: list[Piece] = field(default_factory=list)
 
     def __add__(self, later: TextChunk) -> TextChunk:
-        """One chunk for this one and a later one's tokens (text and reasoning alike)."""
+        """One chunk for this one and a later one's tokens (text, reasoning, calls alike)."""
         return TextChunk(
             self.text + later.text,
             self.token_ids + later.token_ids,
             self.reasoning + later.reasoning,
+            self.tool_calls + later.tool_calls,
         )
 
 

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import json
+
 from disagg_mesh.server.common.config.topology import SchemaLimits
 from disagg_mesh.server.common.errors import InvalidArgument, NotFound
 from disagg_mesh.server.common.structured.response_format import DEFAULT_LIMITS, FIELD, checked
 from disagg_mesh.server.common.structured.response_format import check as check_response_format
-from disagg_mesh.server.common.types import Prompt, Sampling
+from disagg_mesh.server.common.types import Prompt, ResponseFormat, Sampling
 
 MAX_PROMPT_BYTES = 4 * 1024 * 1024
 MAX_STOP_STRINGS = 8
-CHAT_ROLES = frozenset({"system", "user", "assistant"})
+CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
+# Where a door names a tool's parameters schema ({i}: the tool's place).
+TOOL_PARAMETERS_FIELD = "sampling.tools.definitions[{i}].parameters_json_schema"
 
 
 def validate_prompt(prompt: Prompt) -> None:
@@ -21,19 +25,45 @@ def validate_prompt(prompt: Prompt) -> None:
     size = len(prompt.text.encode()) + sum(len(m.content.encode()) for m in prompt.messages)
     if size > MAX_PROMPT_BYTES:
         raise InvalidArgument("prompt", f"is {size} bytes; the limit is {MAX_PROMPT_BYTES} bytes")
+    calls: set[str] = set()
     for i, turn in enumerate(prompt.messages):
         if turn.role not in CHAT_ROLES:
             raise InvalidArgument(
                 f"messages[{i}].role",
                 f"must be one of {', '.join(sorted(CHAT_ROLES))}, got {turn.role!r}",
             )
+        if turn.tool_calls and turn.role != "assistant":
+            raise InvalidArgument(f"messages[{i}].tool_calls", "only an assistant turn has calls")
+        calls.update(c.id for c in turn.tool_calls)
+        if turn.role != "tool":
+            continue
+        if not calls:
+            raise InvalidArgument(
+                f"messages[{i}]", "a tool result with no assistant tool call before it"
+            )
+        if turn.tool_call_id and turn.tool_call_id not in calls:
+            raise InvalidArgument(
+                f"messages[{i}].tool_call_id",
+                f"{turn.tool_call_id!r} answers no earlier assistant tool call "
+                f"({', '.join(sorted(calls))})",
+            )
 
 
-async def check_format(sampling: Sampling, limits: SchemaLimits, field: str = FIELD) -> None:
-    """The response format's schema checked off the event loop, within limits' time budget
-    (validate_sampling then finds it checked)."""
+async def check_format(
+    sampling: Sampling,
+    limits: SchemaLimits,
+    field: str = FIELD,
+    tools_field: str = TOOL_PARAMETERS_FIELD,
+) -> None:
+    """The response format's schema, and each tool's parameters schema (the arguments may be
+    held to it), checked off the event loop within limits' time budget (validate_sampling
+    then finds it checked)."""
     if sampling.response_format is not None:
         await checked(sampling.response_format, field, limits)
+    for i, tool in enumerate(sampling.tools.tools if sampling.tools is not None else ()):
+        if tool.parameters:
+            schema = ResponseFormat(json.dumps(tool.parameters))
+            await checked(schema, tools_field.format(i=i), limits)
 
 
 def validate_sampling(
@@ -59,6 +89,17 @@ def validate_sampling(
         )
     if any(not s for s in sampling.stop):
         raise InvalidArgument("sampling.stop", "stop strings must not be empty")
+    if sampling.tools is not None and sampling.tools.choice != "none":
+        for name, value in (
+            ("response_format", sampling.response_format),
+            ("sampling.ignore_eos", sampling.ignore_eos),
+        ):
+            if value:
+                raise InvalidArgument(
+                    name,
+                    "cannot be combined with tools: the answer is the model's calls or its "
+                    'text (tool_choice "none" leaves the tools out)',
+                )
     if sampling.response_format is not None:
         if sampling.ignore_eos:
             raise InvalidArgument(

@@ -7,6 +7,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class ToolChoice(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TOOL_CHOICE_UNSPECIFIED: _ClassVar[ToolChoice]
+    TOOL_CHOICE_AUTO: _ClassVar[ToolChoice]
+    TOOL_CHOICE_NONE: _ClassVar[ToolChoice]
+    TOOL_CHOICE_REQUIRED: _ClassVar[ToolChoice]
+    TOOL_CHOICE_FUNCTION: _ClassVar[ToolChoice]
+
 class ResponseFormatType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     RESPONSE_FORMAT_TYPE_UNSPECIFIED: _ClassVar[ResponseFormatType]
@@ -25,6 +33,7 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
     FINISH_REASON_STOP: _ClassVar[FinishReason]
     FINISH_REASON_LENGTH: _ClassVar[FinishReason]
+    FINISH_REASON_TOOL_CALLS: _ClassVar[FinishReason]
 
 class KvTransfer(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -32,6 +41,11 @@ class KvTransfer(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     KV_TRANSFER_NONE: _ClassVar[KvTransfer]
     KV_TRANSFER_STATE: _ClassVar[KvTransfer]
     KV_TRANSFER_TOKEN_IDS: _ClassVar[KvTransfer]
+TOOL_CHOICE_UNSPECIFIED: ToolChoice
+TOOL_CHOICE_AUTO: ToolChoice
+TOOL_CHOICE_NONE: ToolChoice
+TOOL_CHOICE_REQUIRED: ToolChoice
+TOOL_CHOICE_FUNCTION: ToolChoice
 RESPONSE_FORMAT_TYPE_UNSPECIFIED: ResponseFormatType
 RESPONSE_FORMAT_TYPE_JSON_OBJECT: ResponseFormatType
 RESPONSE_FORMAT_TYPE_JSON_SCHEMA: ResponseFormatType
@@ -42,13 +56,14 @@ REASONING_EFFORT_HIGH: ReasoningEffort
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
+FINISH_REASON_TOOL_CALLS: FinishReason
 KV_TRANSFER_UNSPECIFIED: KvTransfer
 KV_TRANSFER_NONE: KvTransfer
 KV_TRANSFER_STATE: KvTransfer
 KV_TRANSFER_TOKEN_IDS: KvTransfer
 
 class SamplingParams(_message.Message):
-    __slots__ = ("max_tokens", "temperature", "top_p", "seed", "stop", "ignore_eos", "response_format", "stream_interval_tokens")
+    __slots__ = ("max_tokens", "temperature", "top_p", "seed", "stop", "ignore_eos", "response_format", "stream_interval_tokens", "tools")
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
@@ -57,6 +72,7 @@ class SamplingParams(_message.Message):
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_FORMAT_FIELD_NUMBER: _ClassVar[int]
     STREAM_INTERVAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOOLS_FIELD_NUMBER: _ClassVar[int]
     max_tokens: int
     temperature: float
     top_p: float
@@ -65,7 +81,52 @@ class SamplingParams(_message.Message):
     ignore_eos: bool
     response_format: ResponseFormat
     stream_interval_tokens: int
-    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., response_format: _Optional[_Union[ResponseFormat, _Mapping]] = ..., stream_interval_tokens: _Optional[int] = ...) -> None: ...
+    tools: ToolSet
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., response_format: _Optional[_Union[ResponseFormat, _Mapping]] = ..., stream_interval_tokens: _Optional[int] = ..., tools: _Optional[_Union[ToolSet, _Mapping]] = ...) -> None: ...
+
+class ToolSet(_message.Message):
+    __slots__ = ("definitions", "choice", "function_name", "parallel_calls")
+    DEFINITIONS_FIELD_NUMBER: _ClassVar[int]
+    CHOICE_FIELD_NUMBER: _ClassVar[int]
+    FUNCTION_NAME_FIELD_NUMBER: _ClassVar[int]
+    PARALLEL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    definitions: _containers.RepeatedCompositeFieldContainer[ToolDefinition]
+    choice: ToolChoice
+    function_name: str
+    parallel_calls: bool
+    def __init__(self, definitions: _Optional[_Iterable[_Union[ToolDefinition, _Mapping]]] = ..., choice: _Optional[_Union[ToolChoice, str]] = ..., function_name: _Optional[str] = ..., parallel_calls: _Optional[bool] = ...) -> None: ...
+
+class ToolDefinition(_message.Message):
+    __slots__ = ("name", "description", "parameters_json_schema")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
+    PARAMETERS_JSON_SCHEMA_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    description: str
+    parameters_json_schema: str
+    def __init__(self, name: _Optional[str] = ..., description: _Optional[str] = ..., parameters_json_schema: _Optional[str] = ...) -> None: ...
+
+class ToolCall(_message.Message):
+    __slots__ = ("id", "name", "arguments_json")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ARGUMENTS_JSON_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    name: str
+    arguments_json: str
+    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., arguments_json: _Optional[str] = ...) -> None: ...
+
+class ToolCallDelta(_message.Message):
+    __slots__ = ("index", "id", "name", "arguments_json")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ARGUMENTS_JSON_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    id: str
+    name: str
+    arguments_json: str
+    def __init__(self, index: _Optional[int] = ..., id: _Optional[str] = ..., name: _Optional[str] = ..., arguments_json: _Optional[str] = ...) -> None: ...
 
 class ResponseFormat(_message.Message):
     __slots__ = ("type", "json_schema")
@@ -76,12 +137,16 @@ class ResponseFormat(_message.Message):
     def __init__(self, type: _Optional[_Union[ResponseFormatType, str]] = ..., json_schema: _Optional[str] = ...) -> None: ...
 
 class ChatMessage(_message.Message):
-    __slots__ = ("role", "content")
+    __slots__ = ("role", "content", "tool_calls", "tool_call_id")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     CONTENT_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALL_ID_FIELD_NUMBER: _ClassVar[int]
     role: str
     content: str
-    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
+    tool_calls: _containers.RepeatedCompositeFieldContainer[ToolCall]
+    tool_call_id: str
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., tool_call_id: _Optional[str] = ...) -> None: ...
 
 class KvFingerprint(_message.Message):
     __slots__ = ("model_sha256", "n_ctx_tokens", "engine_version", "type_k", "type_v", "flash_attn", "kv_unified", "swa_full")
@@ -126,14 +191,16 @@ class KvReference(_message.Message):
     def __init__(self, kv_handle: _Optional[str] = ..., first_token_id: _Optional[int] = ..., first_token_text: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., fingerprint: _Optional[_Union[KvFingerprint, _Mapping]] = ..., kv_size_bytes: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., kv_prefix_tokens: _Optional[int] = ..., open_message_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TextDelta(_message.Message):
-    __slots__ = ("text", "token_ids", "reasoning")
+    __slots__ = ("text", "token_ids", "reasoning", "tool_calls")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     REASONING_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     reasoning: str
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., reasoning: _Optional[str] = ...) -> None: ...
+    tool_calls: _containers.RepeatedCompositeFieldContainer[ToolCallDelta]
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., reasoning: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCallDelta, _Mapping]]] = ...) -> None: ...
 
 class Continuation(_message.Message):
     __slots__ = ("generated_token_ids", "generated_text", "first_token_from_prefill", "raw_prompt", "generated_tokens", "prompt_cached_tokens")

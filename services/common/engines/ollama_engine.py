@@ -302,6 +302,11 @@ class OllamaEngine:
     # -- helpers ---------------------------------------------------------------------------
 
     def _options(self, sampling: Sampling, num_predict: int) -> dict[str, Any]:
+        if sampling.tools is not None:
+            raise FailedPrecondition(
+                f"tools: the Ollama engine at {self.url} does not pass tools on yet (issue "
+                "#43); route the model to embedded llama.cpp nodes"
+            )
         if sampling.ignore_eos:
             raise InvalidArgument(
                 "sampling.ignore_eos",

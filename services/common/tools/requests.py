@@ -26,7 +26,9 @@ class ToolRequest:
     # `function` names the one function the model must call.
     choice: str = "auto"
     function: str | None = None
-    parallel: bool = True
+    # Several calls at once allowed (OpenAI's parallel_tool_calls); None: not said, as the
+    # format does by default (formats.py).
+    parallel: bool | None = None
 
     @property
     def forced(self) -> bool:
@@ -64,7 +66,7 @@ def read_tools(
         raise InvalidArgument(
             "parallel_tool_calls", f"must be true or false, got {parallel_tool_calls!r}"
         )
-    return ToolRequest(read, choice, function, parallel_tool_calls is not False)
+    return ToolRequest(read, choice, function, parallel_tool_calls)
 
 
 def _tool(entry: Any, where: str) -> Tool:

@@ -7,11 +7,20 @@ summaries) convert by mirror.py's rules; the others here, by hand.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 from dataclasses import asdict, fields
+from typing import Any
 
 from disagg_mesh.proto.v1 import decode_pb2, node_pb2, prefill_pb2, types_pb2
 from disagg_mesh.server.common.errors import InvalidArgument
+from disagg_mesh.server.common.tools.calls import (
+    ArgumentsPiece,
+    CallStart,
+    Piece,
+    ToolCall,
+)
+from disagg_mesh.server.common.tools.requests import ToolRequest, read_tools
 from disagg_mesh.server.common.types import (
     DEFAULT_TEMPERATURE,
     DEFAULT_TOP_P,
@@ -51,6 +60,61 @@ def sampling_from_proto(msg: types_pb2.SamplingParams, max_tokens_limit: int) ->
         ignore_eos=msg.ignore_eos,
         response_format=response_format_from_proto(msg.response_format),
         stream_interval_tokens=msg.stream_interval_tokens or 1,
+        tools=tools_from_proto(msg.tools) if msg.HasField("tools") else None,
+    )
+
+
+TOOLS_FIELD = "sampling.tools.definitions"
+TOOL_CHOICES = {
+    types_pb2.TOOL_CHOICE_UNSPECIFIED: "auto",
+    types_pb2.TOOL_CHOICE_AUTO: "auto",
+    types_pb2.TOOL_CHOICE_NONE: "none",
+    types_pb2.TOOL_CHOICE_REQUIRED: "required",
+}
+
+
+def tools_from_proto(msg: types_pb2.ToolSet) -> ToolRequest | None:
+    """Checked as the HTTP doors check OpenAI's `tools` (read_tools), fields named as here."""
+    definitions: list[dict[str, Any]] = []
+    for i, d in enumerate(msg.definitions):
+        function: dict[str, Any] = {"name": d.name, "description": d.description}
+        if d.parameters_json_schema:
+            try:
+                function["parameters"] = json.loads(d.parameters_json_schema)
+            except ValueError as exc:
+                raise InvalidArgument(
+                    f"{TOOLS_FIELD}[{i}].parameters_json_schema", f"is not JSON: {exc}"
+                ) from None
+        definitions.append({"type": "function", "function": function})
+    choice: Any
+    if msg.choice == types_pb2.TOOL_CHOICE_FUNCTION:
+        choice = {"type": "function", "function": {"name": msg.function_name}}
+    elif msg.choice in TOOL_CHOICES:
+        choice = TOOL_CHOICES[msg.choice]
+    else:
+        raise InvalidArgument("sampling.tools.choice", f"unknown value {msg.choice}")
+    parallel = msg.parallel_calls if msg.HasField("parallel_calls") else None
+    return read_tools(definitions, choice, parallel, field=TOOLS_FIELD)
+
+
+def tools_to_proto(tools: ToolRequest | None) -> types_pb2.ToolSet | None:
+    if tools is None:
+        return None
+    choice = {v: k for k, v in TOOL_CHOICES.items() if k != types_pb2.TOOL_CHOICE_UNSPECIFIED}
+    return types_pb2.ToolSet(
+        definitions=[
+            types_pb2.ToolDefinition(
+                name=t.name,
+                description=t.description,
+                parameters_json_schema=json.dumps(t.parameters) if t.parameters else "",
+            )
+            for t in tools.tools
+        ],
+        choice=(
+            types_pb2.TOOL_CHOICE_FUNCTION if tools.function is not None else choice[tools.choice]
+        ),
+        function_name=tools.function or "",
+        parallel_calls=tools.parallel,
     )
 
 
@@ -88,6 +152,7 @@ def sampling_to_proto(sampling: Sampling) -> types_pb2.SamplingParams:
         ignore_eos=sampling.ignore_eos or None,
         response_format=response_format_to_proto(sampling.response_format),
         stream_interval_tokens=sampling.stream_interval_tokens,
+        tools=tools_to_proto(sampling.tools),
     )
 
 
@@ -109,13 +174,42 @@ def prompt_from_proto(
         raise InvalidArgument("reasoning_effort", f"unknown value {reasoning_effort}")
     return Prompt(
         text=text,
-        messages=tuple(ChatTurn(m.role, m.content) for m in messages),
+        messages=tuple(_turn_from_proto(m) for m in messages),
         reasoning_effort=REASONING_EFFORTS[reasoning_effort],
     )
 
 
+def _turn_from_proto(m: types_pb2.ChatMessage) -> ChatTurn:
+    calls = tuple(ToolCall(c.id, c.name, c.arguments_json) for c in m.tool_calls)
+    return ChatTurn(m.role, m.content, calls, m.tool_call_id)
+
+
 def prompt_messages_to_proto(prompt: Prompt) -> list[types_pb2.ChatMessage]:
-    return [types_pb2.ChatMessage(role=m.role, content=m.content) for m in prompt.messages]
+    return [
+        types_pb2.ChatMessage(
+            role=m.role,
+            content=m.content,
+            tool_calls=[
+                types_pb2.ToolCall(id=c.id, name=c.name, arguments_json=c.arguments)
+                for c in m.tool_calls
+            ],
+            tool_call_id=m.tool_call_id,
+        )
+        for m in prompt.messages
+    ]
+
+
+def _call_piece_to_proto(piece: Piece) -> types_pb2.ToolCallDelta:
+    if isinstance(piece, CallStart):
+        return types_pb2.ToolCallDelta(index=piece.index, id=piece.id, name=piece.name)
+    assert isinstance(piece, ArgumentsPiece)
+    return types_pb2.ToolCallDelta(index=piece.index, arguments_json=piece.text)
+
+
+def _call_piece_from_proto(delta: types_pb2.ToolCallDelta) -> Piece:
+    if delta.name:
+        return CallStart(delta.index, delta.id, delta.name)
+    return ArgumentsPiece(delta.index, delta.arguments_json)
 
 
 def reasoning_effort_to_proto(prompt: Prompt) -> types_pb2.ReasoningEffort:
@@ -124,12 +218,20 @@ def reasoning_effort_to_proto(prompt: Prompt) -> types_pb2.ReasoningEffort:
 
 def text_delta_to_proto(chunk: TextChunk) -> types_pb2.TextDelta:
     return types_pb2.TextDelta(
-        text=chunk.text, token_ids=chunk.token_ids, reasoning=chunk.reasoning
+        text=chunk.text,
+        token_ids=chunk.token_ids,
+        reasoning=chunk.reasoning,
+        tool_calls=[_call_piece_to_proto(p) for p in chunk.tool_calls],
     )
 
 
 def text_chunk_from_proto(delta: types_pb2.TextDelta) -> TextChunk:
-    return TextChunk(text=delta.text, token_ids=list(delta.token_ids), reasoning=delta.reasoning)
+    return TextChunk(
+        text=delta.text,
+        token_ids=list(delta.token_ids),
+        reasoning=delta.reasoning,
+        tool_calls=[_call_piece_from_proto(d) for d in delta.tool_calls],
+    )
 
 
 def continuation_from_proto(msg: types_pb2.Continuation) -> Continuation:
@@ -168,6 +270,7 @@ def fingerprint_to_proto(fp: Fingerprint) -> types_pb2.KvFingerprint:
 FINISH_REASON_TO_PROTO = {
     FinishReason.STOP: types_pb2.FINISH_REASON_STOP,
     FinishReason.LENGTH: types_pb2.FINISH_REASON_LENGTH,
+    FinishReason.TOOL_CALLS: types_pb2.FINISH_REASON_TOOL_CALLS,
 }
 
 KV_TRANSFER_TO_PROTO = {

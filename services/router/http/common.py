@@ -10,7 +10,7 @@ import math
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -21,6 +21,8 @@ from disagg_mesh.server.common.errors import InvalidArgument, MeshError, retry_a
 from disagg_mesh.server.common.runtime.auth import bearer_accepted
 from disagg_mesh.server.common.runtime.observability import metrics
 from disagg_mesh.server.common.runtime.observability.logging import REQUEST_ID_KEY, new_request_id
+from disagg_mesh.server.common.tools.calls import Piece, ToolCall, assemble
+from disagg_mesh.server.common.tools.requests import ToolRequest
 from disagg_mesh.server.common.types import (
     DEFAULT_TEMPERATURE,
     DEFAULT_TOP_P,
@@ -220,6 +222,7 @@ def sampling(
     stream: bool,
     ignore_eos: bool = False,
     response_format: ResponseFormat | None = None,
+    tools: ToolRequest | None = None,
 ) -> Sampling:
     """A Sampling from an HTTP request; unset max_tokens (or Ollama's -1/-2) means until an
     end token or a full context, bounded by the mesh's max_tokens_limit. An answer sent
@@ -241,6 +244,7 @@ def sampling(
         ignore_eos=ignore_eos,
         response_format=response_format,
         stream_interval_tokens=1 if stream else WHOLE_ANSWER_INTERVAL_TOKENS,
+        tools=tools,
     )
 
 
@@ -266,16 +270,19 @@ async def first_event(events: Events) -> TextChunk | RouteSummary:
 
 @dataclass(frozen=True)
 class Collected:
-    """A whole generation (stream: false): its answer, its reasoning, its summary."""
+    """A whole generation (stream: false): its answer, its reasoning, its summary, and
+    the tool calls it made."""
 
     text: str
     reasoning: str
     summary: RouteSummary
+    tool_calls: list[ToolCall] = field(default_factory=list)
 
 
 async def collect(events: Events) -> Collected:
     parts: list[str] = []
     reasoning: list[str] = []
+    pieces: list[Piece] = []
     summary: RouteSummary | None = None
     async with aclosing(events) as stream:
         async for event in stream:
@@ -284,8 +291,9 @@ async def collect(events: Events) -> Collected:
             else:
                 parts.append(event.text)
                 reasoning.append(event.reasoning)
+                pieces.extend(event.tool_calls)
     assert summary is not None, "a generation ends with its summary"
-    return Collected("".join(parts), "".join(reasoning), summary)
+    return Collected("".join(parts), "".join(reasoning), summary, assemble(pieces)[1])
 
 
 def schema_format(schema: dict[str, Any]) -> ResponseFormat:
@@ -293,10 +301,16 @@ def schema_format(schema: dict[str, Any]) -> ResponseFormat:
     return ResponseFormat(json_schema=json.dumps(schema))
 
 
-async def checked_sampling(router: Router, sampling: Sampling, field: str) -> Sampling:
-    """The sampling, its response format's schema checked off the event loop against the
-    mesh's limits: InvalidArgument naming the door's `field` and the keyword."""
-    await check_format(sampling, router.schema_limits, field)
+async def checked_sampling(
+    router: Router,
+    sampling: Sampling,
+    field: str,
+    tools_field: str = "tools[{i}].function.parameters",
+) -> Sampling:
+    """The sampling, its response format's and tools' schemas checked off the event loop
+    against the mesh's limits: InvalidArgument naming the door's `field` (a tool's:
+    `tools_field`) and the keyword."""
+    await check_format(sampling, router.schema_limits, field, tools_field)
     return sampling
 
 

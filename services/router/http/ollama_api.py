@@ -21,7 +21,15 @@ from typing import Any
 from aiohttp import web
 
 from disagg_mesh.server.common.errors import InvalidArgument, MeshError, NotFound
-from disagg_mesh.server.common.types import ChatTurn, Prompt, ResponseFormat, Sampling
+from disagg_mesh.server.common.tools.calls import Piece, ToolCall, assemble
+from disagg_mesh.server.common.tools.requests import read_tools
+from disagg_mesh.server.common.types import (
+    ChatTurn,
+    FinishReason,
+    Prompt,
+    ResponseFormat,
+    Sampling,
+)
 from disagg_mesh.server.router.http.common import (
     Events,
     Fields,
@@ -118,6 +126,7 @@ class OllamaApi:
             max_tokens_field="options.num_predict",
             stream=body.boolean("stream", True),
             response_format=_format(body.body.get("format")),
+            tools=read_tools(body.body.get("tools")),
         )
 
     def _think(self, body: Fields) -> tuple[str, bool]:
@@ -132,6 +141,7 @@ class OllamaApi:
         body = Fields(await json_body(request))
         model = body.string("model", required=True) or ""
         for key, why in (
+            ("tools", "tools need /api/chat"),
             ("images", "this mesh serves text models"),
             ("context", "send the conversation as messages to /api/chat instead"),
             ("suffix", "fill-in-the-middle is not implemented"),
@@ -163,8 +173,6 @@ class OllamaApi:
     async def chat(self, request: web.Request) -> web.StreamResponse:
         body = Fields(await json_body(request))
         model = body.string("model", required=True) or ""
-        for key, why in (("tools", "tool calling is not implemented"),):
-            body.refuse(key, why)
         body.string("keep_alive")
         stream = body.boolean("stream", True)
         sampling_ = await checked_sampling(self.router, self._sampling(model, body), "format")
@@ -175,16 +183,7 @@ class OllamaApi:
             return self._loaded(model, "message", stream)
         if not isinstance(raw_messages, list):
             raise InvalidArgument("messages", "must be a list of {role, content} objects")
-        turns = []
-        for i, message in enumerate(raw_messages):
-            if not isinstance(message, dict):
-                raise InvalidArgument(f"messages[{i}]", "must be an object")
-            fields = Fields(message, f"messages[{i}].")
-            fields.refuse("images", "this mesh serves text models")
-            fields.refuse("tool_calls", "tool calling is not implemented")
-            fields.string("thinking")  # an earlier turn's reasoning: harmony drops it
-            role = fields.string("role", required=True) or ""
-            turns.append(ChatTurn(role, fields.string("content") or ""))
+        turns = _turns(raw_messages)
         prompt = Prompt(messages=tuple(turns), reasoning_effort=effort)
         checked = dry_run(request, self.router, model, prompt, sampling_)
         if checked is not None:
@@ -227,7 +226,10 @@ class OllamaApi:
         line = self._piece(model, field, text, thinking)
         line.update(
             done=True,
-            done_reason=s.finish_reason.value,
+            # Ollama ends an answer with calls as any other: "stop".
+            done_reason="stop"
+            if s.finish_reason is FinishReason.TOOL_CALLS
+            else s.finish_reason.value,
             total_duration=ns(s.total_seconds),
             load_duration=0,
             prompt_eval_count=s.prompt_tokens,
@@ -250,17 +252,27 @@ class OllamaApi:
         if not stream:
             got = await collect(events)
             reasoning = got.reasoning if thinking else ""
-            return web.json_response(self._final(model, field, got.text, got.summary, reasoning))
+            line = self._final(model, field, got.text, got.summary, reasoning)
+            if got.tool_calls:
+                line["message"]["tool_calls"] = _ollama_calls(got.tool_calls)
+            return web.json_response(line)
         async with aclosing(events):
             event = await first_event(events)  # errors before any text keep their status
             response = web.StreamResponse(headers={"Content-Type": NDJSON})
             await response.prepare(request)
+            pieces: list[Piece] = []  # Ollama streams each call whole: sent before the end
             try:
                 while True:
                     if isinstance(event, RouteSummary):
+                        calls = assemble(pieces)[1]
+                        if calls:
+                            line = self._piece(model, field, "")
+                            line["message"]["tool_calls"] = _ollama_calls(calls)
+                            await response.write(_line(line).encode())
                         await response.write(_line(self._final(model, field, "", event)).encode())
                         break
                     reasoning = event.reasoning if thinking else ""
+                    pieces.extend(event.tool_calls)
                     if event.text or reasoning:
                         line = self._piece(model, field, event.text, reasoning)
                         await response.write(_line(line).encode())
@@ -334,6 +346,7 @@ class OllamaApi:
                 "template": "",
                 "details": entry["details"],
                 "model_info": {"general.architecture": "", "disagg.chain": route.chain},
+                # "tools" once every family's calls are parsed (gpt-oss's: issue #43).
                 "capabilities": ["completion"],
                 "modified_at": self.started,
             }
@@ -341,6 +354,68 @@ class OllamaApi:
 
     async def version(self, request: web.Request) -> web.Response:
         return web.json_response({"version": VERSION})
+
+
+def _turns(messages: list[Any]) -> list[ChatTurn]:
+    """Ollama's chat messages. Its calls carry no ids: each gets one here, and a tool
+    message answers the call it names (`tool_name`), else the first one not yet answered."""
+    turns: list[ChatTurn] = []
+    unanswered: list[ToolCall] = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise InvalidArgument(f"messages[{i}]", "must be an object")
+        fields = Fields(message, f"messages[{i}].")
+        fields.refuse("images", "this mesh serves text models")
+        fields.string("thinking")  # an earlier turn's reasoning: harmony drops it
+        role = fields.string("role", required=True) or ""
+        content = fields.string("content") or ""
+        calls = _read_calls(message.get("tool_calls"), i)
+        unanswered.extend(calls)
+        call_id = ""
+        if role == "tool":
+            name = fields.string("tool_name") or fields.string("name")
+            answered = next((c for c in unanswered if name in (None, c.name)), None)
+            if answered is None:
+                raise InvalidArgument(
+                    f"messages[{i}]",
+                    "a tool result with no assistant tool call before it"
+                    + (f" to {name!r}" if name else ""),
+                )
+            unanswered.remove(answered)
+            call_id = answered.id
+        turns.append(ChatTurn(role, content, calls, call_id))
+    return turns
+
+
+def _read_calls(value: Any, i: int) -> tuple[ToolCall, ...]:
+    if value is None:
+        return ()
+    where = f"messages[{i}].tool_calls"
+    if not isinstance(value, list):
+        raise InvalidArgument(where, "must be a list of calls")
+    calls = []
+    for j, call in enumerate(value):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise InvalidArgument(f"{where}[{j}]", 'must be {"function": {"name", "arguments"}}')
+        arguments = function.get("arguments", {})
+        if not isinstance(arguments, dict):
+            raise InvalidArgument(f"{where}[{j}].function.arguments", "must be an object")
+        calls.append(ToolCall(f"call_{i}_{j}", function["name"], json.dumps(arguments)))
+    return tuple(calls)
+
+
+def _ollama_calls(calls: list[ToolCall]) -> list[dict[str, Any]]:
+    """Calls as Ollama returns them: arguments as an object (as the model wrote them when
+    they are not one)."""
+    out = []
+    for index, call in enumerate(calls):
+        try:
+            arguments: Any = call.parsed_arguments()
+        except ValueError:
+            arguments = call.arguments
+        out.append({"function": {"index": index, "name": call.name, "arguments": arguments}})
+    return out
 
 
 def _line(obj: dict[str, Any]) -> str:

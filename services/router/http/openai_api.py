@@ -16,6 +16,8 @@ from aiohttp import web
 
 from disagg_mesh.server.common.errors import InvalidArgument, MeshError
 from disagg_mesh.server.common.runtime.observability.logging import current_request_id
+from disagg_mesh.server.common.tools.calls import ArgumentsPiece, CallStart, Piece, ToolCall
+from disagg_mesh.server.common.tools.requests import read_tools
 from disagg_mesh.server.common.types import ChatTurn, Prompt, ResponseFormat, Sampling
 from disagg_mesh.server.router.http.common import (
     Events,
@@ -42,7 +44,13 @@ ERROR_TYPES = {
     404: "not_found_error",
     429: "rate_limit_error",
 }
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+ROLES = {
+    "system": "system",
+    "developer": "system",
+    "user": "user",
+    "assistant": "assistant",
+    "tool": "tool",
+}
 
 
 def error_body(exc: MeshError, status: int) -> dict[str, Any]:
@@ -108,8 +116,7 @@ class OpenAiApi:
         if n not in (None, 1):
             raise InvalidArgument("n", f"only 1 choice per request is supported, got {n}")
         for key, why in (
-            ("tools", "tool calling is not implemented"),
-            ("functions", "function calling is not implemented"),
+            ("functions", "the legacy functions field is not supported: use tools"),
             ("logprobs", "log probabilities are not returned"),
         ):
             body.refuse(key, why)
@@ -134,6 +141,11 @@ class OpenAiApi:
             # vLLM's extra parameter (the openai client's extra_body): fixed-length answers.
             ignore_eos=body.boolean("ignore_eos", False),
             response_format=_response_format(body.mapping("response_format")),
+            tools=read_tools(
+                body.body.get("tools"),
+                body.body.get("tool_choice"),
+                body.body.get("parallel_tool_calls"),
+            ),
         )
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
@@ -157,6 +169,7 @@ class OpenAiApi:
         model = body.string("model", required=True) or ""
         sampling_ = await checked_sampling(self.router, self._sampling(body), SCHEMA_FIELD)
         body.refuse("suffix", "fill-in-the-middle is not implemented")
+        body.refuse("tools", "tools need /v1/chat/completions")
         body.refuse("echo", "echoing the prompt is not implemented")
         prompt = body.body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
@@ -188,6 +201,16 @@ class OpenAiApi:
                 choice["message"] = {"role": "assistant", "content": got.text}
                 if got.reasoning:
                     choice["message"]["reasoning_content"] = got.reasoning
+                if got.tool_calls:
+                    choice["message"]["content"] = got.text or None
+                    choice["message"]["tool_calls"] = [
+                        {
+                            "id": c.id,
+                            "type": "function",
+                            "function": {"name": c.name, "arguments": c.arguments},
+                        }
+                        for c in got.tool_calls
+                    ]
             else:
                 choice["text"] = got.text
             return web.json_response(
@@ -206,7 +229,11 @@ class OpenAiApi:
         created = int(time.time())
 
         def chunk(
-            text: str | None, finish: str | None, first: bool = False, reasoning: str = ""
+            text: str | None,
+            finish: str | None,
+            first: bool = False,
+            reasoning: str = "",
+            calls: list[Piece] | None = None,
         ) -> dict[str, Any]:
             choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
             if chat:
@@ -215,6 +242,8 @@ class OpenAiApi:
                     delta["content"] = text
                 if reasoning:
                     delta["reasoning_content"] = reasoning
+                if calls:
+                    delta["tool_calls"] = [_call_delta(p) for p in calls]
                 choice["delta"] = delta
             else:
                 choice["text"] = text or ""
@@ -245,9 +274,12 @@ class OpenAiApi:
                             await response.write(_event(usage))
                         break
                     reasoning = event.reasoning if chat else ""
+                    calls = event.tool_calls if chat else []
                     if event.text or reasoning or first:
                         await response.write(_event(chunk(event.text, None, first, reasoning)))
                         first = False
+                    for piece in calls:  # one a chunk, after the text, as OpenAI sends them
+                        await response.write(_event(chunk(None, None, calls=[piece])))
                     event = await anext(events)
             except MeshError as exc:  # after text was sent: an error event ends the stream
                 await response.write(_event(error_body(exc, 500)))
@@ -281,21 +313,62 @@ def _turn(i: int, message: Any) -> ChatTurn:
         raise InvalidArgument(
             f"messages[{i}].role", f"must be one of {', '.join(ROLES)}, got {role!r}"
         )
-    content = message.get("content")
-    if isinstance(content, list):  # content parts: text only
-        texts = []
-        for j, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") != "text":
-                raise InvalidArgument(
-                    f"messages[{i}].content[{j}]", "only text parts are supported"
-                )
-            texts.append(str(part.get("text", "")))
-        content = "".join(texts)
-    if content is None:
-        content = ""
-    if not isinstance(content, str):
-        raise InvalidArgument(f"messages[{i}].content", "must be a string or a list of parts")
+    content = _content(i, message.get("content"))
+    if role == "assistant" and message.get("tool_calls") is not None:
+        return ChatTurn("assistant", content, _calls(message["tool_calls"], f"messages[{i}]"))
+    if role == "tool":
+        call_id = fields.string("tool_call_id", required=True) or ""
+        return ChatTurn("tool", content, tool_call_id=call_id)
     return ChatTurn(ROLES[role], content)
+
+
+def _content(i: int, content: Any) -> str:
+    """A message's text: a string, text parts, or none (an assistant's calls alone)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise InvalidArgument(f"messages[{i}].content", "must be a string or a list of parts")
+    texts = []
+    for j, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") != "text":
+            raise InvalidArgument(f"messages[{i}].content[{j}]", "only text parts are supported")
+        texts.append(str(part.get("text", "")))
+    return "".join(texts)
+
+
+def _calls(value: Any, message: str) -> tuple[ToolCall, ...]:
+    """An assistant message's tool_calls, as OpenAI's API returned them."""
+    where = f"{message}.tool_calls"
+    if not isinstance(value, list):
+        raise InvalidArgument(where, "must be a list of calls")
+    calls = []
+    for j, call in enumerate(value):
+        if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
+            raise InvalidArgument(f"{where}[{j}]", 'must be {"id", "type", "function"}')
+        fields = Fields(call["function"], f"{where}[{j}].function.")
+        name = fields.string("name", required=True) or ""
+        arguments = call["function"].get("arguments", "{}")
+        if isinstance(arguments, dict):  # as Ollama sends them
+            arguments = json.dumps(arguments)
+        if not isinstance(arguments, str):
+            raise InvalidArgument(f"{where}[{j}].function.arguments", "must be a JSON string")
+        calls.append(ToolCall(str(call.get("id") or f"call_{j}"), name, arguments))
+    return tuple(calls)
+
+
+def _call_delta(piece: Piece) -> dict[str, Any]:
+    """A streamed piece of a call, as OpenAI streams them."""
+    if isinstance(piece, CallStart):
+        return {
+            "index": piece.index,
+            "id": piece.id,
+            "type": "function",
+            "function": {"name": piece.name, "arguments": ""},
+        }
+    assert isinstance(piece, ArgumentsPiece)
+    return {"index": piece.index, "function": {"arguments": piece.text}}
 
 
 def _usage(s: RouteSummary) -> dict[str, Any]:

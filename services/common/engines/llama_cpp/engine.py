@@ -48,6 +48,8 @@ from disagg_mesh.server.common.engines.prefix_keys import (
 )
 from disagg_mesh.server.common.errors import InvalidArgument, MeshError
 from disagg_mesh.server.common.structured.response_format import DEFAULT_LIMITS
+from disagg_mesh.server.common.tools import formats
+from disagg_mesh.server.common.tools.stream import with_tool_calls
 from disagg_mesh.server.common.types import (
     Continuation,
     DecodeCandidate,
@@ -224,7 +226,8 @@ class LlamaCppEngine:
         candidates: Sequence[DecodeCandidate] = (),
         continuation: Continuation | None = None,
     ) -> PrefillOutput:
-        tokens, hashes = await asyncio.to_thread(self._tokenize, prompt)
+        sampling = self._with_tools(sampling)
+        tokens, hashes = await asyncio.to_thread(self._tokenize, prompt, sampling)
         job = Job(JobKind.PREFILL, sampling, tokens=tokens, hashes=hashes)
         if continuation is not None:
             job.replay = self._replay_ids(continuation, len(tokens))
@@ -248,9 +251,29 @@ class LlamaCppEngine:
             kv_sha256=await asyncio.to_thread(_sha256, output.kv_state),
         )
 
-    def _tokenize(self, prompt: Prompt) -> tuple[list[int], tuple[bytes, ...]]:
-        tokens = self._model.tokenize(prompt, self.n_ctx)
+    def _tokenize(self, prompt: Prompt, sampling: Sampling) -> tuple[list[int], tuple[bytes, ...]]:
+        tokens = self._model.tokenize(prompt, self.n_ctx, sampling.tools)
         return tokens, tuple(block_hashes(self._salt, tokens))
+
+    def _with_tools(self, sampling: Sampling) -> Sampling:
+        """The grammar this model's tool format holds the answer to, where it has one."""
+        fmt = self._model.tool_format
+        formats.check_supported(fmt, sampling.tools)
+        grammar = formats.response_format(fmt, sampling.tools)
+        if grammar is None:
+            return sampling
+        # validate_sampling refused tools beside a response_format of the request's own.
+        return dataclasses.replace(sampling, response_format=grammar)
+
+    def _tool_calls(
+        self, events: Generation, sampling: Sampling, replay: Sequence[int]
+    ) -> Generation:
+        """The events with the calls read out of the text (replay: tokens delivered before)."""
+        parser = formats.parser(self._model.tool_format, sampling.tools)
+        if parser is None:
+            return events
+        delivered = b"".join(self._model.piece(t) for t in replay).decode("utf-8", "replace")
+        return with_tool_calls(events, parser, delivered)
 
     async def continue_from_state(
         self,
@@ -294,6 +317,7 @@ class LlamaCppEngine:
                 f"must be whole blocks of {PREFIX_BLOCK_TOKENS} covered by kv.block_hashes "
                 f"and under kv.prompt_tokens, got {prefix}",
             )
+        sampling = self._with_tools(sampling)
         job = Job(
             JobKind.CONTINUE,
             sampling,
@@ -305,15 +329,15 @@ class LlamaCppEngine:
             replay=replay,
             first_token_from_prefill=continuation is None or continuation.first_token_from_prefill,
         )
-        async with aclosing(self._events(job)) as events:
+        async with aclosing(self._tool_calls(self._generation(job), sampling, replay)) as events:
             async for event in events:
-                assert isinstance(event, TextChunk | GenerationEnd)
                 yield event
 
     async def generate(
         self, prompt: Prompt, sampling: Sampling, continuation: Continuation | None = None
     ) -> Generation:
-        tokens, hashes = await asyncio.to_thread(self._tokenize, prompt)
+        sampling = self._with_tools(sampling)
+        tokens, hashes = await asyncio.to_thread(self._tokenize, prompt, sampling)
         job = Job(JobKind.GENERATE, sampling, tokens=tokens, hashes=hashes)
         if continuation is not None:
             if not continuation.generated_token_ids and continuation.generated_text:
@@ -325,6 +349,12 @@ class LlamaCppEngine:
             job.replay = self._replay_ids(continuation, len(tokens), required=False)
             job.first_token_from_prefill = continuation.first_token_from_prefill
             job.piece_origin = _piece_origin(continuation, len(tokens))
+        generation = self._tool_calls(self._generation(job), sampling, job.replay)
+        async with aclosing(generation) as events:
+            async for event in events:
+                yield event
+
+    async def _generation(self, job: Job) -> Generation:
         async with aclosing(self._events(job)) as events:
             async for event in events:
                 assert isinstance(event, TextChunk | GenerationEnd)

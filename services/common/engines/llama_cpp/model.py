@@ -25,6 +25,13 @@ from disagg_mesh.server.common.engines.llama_cpp.harmony import (
 )
 from disagg_mesh.server.common.engines.llama_cpp.sampling import end_tokens
 from disagg_mesh.server.common.errors import FailedPrecondition, InvalidArgument, MeshError
+from disagg_mesh.server.common.tools.formats import (
+    check_supported,
+    template_tools,
+    tool_format,
+)
+from disagg_mesh.server.common.tools.formats import turns as tool_turns
+from disagg_mesh.server.common.tools.requests import ToolRequest
 from disagg_mesh.server.common.types import REASONING_EFFORTS, Prompt
 
 log = structlog.get_logger("engine")
@@ -146,6 +153,8 @@ class LlamaModel:
         if not template and self.harmony is not None:
             # Ollama keeps gpt-oss's template outside the GGUF: harmony's own.
             template = HARMONY_TEMPLATE
+        # How this model takes tools and makes calls (from its template).
+        self.tool_format = tool_format(template or "", self.harmony is not None)
         if template:
             self._chat = Jinja2ChatFormatter(
                 template=template,
@@ -196,8 +205,9 @@ class LlamaModel:
             return ""
         return bytes(self._model.detokenize([token], special=True)).decode("utf-8", "replace")
 
-    def tokenize(self, prompt: Prompt, n_ctx: int) -> list[int]:
-        """The prompt's tokens; refused unless at least one token can still be generated."""
+    def tokenize(self, prompt: Prompt, n_ctx: int, tools: ToolRequest | None = None) -> list[int]:
+        """The prompt's tokens, with the tools offered rendered as this model's format
+        takes them; refused unless at least one token can still be generated."""
         if prompt.reasoning_effort and prompt.reasoning_effort not in REASONING_EFFORTS:
             raise InvalidArgument(
                 "reasoning_effort",
@@ -206,12 +216,18 @@ class LlamaModel:
         if prompt.messages:
             if self._chat is None:
                 raise FailedPrecondition("this model has no chat template: send prompt text")
-            turns: Any = [{"role": m.role, "content": m.content} for m in prompt.messages]
+            check_supported(self.tool_format, tools)
+            turns: Any = tool_turns(prompt.messages, self.tool_format, tools)
             extra: dict[str, Any] = {}
+            described = template_tools(self.tool_format, tools)
+            if described is not None:
+                extra["tools"] = described
             if prompt.reasoning_effort:
                 extra["reasoning_effort"] = prompt.reasoning_effort
             rendered = self._chat(messages=turns, **extra)
             tokens = self._tokenize(rendered.prompt.encode(), add_bos=False)
+        elif tools is not None:
+            raise InvalidArgument("tools", "need chat messages, not prompt text")
         else:
             # As Llama.create_completion does, so output matches single-process generation.
             tokens = self._tokenize(prompt.text.encode(), add_bos=True)

@@ -1,0 +1,152 @@
+"""How a model takes tools and makes calls, chosen from its chat template (never its name),
+as llama.cpp's common_chat does:
+
+- `qwen3_coder`: the template writes `<function=NAME><parameter=P>` (Qwen3-Coder)
+- `hermes`:      the template writes `<tool_call>` (Qwen2.5/Qwen3, Hermes 2/3, ...)
+- `harmony`:     gpt-oss (its harmony tokens)
+- `generic`:     any other template (SmolLM2, gemma3): the tools in a system message, the
+                 answer one JSON object held to a grammar (generic.py)
+
+A node renders a request's messages for its format (turns(), template_tools()), holds the
+answer to a grammar where the format needs one (response_format()) and parses the calls
+from the text as it streams (parser()). Plain Python.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from disagg_mesh.server.common.errors import FailedPrecondition, InvalidArgument
+from disagg_mesh.server.common.tools import generic
+from disagg_mesh.server.common.tools.calls import ToolCall, ToolCallParser
+from disagg_mesh.server.common.tools.hermes import HermesParser
+from disagg_mesh.server.common.tools.qwen3_coder import Qwen3CoderParser
+from disagg_mesh.server.common.tools.requests import ToolRequest
+from disagg_mesh.server.common.types import ChatTurn, ResponseFormat
+
+
+class ToolFormat(enum.Enum):
+    GENERIC = "generic"
+    HERMES = "hermes"
+    QWEN3_CODER = "qwen3_coder"
+    HARMONY = "harmony"
+
+
+def tool_format(template: str, harmony: bool) -> ToolFormat:
+    if harmony:
+        return ToolFormat.HARMONY
+    if "<function=" in template and "<parameter=" in template:
+        return ToolFormat.QWEN3_CODER
+    if "<tool_call>" in template:
+        return ToolFormat.HERMES
+    return ToolFormat.GENERIC
+
+
+def active(tools: ToolRequest | None) -> ToolRequest | None:
+    """The tools the model is told of and may call (None: none, or tool_choice none)."""
+    return None if tools is None or tools.choice == "none" else tools
+
+
+def check_supported(fmt: ToolFormat, tools: ToolRequest | None) -> None:
+    if active(tools) is not None and fmt is ToolFormat.HARMONY:
+        raise FailedPrecondition(
+            "tools: tool calls of harmony models (gpt-oss) are not implemented yet "
+            "(issue #43); send the request without tools"
+        )
+    if tools is not None and tools.forced and fmt in (ToolFormat.HERMES, ToolFormat.QWEN3_CODER):
+        raise FailedPrecondition(
+            f'tool_choice: "required" or a named function is not implemented yet for '
+            f"{fmt.value} templates (issue #43); use auto"
+        )
+
+
+def turns(
+    messages: Sequence[ChatTurn], fmt: ToolFormat, tools: ToolRequest | None
+) -> list[dict[str, Any]]:
+    """The messages as the chat template takes them: calls and tool results in OpenAI's
+    shape for a template with tools, or written out as JSON for the generic format."""
+    out: list[dict[str, Any]] = []
+    for i, m in enumerate(messages):
+        if m.role == "tool" and fmt is ToolFormat.GENERIC:
+            response = {"tool_call_id": m.tool_call_id, "content": m.content}
+            out.append({"role": "user", "content": json.dumps({"tool_response": response})})
+        elif m.tool_calls and fmt is ToolFormat.GENERIC:
+            calls = [{"name": c.name, "arguments": _arguments(c, i)} for c in m.tool_calls]
+            out.append({"role": "assistant", "content": json.dumps({"tool_calls": calls})})
+        else:
+            turn: dict[str, Any] = {"role": m.role, "content": m.content}
+            if m.tool_calls:
+                turn["tool_calls"] = [
+                    {
+                        "id": c.id,
+                        "type": "function",
+                        "function": {"name": c.name, "arguments": _arguments(c, i)},
+                    }
+                    for c in m.tool_calls
+                ]
+            if m.role == "tool":
+                turn["tool_call_id"] = m.tool_call_id
+            out.append(turn)
+    offered = active(tools)
+    if offered is not None and fmt is ToolFormat.GENERIC:
+        text = generic.system_text(offered.offered(), offered.forced)
+        if out and out[0]["role"] == "system":
+            out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{text}"}
+        else:
+            out.insert(0, {"role": "system", "content": text})
+    return out
+
+
+def template_tools(fmt: ToolFormat, tools: ToolRequest | None) -> list[dict[str, Any]] | None:
+    """The `tools` a template with tools renders (None: none, or the generic format)."""
+    offered = active(tools)
+    if offered is None or fmt is ToolFormat.GENERIC:
+        return None
+    return [
+        {
+            "type": "function",
+            "function": {"name": t.name, "description": t.description, "parameters": t.parameters},
+        }
+        for t in offered.offered()
+    ]
+
+
+def response_format(fmt: ToolFormat, tools: ToolRequest | None) -> ResponseFormat | None:
+    """The grammar the answer is held to (None: free)."""
+    offered = active(tools)
+    if offered is None or fmt is not ToolFormat.GENERIC:
+        return None
+    # One call unless the request asks for several, as llama-server's generic format.
+    schema = generic.schema(offered.offered(), offered.forced, offered.parallel is True)
+    return ResponseFormat(json.dumps(schema, sort_keys=True))
+
+
+def parser(fmt: ToolFormat, tools: ToolRequest | None) -> ToolCallParser | None:
+    """Reads the calls out of the answer's text (None: the text is the answer)."""
+    offered = active(tools)
+    if offered is None:
+        return None
+    if fmt is ToolFormat.GENERIC:
+        return generic.GenericParser()
+    if fmt is ToolFormat.HERMES:
+        return HermesParser()
+    if fmt is ToolFormat.QWEN3_CODER:
+        return Qwen3CoderParser({t.name: t for t in offered.tools})
+    return None
+
+
+def _arguments(call: ToolCall, i: int) -> dict[str, Any]:
+    try:
+        value = json.loads(call.arguments or "{}")
+    except ValueError as exc:
+        raise InvalidArgument(
+            f"messages[{i}].tool_calls", f"arguments of {call.name!r} are not JSON: {exc}"
+        ) from None
+    if not isinstance(value, dict):
+        raise InvalidArgument(
+            f"messages[{i}].tool_calls", f"arguments of {call.name!r} must be a JSON object"
+        )
+    return value

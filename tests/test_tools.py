@@ -1,0 +1,379 @@
+"""Tool calls through the session's mesh of real nodes (SmolLM2, whose chat template has no
+tools: the generic format, tools in a system message and the answer held to a JSON grammar),
+with the real `openai` and `ollama` clients, the gRPC client and the CLI: named and required
+calls validate against their function's schema, greedy and seeded, disaggregated and
+decode_only; streamed pieces put together equal the whole answer; a full loop (call, tool
+result, answer); bad inputs get a 400 naming the field. (The parsers: test_tool_parsers.py.)"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from typing import Any
+
+import httpx
+import jsonschema
+import ollama
+import openai
+import pytest
+from openai.types.chat import ChatCompletionMessageFunctionToolCall
+
+from disagg_mesh.client import MeshClient
+from disagg_mesh.server.common.tools.calls import ToolCall
+from disagg_mesh.server.common.tools.formats import ToolFormat, tool_format, turns
+from disagg_mesh.server.common.tools.requests import read_tools
+from disagg_mesh.server.common.types import ChatTurn
+from tests.conftest import ROOT, Mesh
+from tests.test_http_api import http_url
+
+QWEN = "qwen3-coder:30b"
+DECODE_ONLY = "test/decode-only"
+
+RUN_TESTS = {
+    "type": "function",
+    "function": {
+        "name": "run_tests",
+        "description": "Run the student's unit tests on their code and report the results.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "code": {"type": "string", "maxLength": 80},
+                "timeout_s": {"type": "integer", "minimum": 1, "maximum": 9},
+            },
+            "required": ["code", "timeout_s"],
+        },
+    },
+}
+RUBRIC = {
+    "type": "function",
+    "function": {
+        "name": "look_up_rubric",
+        "description": "The grading rubric of an assignment.",
+        "parameters": {
+            "type": "object",
+            "properties": {"assignment": {"type": "string", "enum": ["hw1", "hw2", "hw3"]}},
+            "required": ["assignment"],
+        },
+    },
+}
+TOOLS: list[Any] = [RUN_TESTS, RUBRIC]
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+QUESTION = "Grade this homework (hw2):\ndef add(a, b):\n    return a - b\n"
+MESSAGES: list[Any] = [{"role": "user", "content": QUESTION}]
+
+
+def openai_client(mesh: Mesh) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{http_url(mesh)}/v1", api_key="x", max_retries=0)
+
+
+def function_calls(message: Any) -> list[ChatCompletionMessageFunctionToolCall]:
+    calls = list(message.tool_calls or [])
+    assert all(isinstance(c, ChatCompletionMessageFunctionToolCall) for c in calls), calls
+    return calls
+
+
+def valid_call(name: str, arguments: str) -> dict[str, Any]:
+    value = json.loads(arguments)
+    jsonschema.validate(value, SCHEMAS[name])
+    return dict(value)
+
+
+@pytest.mark.parametrize("model", [QWEN, DECODE_ONLY])
+def test_a_named_function_is_called_with_arguments_its_schema_accepts(
+    mesh: Mesh, model: str
+) -> None:
+    client = openai_client(mesh)
+    for seed in (None, 7):
+        answer = client.chat.completions.create(
+            model=model,
+            messages=MESSAGES,
+            tools=TOOLS,
+            tool_choice={"type": "function", "function": {"name": "run_tests"}},
+            temperature=0.0 if seed is None else 0.9,
+            seed=seed,
+            max_tokens=200,
+        )
+        choice = answer.choices[0]
+        assert choice.finish_reason == "tool_calls", choice
+        calls = function_calls(choice.message)
+        assert [c.function.name for c in calls] == ["run_tests"] * len(calls) and calls
+        for call in calls:
+            assert call.id.startswith("call_") and call.type == "function"
+            valid_call(call.function.name, call.function.arguments)
+        assert choice.message.content is None
+        method = (answer.model_extra or {})["disagg"]["method"]
+        assert method == ("decode_only" if model == DECODE_ONLY else "disaggregated")
+
+
+def test_required_calls_one_of_the_tools_and_none_leaves_text(mesh: Mesh) -> None:
+    client = openai_client(mesh)
+    answer = client.chat.completions.create(
+        model=QWEN,
+        messages=MESSAGES,
+        tools=TOOLS,
+        tool_choice="required",
+        temperature=0.0,
+        max_tokens=200,
+    )
+    calls = function_calls(answer.choices[0].message)
+    assert calls and answer.choices[0].finish_reason == "tool_calls"
+    for call in calls:
+        valid_call(call.function.name, call.function.arguments)
+    free = client.chat.completions.create(
+        model=QWEN,
+        messages=MESSAGES,
+        tools=TOOLS,
+        tool_choice="none",
+        temperature=0.0,
+        max_tokens=24,
+    )
+    assert free.choices[0].message.tool_calls is None
+    assert free.choices[0].message.content
+
+
+def test_streamed_call_pieces_put_together_are_the_whole_answer(mesh: Mesh) -> None:
+    client: Any = openai_client(mesh)
+    request: dict[str, Any] = {
+        "model": QWEN,
+        "messages": MESSAGES,
+        "tools": TOOLS,
+        "tool_choice": "required",
+        "temperature": 0.0,
+        "max_tokens": 200,
+    }
+    whole = client.chat.completions.create(**request)
+    calls: dict[int, dict[str, str]] = {}
+    finish = None
+    for chunk in client.chat.completions.create(**request, stream=True):
+        if not chunk.choices:
+            continue
+        delta = chunk.choices[0].delta
+        finish = chunk.choices[0].finish_reason or finish
+        for piece in delta.tool_calls or []:
+            if piece.id is not None:  # a call's first piece: id, type and name
+                assert piece.type == "function" and piece.function is not None
+                calls[piece.index] = {"name": piece.function.name or "", "arguments": ""}
+            assert piece.function is not None
+            calls[piece.index]["arguments"] += piece.function.arguments or ""
+    expected = [
+        {"name": c.function.name, "arguments": c.function.arguments}
+        for c in function_calls(whole.choices[0].message)
+    ]
+    assert [calls[i] for i in sorted(calls)] == expected and expected
+    assert finish == "tool_calls"
+
+
+def test_a_whole_tool_loop_call_result_answer(mesh: Mesh) -> None:
+    """The model calls run_tests, the caller runs them and sends the result back with the
+    assistant's call, and the model writes its answer (auto: a call or text, either
+    parsed; none: text)."""
+    client = openai_client(mesh)
+    first = client.chat.completions.create(
+        model=QWEN,
+        messages=MESSAGES,
+        tools=TOOLS,
+        tool_choice={"type": "function", "function": {"name": "run_tests"}},
+        temperature=0.0,
+        max_tokens=200,
+    )
+    call = function_calls(first.choices[0].message)[0]
+    valid_call(call.function.name, call.function.arguments)
+    history: list[Any] = [
+        *MESSAGES,
+        first.choices[0].message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": "1 passed, 2 failed: add(1, 2) == -1"},
+    ]
+    for choice in ("auto", "none"):
+        final = client.chat.completions.create(
+            model=QWEN,
+            messages=history,
+            tools=TOOLS,
+            tool_choice=choice,
+            temperature=0.0,
+            max_tokens=120,
+        )
+        message = final.choices[0].message
+        if message.tool_calls:
+            assert choice == "auto" and final.choices[0].finish_reason == "tool_calls"
+            for c in function_calls(message):
+                valid_call(c.function.name, c.function.arguments)
+        else:
+            assert message.content, final
+            assert final.choices[0].finish_reason in ("stop", "length")
+
+
+def test_ollama_chat_tools_answer_as_ollama_does(mesh: Mesh) -> None:
+    """Ollama's `tools` on /api/chat: a reply whose calls carry their arguments as an object
+    (or text), streamed as Ollama streams them (each call whole); the same greedy answer
+    both ways; a tool message answers the call by name."""
+    client = ollama.Client(host=http_url(mesh))
+    options = {"temperature": 0, "num_predict": 160}
+    whole = client.chat(model=QWEN, messages=MESSAGES, tools=TOOLS, options=options)
+    streamed_calls: list[Any] = []
+    text = ""
+    last = None
+    for part in client.chat(
+        model=QWEN, messages=MESSAGES, tools=TOOLS, options=options, stream=True
+    ):
+        streamed_calls += part.message.tool_calls or []
+        text += part.message.content or ""
+        last = part
+    assert last is not None and last.done and last.done_reason in ("stop", "length")
+    calls = whole.message.tool_calls or []
+    assert [(c.function.name, dict(c.function.arguments)) for c in calls] == [
+        (c.function.name, dict(c.function.arguments)) for c in streamed_calls
+    ]
+    assert text == (whole.message.content or "")
+    for c in calls:
+        jsonschema.validate(dict(c.function.arguments), SCHEMAS[c.function.name])
+    # The loop, Ollama's way: the assistant's calls, then a tool message naming the tool.
+    answered = client.chat(
+        model=QWEN,
+        messages=[
+            *MESSAGES,
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [
+                    {"function": {"name": "look_up_rubric", "arguments": {"assignment": "hw2"}}}
+                ],
+            },
+            {"role": "tool", "tool_name": "look_up_rubric", "content": "correctness 0-4"},
+        ],
+        options={"temperature": 0, "num_predict": 24},
+    )
+    assert answered.message.content
+
+
+def test_the_grpc_client_and_the_cli_take_tools_and_give_calls(mesh: Mesh, tmp_path: Any) -> None:
+    with MeshClient(mesh.router_address, timeout=120) as client:
+        result = client.generate(
+            QWEN,
+            messages=MESSAGES,
+            tools=TOOLS,
+            tool_choice="look_up_rubric",
+            max_tokens=120,
+            temperature=0.0,
+        )
+    assert result.metrics.finish_reason == "tool_calls"
+    assert [c.name for c in result.tool_calls] == ["look_up_rubric"] * len(result.tool_calls)
+    for call in result.tool_calls:
+        valid_call(call.name, call.arguments)
+    tools_file = tmp_path / "tools.json"
+    tools_file.write_text(json.dumps(TOOLS))
+    out = subprocess.run(
+        [sys.executable, "-m", "disagg_mesh.cli", "--router", mesh.router_address, "generate",
+         "--model", QWEN, "--tools", str(tools_file), "--tool-choice", "look_up_rubric",
+         "--temperature", "0", "--max-tokens", "120", "--json", QUESTION],
+        capture_output=True, text=True, timeout=120, cwd=ROOT, check=False,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    printed = json.loads(out.stdout)
+    assert [c["name"] for c in printed["tool_calls"]] == [c.name for c in result.tool_calls]
+    assert [c["arguments"] for c in printed["tool_calls"]] == [
+        c.parsed_arguments() for c in result.tool_calls
+    ]
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({"tools": [{"type": "function", "function": {"name": "has space"}}]}, "tools[0]"),
+        ({"tools": [{"type": "retrieval"}]}, "tools[0].type"),
+        (
+            {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+            "tool_choice.function.name",
+        ),
+        ({"tool_choice": "required"}, "tool_choice"),
+        (
+            {
+                "tools": [
+                    {
+                        "type": "function",
+                        "function": {
+                            "name": "grade",
+                            "parameters": {
+                                "type": "object",
+                                "properties": {"marks": {"type": "array", "minItems": 5000}},
+                            },
+                        },
+                    }
+                ]
+            },
+            "tools[0].function.parameters",
+        ),
+        (
+            {
+                "messages": [
+                    {"role": "user", "content": "hi"},
+                    {"role": "tool", "tool_call_id": "call_x", "content": "3 passed"},
+                ]
+            },
+            "messages[1]",
+        ),
+    ],
+)
+def test_bad_tool_inputs_are_400_naming_the_field(
+    mesh: Mesh, body: dict[str, Any], field: str
+) -> None:
+    request = {"model": QWEN, "messages": MESSAGES, "max_tokens": 8, **body}
+    reply = httpx.post(f"{http_url(mesh)}/v1/chat/completions", json=request, timeout=60)
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert (error["param"] or "").startswith(field), error
+    assert error["type"] == "invalid_request_error"
+    ollama_body = {"model": QWEN, "messages": MESSAGES, "stream": False, **body}
+    ollama_body.pop("tool_choice", None)
+    if ollama_body.get("tools") == TOOLS or set(body) == {"tool_choice"}:
+        return  # Ollama names no function to call
+    if "messages" in body:  # Ollama's tool messages name the tool, not a call id
+        ollama_body["messages"] = [body["messages"][0], {"role": "tool", "content": "3"}]
+    reply = httpx.post(f"{http_url(mesh)}/api/chat", json=ollama_body, timeout=60)
+    assert reply.status_code == 400, reply.text
+    assert field.split(".")[0].split("[")[0] in reply.json()["error"]
+
+
+def test_the_format_follows_the_template_and_generic_turns_carry_the_calls() -> None:
+    assert tool_format("{{ '<tool_call>' }}", harmony=False) is ToolFormat.HERMES
+    assert tool_format("<function=x><parameter=y>", harmony=False) is ToolFormat.QWEN3_CODER
+    assert tool_format("anything", harmony=True) is ToolFormat.HARMONY
+    assert tool_format("<|im_start|>", harmony=False) is ToolFormat.GENERIC
+    tools = read_tools(TOOLS, "required")
+    assert tools is not None
+    rendered = turns(
+        (
+            ChatTurn("user", "grade"),
+            ChatTurn("assistant", "", (ToolCall("call_1", "run_tests", '{"code": "x"}'),)),
+            ChatTurn("tool", "ok", tool_call_id="call_1"),
+        ),
+        ToolFormat.GENERIC,
+        tools,
+    )
+    assert rendered[0]["role"] == "system" and "run_tests" in rendered[0]["content"]
+    assert json.loads(rendered[2]["content"]) == {
+        "tool_calls": [{"name": "run_tests", "arguments": {"code": "x"}}]
+    }
+    assert rendered[3]["role"] == "user"
+    assert json.loads(rendered[3]["content"])["tool_response"]["tool_call_id"] == "call_1"
+
+
+def test_the_tool_grader_example_calls_runs_the_tests_and_grades(mesh: Mesh) -> None:
+    """examples/tool_grader.py: a forced run_tests call, the tests run, the grade written."""
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "examples/tool_grader.py"), "--host", http_url(mesh)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.startswith('call: run_tests({"code": '), out.stdout
+    assert "grade: " in out.stdout
+    spec = importlib.util.spec_from_file_location("tool_grader", ROOT / "examples/tool_grader.py")
+    assert spec is not None and spec.loader is not None
+    example: Any = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    result = example.run_tests(example.SAMPLE)
+    assert result.startswith("3 of 4 passed") and "FAIL average([]) ZeroDivisionError" in result
