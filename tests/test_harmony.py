@@ -12,7 +12,7 @@ import gzip
 import json
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import date
 from pathlib import Path
 from typing import Any
@@ -32,6 +32,8 @@ from disagg_mesh.server.common.engines.llama_cpp.harmony import MAX_HEADER_TOKEN
 from disagg_mesh.server.common.engines.llama_cpp.model import LlamaModel
 from disagg_mesh.server.common.engines.llama_cpp.text import GeneratedToken, TextStream
 from disagg_mesh.server.common.runtime.processes import MeshProcesses, free_port
+from disagg_mesh.server.common.tools.calls import CallStart, Piece, ToolCall, assemble
+from disagg_mesh.server.common.tools.requests import read_tools
 from disagg_mesh.server.common.types import ChatTurn, FinishReason, Prompt, TextChunk
 from tests.conftest import engine_node, route, router_node, running_mesh
 from tests.streams import collect, greedy
@@ -192,6 +194,7 @@ class Parsed:
     reasoning: str
     token_ids: list[int]
     finish: FinishReason
+    calls: list[Piece] = field(default_factory=list)
 
 
 def _stream(
@@ -200,8 +203,9 @@ def _stream(
     generated: list[int],
     stop: tuple[str, ...] = (),
     max_tokens: int = 1000,
+    tools: bool = False,
 ) -> Parsed:
-    stream = TextStream(max_tokens, stop, model.harmony_parser(opening))
+    stream = TextStream(max_tokens, stop, model.harmony_parser(opening, tools))
     items: list[Any] = []
     for token in generated:
         items += stream.push(GeneratedToken(token, model.piece(token), model.is_end(token)))
@@ -215,6 +219,7 @@ def _stream(
         reasoning="".join(c.reasoning for c in chunks),
         token_ids=[t for c in chunks for t in c.token_ids],
         finish=items[-1].finish_reason,
+        calls=[p for c in chunks for p in c.tool_calls],
     )
 
 
@@ -442,3 +447,186 @@ def test_the_cli_prints_the_answer_and_the_reasoning_apart(scripted: ScriptedMes
     assert whole.returncode == 0, whole.stderr
     data = json.loads(whole.stdout)
     assert (data["text"], data["reasoning"]) == (SCRIPTED_ANSWER, SCRIPTED_REASONING)
+
+
+# -- tools -----------------------------------------------------------------------------------
+
+RUN_TESTS_PARAMETERS = {
+    "type": "object",
+    "properties": {
+        "code": {"type": "string", "description": "the code to test"},
+        "level": {"type": "string", "enum": ["quick", "full"]},
+        "timeout_s": {"type": "integer", "default": 5},
+        "ratio": {"type": "number"},
+        "verbose": {"type": "boolean"},
+        "names": {"type": "array", "items": {"type": "string"}},
+        "seeds": {"type": "array", "items": {"type": "integer"}},
+    },
+    "required": ["code", "level"],
+}
+HARMONY_TOOLS = read_tools(
+    [
+        {
+            "type": "function",
+            "function": {
+                "name": "run_tests",
+                "description": "Run the tests.",
+                "parameters": RUN_TESTS_PARAMETERS,
+            },
+        },
+        {"type": "function", "function": {"name": "now"}},
+    ]
+)
+
+
+def test_tools_calls_and_results_render_as_openai_harmony_renders_them(
+    model: LlamaModel, harmony: oh.HarmonyEncoding
+) -> None:
+    """The tools in the developer message as harmony's `namespace functions`, an earlier
+    call as a commentary message to functions.run_tests, its result as a message from it."""
+    turns = (
+        ChatTurn("system", "Grade strictly."),
+        ChatTurn("user", "Test it"),
+        ChatTurn("assistant", "", (ToolCall("call_1", "run_tests", '{"code": "x"}'),)),
+        ChatTurn("tool", "3 passed", tool_call_id="call_1"),
+    )
+    tools = [
+        oh.ToolDescription.new("run_tests", "Run the tests.", parameters=RUN_TESTS_PARAMETERS),
+        oh.ToolDescription.new("now", "", parameters=None),
+    ]
+    system = (
+        oh.SystemContent.new()
+        .with_reasoning_effort(oh.ReasoningEffort.MEDIUM)
+        .with_conversation_start_date(date.today().isoformat())
+    )
+    developer = oh.DeveloperContent.new().with_instructions("Grade strictly.")
+    call = oh.Message.from_role_and_content(oh.Role.ASSISTANT, '{"code": "x"}')
+    result = oh.Message.from_author_and_content(
+        oh.Author.new(oh.Role.TOOL, "functions.run_tests"), "3 passed"
+    )
+    messages = [
+        oh.Message.from_role_and_content(oh.Role.SYSTEM, system),
+        oh.Message.from_role_and_content(oh.Role.DEVELOPER, developer.with_function_tools(tools)),
+        oh.Message.from_role_and_content(oh.Role.USER, "Test it"),
+        call.with_channel("commentary")
+        .with_recipient("functions.run_tests")
+        .with_content_type("<|constrain|>json"),
+        result.with_recipient("assistant").with_channel("commentary"),
+    ]
+    reference = harmony.render_conversation_for_completion(
+        oh.Conversation.from_messages(messages), oh.Role.ASSISTANT
+    )
+    got = model.tokenize(Prompt(messages=turns), 4096, HARMONY_TOOLS)
+    assert harmony.decode(got).splitlines() == harmony.decode(reference).splitlines()
+    assert got == list(reference)
+    # Tools alone (no instructions): the developer message holds only them.
+    alone = model.tokenize(Prompt(messages=turns[1:2]), 4096, HARMONY_TOOLS)
+    messages[1] = oh.Message.from_role_and_content(
+        oh.Role.DEVELOPER, oh.DeveloperContent.new().with_function_tools(tools)
+    )
+    reference = harmony.render_conversation_for_completion(
+        oh.Conversation.from_messages(messages[:3]), oh.Role.ASSISTANT
+    )
+    assert harmony.decode(alone).splitlines() == harmony.decode(reference).splitlines()
+
+
+def _call_message(arguments: str) -> oh.Message:
+    return _assistant(arguments, "commentary", "functions.run_tests").with_content_type(
+        "<|constrain|>json"
+    )
+
+
+def test_the_parser_reads_a_call_as_openai_harmony_does_from_any_cut(
+    model: LlamaModel, harmony: oh.HarmonyEncoding
+) -> None:
+    """Reasoning, then a commentary message to functions.run_tests ending <|call|>: with
+    tools, the call's name and arguments (as openai-harmony's parser reads them), finish
+    tool_calls; without tools, the arguments are answer text as before. Cut anywhere and
+    continued from the open message (a node taking over), the pieces put together are the
+    same call."""
+    arguments = '{"code": "def add(a, b): return a - b", "level": "quick"}'
+    messages = [_assistant("The user wants tests run.", "analysis"), _call_message(arguments)]
+    generated: list[int] = []
+    for message in messages:
+        generated += harmony.render(message)
+    generated = generated[2:]  # after the prompt's <|start|>assistant
+    reference = oh.StreamableParser(harmony, role=oh.Role.ASSISTANT)
+    for token in generated:
+        reference.process(token)
+    call = reference.messages[-1]
+    assert call.recipient == "functions.run_tests"
+    prompt = model.tokenize(PROMPT, 4096)
+    whole = _stream(model, prompt, generated, tools=True)
+    text, calls = assemble(whole.calls)
+    assert [(c.name, c.arguments) for c in calls] == [("run_tests", call.content[0].text)]
+    assert (text, whole.text) == ("", "") and whole.reasoning == "The user wants tests run."
+    assert whole.finish is FinishReason.TOOL_CALLS and model.is_end(generated[-1])
+    untouched = _stream(model, prompt, generated)
+    assert untouched.text == arguments and not untouched.calls
+    for cut in range(len(generated)):
+        before = _stream(model, prompt, generated[:cut], tools=True)
+        opening = list(model.open_message(prompt + generated[:cut], tools=True))
+        after = _stream(model, opening, generated[cut:], tools=True)
+        _, calls = assemble(before.calls + after.calls)
+        assert [(c.name, c.arguments) for c in calls] == [("run_tests", arguments)], cut
+        assert before.reasoning + after.reasoning == whole.reasoning, cut
+
+
+def test_a_prompt_with_earlier_calls_numbers_this_answers_calls_from_zero(
+    model: LlamaModel, harmony: oh.HarmonyEncoding
+) -> None:
+    turns = (
+        ChatTurn("user", "Test it"),
+        ChatTurn("assistant", "", (ToolCall("call_1", "run_tests", '{"code": "x"}'),)),
+        ChatTurn("tool", "3 passed", tool_call_id="call_1"),
+    )
+    prompt = model.tokenize(Prompt(messages=turns), 4096, HARMONY_TOOLS)
+    generated = harmony.render(_call_message('{"code": "y", "level": "full"}'))[2:]
+    got = _stream(model, prompt, generated, tools=True)
+    first = got.calls[0]
+    assert isinstance(first, CallStart) and first.index == 0 and first.name == "run_tests"
+
+
+@pytest.mark.parametrize("model", [SPLIT, ALONE])
+def test_a_named_function_makes_gpt_oss_call_it_through_the_openai_door(
+    scripted: ScriptedMesh, model: str
+) -> None:
+    """A grammar holds gpt-oss to a commentary message to functions.look_up_rubric whose
+    JSON its schema allows (its reasoning free), disaggregated and decode_only; streamed,
+    the same call."""
+    client = openai.OpenAI(base_url=f"{scripted.http}/v1", api_key="unused", max_retries=0)
+    rubric: Any = {
+        "type": "function",
+        "function": {
+            "name": "look_up_rubric",
+            "description": "The rubric of an assignment.",
+            "parameters": {
+                "type": "object",
+                "properties": {"assignment": {"type": "string", "enum": ["hw1", "hw2"]}},
+                "required": ["assignment"],
+            },
+        },
+    }
+    args: Any = {
+        "model": model,
+        "messages": OPENAI_QUESTION,
+        "tools": [rubric],
+        "tool_choice": {"type": "function", "function": {"name": "look_up_rubric"}},
+        "temperature": 0,
+        "max_tokens": 300,  # the scripted model spells the header a character a token
+    }
+    reply = client.chat.completions.create(**args)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    (call,) = choice.message.tool_calls or []
+    assert call.type == "function" and call.function.name == "look_up_rubric"
+    assert json.loads(call.function.arguments)["assignment"] in ("hw1", "hw2")
+    assert (choice.message.model_extra or {})["reasoning_content"] == SCRIPTED_REASONING
+    pieces: dict[int, list[str]] = {}
+    for chunk in client.chat.completions.create(**args, stream=True):
+        for piece in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+            assert piece.function is not None
+            pieces.setdefault(piece.index, []).append(
+                piece.function.name or piece.function.arguments or ""
+            )
+    assert "".join(pieces[0][1:]) == call.function.arguments and pieces[0][0] == "look_up_rubric"

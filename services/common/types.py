@@ -22,6 +22,10 @@ class ResponseFormat:
     sampled. json_schema None: any JSON object; else a JSON Schema, as JSON text."""
 
     json_schema: str | None = None
+    # A harmony model's (gpt-oss) answer must be a call of one of these functions (name,
+    # its parameters' JSON Schema as JSON text), written as harmony writes a call; set by
+    # the node from the request's tools (tools/formats.py), never sent.
+    harmony_calls: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -51,11 +51,6 @@ def active(tools: ToolRequest | None) -> ToolRequest | None:
 
 
 def check_supported(fmt: ToolFormat, tools: ToolRequest | None) -> None:
-    if active(tools) is not None and fmt is ToolFormat.HARMONY:
-        raise FailedPrecondition(
-            "tools: tool calls of harmony models (gpt-oss) are not implemented yet "
-            "(issue #43); send the request without tools"
-        )
     if tools is not None and tools.forced and fmt in (ToolFormat.HERMES, ToolFormat.QWEN3_CODER):
         raise FailedPrecondition(
             f'tool_choice: "required" or a named function is not implemented yet for '
@@ -69,7 +64,9 @@ def turns(
     """The messages as the chat template takes them: calls and tool results in OpenAI's
     shape for a template with tools, or written out as JSON for the generic format."""
     out: list[dict[str, Any]] = []
+    names: dict[str, str] = {}  # the calls so far: id -> function
     for i, m in enumerate(messages):
+        names.update((c.id, c.name) for c in m.tool_calls)
         if m.role == "tool" and fmt is ToolFormat.GENERIC:
             response = {"tool_call_id": m.tool_call_id, "content": m.content}
             out.append({"role": "user", "content": json.dumps({"tool_response": response})})
@@ -87,8 +84,9 @@ def turns(
                     }
                     for c in m.tool_calls
                 ]
-            if m.role == "tool":
+            if m.role == "tool":  # the name too, for templates that write it (harmony)
                 turn["tool_call_id"] = m.tool_call_id
+                turn["name"] = names.get(m.tool_call_id) or next(reversed(names.values()), "")
             out.append(turn)
     offered = active(tools)
     if offered is not None and fmt is ToolFormat.GENERIC:
@@ -117,7 +115,16 @@ def template_tools(fmt: ToolFormat, tools: ToolRequest | None) -> list[dict[str,
 def response_format(fmt: ToolFormat, tools: ToolRequest | None) -> ResponseFormat | None:
     """The grammar the answer is held to (None: free)."""
     offered = active(tools)
-    if offered is None or fmt is not ToolFormat.GENERIC:
+    if offered is None:
+        return None
+    if fmt is ToolFormat.HARMONY and offered.forced:
+        return ResponseFormat(
+            harmony_calls=tuple(
+                (t.name, json.dumps(t.parameters or {"type": "object"}, sort_keys=True))
+                for t in offered.offered()
+            )
+        )
+    if fmt is not ToolFormat.GENERIC:
         return None
     # One call unless the request asks for several, as llama-server's generic format.
     schema = generic.schema(offered.offered(), offered.forced, offered.parallel is True)

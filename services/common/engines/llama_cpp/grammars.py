@@ -17,6 +17,7 @@ from disagg_mesh.server.common.config.topology import SchemaLimits
 from disagg_mesh.server.common.engines.llama_cpp.harmony import (
     HARMONY_ROOT,
     HarmonyTokens,
+    harmony_call_rules,
     harmony_rules,
 )
 from disagg_mesh.server.common.errors import InvalidArgument
@@ -24,6 +25,7 @@ from disagg_mesh.server.common.structured.offload import OverBudget, off_loop
 from disagg_mesh.server.common.structured.response_format import DEFAULT_LIMITS, FIELD, grammar
 from disagg_mesh.server.common.types import ResponseFormat
 
+TOOLS_FIELD = "tools"
 # Parsed grammars kept per engine (the most recently used formats).
 CACHED = 32
 
@@ -48,8 +50,18 @@ def parse(
 ) -> Grammar:
     """The format's grammar, parsed by llama.cpp (on the calling thread: give it a large
     stack); InvalidArgument naming the field when it cannot be enforced."""
-    rules, root = grammar(fmt, FIELD, limits), "root"
-    if harmony is not None:  # gpt-oss: the grammar constrains the final channel only
+    if fmt.harmony_calls:
+        if harmony is None:
+            raise InvalidArgument("tools", "harmony calls asked of a model without harmony")
+        calls = [
+            (name, grammar(ResponseFormat(schema), TOOLS_FIELD, limits))
+            for name, schema in fmt.harmony_calls
+        ]
+        rules, root = harmony_call_rules(harmony, calls), HARMONY_ROOT
+    else:
+        rules, root = grammar(fmt, FIELD, limits), "root"
+    if harmony is not None and not fmt.harmony_calls:
+        # gpt-oss: the grammar constrains the final channel only
         rules, root = rules + "\n" + harmony_rules(harmony), HARMONY_ROOT
     sampler = llama_cpp.llama_sampler_init_grammar(vocab, rules.encode(), root.encode())
     if not sampler:

@@ -4,7 +4,8 @@ that splits generated tokens into reasoning and answer.
 Harmony messages are `<|start|>{header}<|message|>{body}<|end|>`; an assistant header names
 its channel (`assistant<|channel|>analysis`), and the model ends its turn with `<|return|>`
 (or `<|call|>` for a tool). The analysis channel is the model's reasoning; final (and
-commentary, which this mesh has no tools for) is the answer. The control tokens are single
+commentary) is the answer, and a commentary message to `functions.NAME` is a call of a tool
+the request offered (its body the arguments' JSON). The control tokens are single
 tokens of o200k_harmony, so the parser works on token ids, never on text: a user's text that
 spells "<|channel|>" stays text.
 """
@@ -12,16 +13,33 @@ spells "<|channel|>" stays text.
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Iterable
+import re
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 # The harmony chat template of a gpt-oss file that has none (Ollama keeps gpt-oss's template
 # outside its GGUF blob). Renders what openai-harmony's render_conversation_for_completion
 # renders (tests/test_harmony.py checks token for token): the system message with the knowledge
 # cutoff, today's date and the reasoning effort ("low", "medium" or "high"; default medium), a
-# system or developer turn as the developer's instructions, earlier assistant turns as final
-# messages (their reasoning dropped, as harmony drops it), then `<|start|>assistant`.
+# system or developer turn as the developer's instructions, the tools offered as harmony's
+# `namespace functions` (strings, enums, numbers, booleans, arrays of those, descriptions and
+# defaults as openai-harmony writes them; other types as `any`), earlier assistant turns as
+# final messages (their reasoning dropped, as harmony drops it), their calls as commentary
+# messages to `functions.NAME` and the tools' results as messages from them, then
+# `<|start|>assistant`.
 HARMONY_TEMPLATE = """\
+{%- macro ts_type(spec) -%}
+{%- if spec.type == "array" -%}
+{%- set item = spec["items"]["type"] if spec["items"] is defined and spec["items"] is mapping
+    else "" -%}
+{{- "number" if item == "integer" else (item if item in ("string", "number", "boolean")
+    else "any") }}[]
+{%- elif spec.type == "string" and spec.enum -%}"{{ spec.enum | join('" | "') }}"
+{%- elif spec.type in ("number", "integer") -%}number
+{%- elif spec.type in ("string", "boolean") -%}{{ spec.type }}
+{%- else -%}any
+{%- endif -%}
+{%- endmacro -%}
 {%- set effort = reasoning_effort if reasoning_effort is defined and reasoning_effort
     else "medium" -%}
 {%- set identity = model_identity if model_identity is defined and model_identity
@@ -32,17 +50,54 @@ Current date: {{ strftime_now("%Y-%m-%d") }}
 
 Reasoning: {{ effort }}
 
-# Valid channels: analysis, commentary, final. Channel must be included for every message.<|end|>
+# Valid channels: analysis, commentary, final. Channel must be included for every message.
+{%- if tools %}{{ "\\n" }}Calls to these tools must go to the commentary channel: 'functions'.
+{%- endif -%}
+<|end|>
 {%- set turns = messages -%}
+{%- set instructions = "" -%}
 {%- if messages and messages[0].role in ("system", "developer") -%}
-<|start|>developer<|message|># Instructions
-
-{{ messages[0].content }}<|end|>
+{%- set instructions = messages[0].content -%}
 {%- set turns = messages[1:] -%}
 {%- endif -%}
+{%- if instructions or tools -%}
+{{- "<|start|>developer<|message|>" -}}
+{%- if instructions -%}{{- "# Instructions\\n\\n" + instructions -}}{%- endif -%}
+{%- if instructions and tools -%}{{- "\\n\\n" -}}{%- endif -%}
+{%- if tools -%}
+{{- "# Tools\\n\\n## functions\\n\\nnamespace functions {\\n\\n" -}}
+{%- for tool in tools -%}
+{%- set f = tool.function -%}
+{%- if f.description -%}{{- "// " + f.description + "\\n" -}}{%- endif -%}
+{{- "type " + f.name + " = " -}}
+{%- if f.parameters and f.parameters.properties -%}
+{{- "(_: {\\n" -}}
+{%- for name, spec in f.parameters.properties.items() -%}
+{%- if spec.description -%}{{- "// " + spec.description + "\\n" -}}{%- endif -%}
+{{- name + ("" if name in (f.parameters.required or []) else "?") + ": " + ts_type(spec) + "," -}}
+{%- if spec.default is defined -%}{{- " // default: " + (spec.default | tojson) -}}{%- endif -%}
+{{- "\\n" -}}
+{%- endfor -%}
+{{- "}) => any;\\n\\n" -}}
+{%- else -%}
+{{- "() => any;\\n\\n" -}}
+{%- endif -%}
+{%- endfor -%}
+{{- "} // namespace functions" -}}
+{%- endif -%}
+{{- "<|end|>" -}}
+{%- endif -%}
 {%- for turn in turns -%}
-{%- if turn.role == "assistant" -%}
+{%- if turn.role == "assistant" and turn.tool_calls -%}
+{%- for call in turn.tool_calls -%}
+<|start|>assistant to=functions.{{ call.function.name }}<|channel|>commentary <|constrain|>json\
+<|message|>{{ call.function.arguments | tojson }}<|call|>
+{%- endfor -%}
+{%- elif turn.role == "assistant" -%}
 <|start|>assistant<|channel|>final<|message|>{{ turn.content }}<|end|>
+{%- elif turn.role == "tool" -%}
+<|start|>functions.{{ turn.name }} to=assistant<|channel|>commentary<|message|>\
+{{ turn.content }}<|end|>
 {%- elif turn.role in ("system", "developer") -%}
 <|start|>developer<|message|>{{ turn.content }}<|end|>
 {%- else -%}
@@ -53,8 +108,10 @@ Reasoning: {{ effort }}
 """
 
 # A header holding more tokens than this is not a header: a model (or a prompt) that does not
-# follow harmony; its generated text is the answer from there.
-MAX_HEADER_TOKENS = 32
+# follow harmony; its generated text is the answer from there. Room for a call's header
+# written a character a token (a grammar can make a model spell `commentary
+# to=functions.NAME json`: up to ~100 characters with a 64-character name).
+MAX_HEADER_TOKENS = 128
 
 
 @dataclass(frozen=True)
@@ -94,6 +151,11 @@ class Part(enum.Enum):
     HIDDEN = "hidden"  # a control token, or a header (role, channel, recipient)
     REASONING = "reasoning"
     ANSWER = "answer"
+    TOOL_CALL = "tool_call"  # a call's arguments (a message to functions.NAME)
+
+
+# A header's recipient that is one of the request's functions.
+FUNCTION_RECIPIENT = re.compile(rb"to=functions\.([A-Za-z0-9_-]+)")
 
 
 class HarmonyParser:
@@ -107,9 +169,16 @@ class HarmonyParser:
     generated text is the answer. A generation that ends inside a short header (max_tokens
     right after `<|start|>assistant`) shows nothing of it."""
 
-    def __init__(self, tokens: HarmonyTokens, piece: Callable[[int], bytes]) -> None:
+    def __init__(
+        self, tokens: HarmonyTokens, piece: Callable[[int], bytes], tools: bool = False
+    ) -> None:
         self._t = tokens
         self._piece = piece
+        # With tools: a message to functions.NAME is a call; `calls` counts those begun (the
+        # prompt's too), `call_name` is the last one's function.
+        self._tools = tools
+        self.calls = 0
+        self.call_name = ""
         self._in_header = False
         self._header: list[int] = []
         self._body_header: list[int] = []
@@ -124,6 +193,11 @@ class HarmonyParser:
             self._step(token)
         self._generated = []
 
+    @property
+    def in_call(self) -> bool:
+        """Inside a call's arguments (a parser placed there by an opening)."""
+        return self._part is Part.TOOL_CALL and not self._in_header
+
     def opening(self) -> tuple[int, ...]:
         """Tokens that put a new parser where this one is (follow() them): the open
         header, or the header of the message being written, or where messages end."""
@@ -132,7 +206,7 @@ class HarmonyParser:
             return (t.start, *self._header)
         if self._part is Part.HIDDEN:
             return (t.end,)
-        if self._part is Part.REASONING:
+        if self._part in (Part.REASONING, Part.TOOL_CALL):
             return (t.start, *self._body_header, t.message)
         return ()
 
@@ -189,7 +263,16 @@ class HarmonyParser:
         return [(self._part, piece)] if piece else []
 
     def _channel_part(self) -> Part:
-        """The channel of the header that just ended: analysis is reasoning."""
+        """The channel of the header that just ended: analysis is reasoning; with tools, a
+        message to functions.NAME is a call."""
+        if self._tools:
+            controls = (*self._controls(), self._t.constrain)
+            text = b"".join(b" " if t in controls else self._piece(t) for t in self._header)
+            recipient = FUNCTION_RECIPIENT.search(text)
+            if recipient is not None:
+                self.calls += 1
+                self.call_name = recipient.group(1).decode()
+                return Part.TOOL_CALL
         channel_at = [i for i, token in enumerate(self._header) if token == self._t.channel]
         if not channel_at:
             return Part.ANSWER
@@ -215,3 +298,69 @@ def harmony_rules(tokens: HarmonyTokens) -> str:
         f'{HARMONY_ROOT} ::= harmony-analysis* {ch} "final"{constrain} {msg} root\n'
         f'harmony-analysis ::= {ch} "analysis" {msg} !{end}* {end} {start} "assistant"\n'
     )
+
+
+def harmony_call_rules(tokens: HarmonyTokens, calls: Sequence[tuple[str, str]]) -> str:
+    """Rules for a harmony model that must call one of these functions (name, the rules of
+    its arguments' schema with start rule `root`), start rule HARMONY_ROOT: one reasoning
+    message (free) or none, then a commentary message to functions.NAME holding JSON its
+    schema allows, as openai-harmony writes a call. Each schema's rules are renamed apart
+    (`call0-...`)."""
+    ch, msg, end, start = (
+        f"<[{t}]>" for t in (tokens.channel, tokens.message, tokens.end, tokens.start)
+    )
+    constrain = f' " " <[{tokens.constrain}]> "json"' if tokens.constrain else ' " json"'
+    rules: list[str] = []
+    branches: list[str] = []
+    for i, (name, schema_rules) in enumerate(calls):
+        rules.append(renamed(schema_rules, f"call{i}-"))
+        branches.append(f'"{name}"{constrain} {msg} call{i}-root')
+    return "\n".join(
+        [
+            *rules,
+            # One reasoning message at most: a model that wants to answer in the final
+            # channel, which the grammar forbids, would otherwise reason on and on.
+            f'{HARMONY_ROOT} ::= harmony-analysis? {ch} "commentary to=functions." '
+            f"( {' | '.join(branches)} )",
+            f'harmony-analysis ::= {ch} "analysis" {msg} !{end}* {end} {start} "assistant"',
+        ]
+    )
+
+
+def renamed(rules: str, prefix: str) -> str:
+    """GBNF rules (one a line, as llama.cpp's schema converter writes them) with every rule
+    name prefixed, in definitions and references, literals and character classes left as
+    they are."""
+    names = {line.split(" ::= ", 1)[0] for line in rules.splitlines() if " ::= " in line}
+    out = []
+    for line in rules.splitlines():
+        if " ::= " not in line:
+            continue
+        name, body = line.split(" ::= ", 1)
+        out.append(f"{prefix}{name} ::= {_renamed_body(body, names, prefix)}")
+    return "\n".join(out)
+
+
+def _renamed_body(body: str, names: set[str], prefix: str) -> str:
+    out: list[str] = []
+    i = 0
+    while i < len(body):
+        c = body[i]
+        if c in "\"[":  # a literal or a character class, escapes included
+            close = '"' if c == '"' else "]"
+            j = i + 1
+            while j < len(body) and body[j] != close:
+                j += 2 if body[j] == "\\" else 1
+            out.append(body[i : j + 1])
+            i = j + 1
+        elif c.isalnum() or c == "-":
+            j = i
+            while j < len(body) and (body[j].isalnum() or body[j] == "-"):
+                j += 1
+            word = body[i:j]
+            out.append(prefix + word if word in names else word)
+            i = j
+        else:
+            out.append(c)
+            i += 1
+    return "".join(out)

@@ -185,19 +185,23 @@ class LlamaModel:
         special = llama_cpp.LLAMA_TOKEN_ATTR_CONTROL | llama_cpp.LLAMA_TOKEN_ATTR_USER_DEFINED
         return ids[0] if attr & special else None
 
-    def harmony_parser(self, opening: Sequence[int] = ()) -> HarmonyParser | None:
+    def harmony_parser(
+        self, opening: Sequence[int] = (), tools: bool = False
+    ) -> HarmonyParser | None:
         """A parser of this model's generated harmony (None: not a harmony model), placed
-        after `opening`: a prompt's tokens, or its `open_message`."""
+        after `opening`: a prompt's tokens, or its `open_message`. tools: the request
+        offered functions, so a message to one is a call."""
         if self.harmony is None:
             return None
-        parser = HarmonyParser(self.harmony, self.piece)
+        parser = HarmonyParser(self.harmony, self.piece, tools)
         parser.follow(opening)
         return parser
 
-    def open_message(self, tokens: Sequence[int]) -> tuple[int, ...]:
+    def open_message(self, tokens: Sequence[int], tools: bool = False) -> tuple[int, ...]:
         """The few tokens of a prompt a harmony parser needs to place what follows it (its
-        last message's header, if still open); () for other models."""
-        parser = self.harmony_parser(tokens)
+        last message's header, if still open); () for other models. tools: as
+        harmony_parser's (a call's arguments are a message to place too)."""
+        parser = self.harmony_parser(tokens, tools)
         return () if parser is None else parser.opening()
 
     def _special_text(self, token: int) -> str:

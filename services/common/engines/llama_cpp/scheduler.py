@@ -72,6 +72,7 @@ from disagg_mesh.server.common.errors import (
 )
 from disagg_mesh.server.common.runtime.observability import metrics
 from disagg_mesh.server.common.structured.offload import start_on_large_stack
+from disagg_mesh.server.common.tools import formats
 from disagg_mesh.server.common.types import FinishReason, GenerationEnd, Sampling, TextChunk
 
 log = structlog.get_logger("engine")
@@ -544,7 +545,8 @@ class Scheduler:
                 return
 
     def _text_stream(self, job: Job, prompt: Sequence[int]) -> TextStream:
-        parser = self._model.harmony_parser(prompt)
+        tools = formats.active(job.sampling.tools) is not None
+        parser = self._model.harmony_parser(prompt, tools)
         return TextStream(job.sampling.max_tokens, job.sampling.stop, parser)
 
     def _reap_cancelled(self) -> None:

@@ -8,6 +8,7 @@ import codecs
 from dataclasses import dataclass
 
 from disagg_mesh.server.common.engines.llama_cpp.harmony import HarmonyParser, Part
+from disagg_mesh.server.common.tools.calls import ArgumentsPiece, CallStart, Piece, new_call_id
 from disagg_mesh.server.common.types import FinishReason, GenerationEnd, TextChunk
 
 
@@ -79,7 +80,10 @@ class TextStream:
     token is not counted.
 
     With a harmony parser (gpt-oss), the analysis channel's text is the chunks' `reasoning`,
-    headers and control tokens are neither, and stop strings apply to the answer only."""
+    headers and control tokens are neither, and stop strings apply to the answer only; a
+    parser that knows of tools makes a message to functions.NAME the chunks' `tool_calls`
+    (its start, then its arguments' text), and an answer that ended with calls ends
+    FinishReason.TOOL_CALLS."""
 
     def __init__(
         self, max_tokens: int, stop: tuple[str, ...], harmony: HarmonyParser | None = None
@@ -87,6 +91,12 @@ class TextStream:
         self._assembler = TextAssembler(stop)
         self._harmony = harmony
         self._reasoning = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._arguments = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        # Calls the prompt made (earlier turns') are not this answer's; a stream placed inside
+        # a call (an opening: another node gave its start) goes on with its arguments.
+        inside = harmony is not None and harmony.in_call
+        self._calls_before = 0 if harmony is None else harmony.calls - inside
+        self._started = 0 if inside else -1  # the last call whose start was given
         self._max_tokens = max_tokens
         self.count = 0
         self.done = False
@@ -112,11 +122,26 @@ class TextStream:
         thought = b"".join(piece for part, piece in parts if part is Part.REASONING)
         chunk = self._assembler.feed(token_id, answer)
         reasoning = self._reasoning.decode(thought)
-        if reasoning and not self._assembler.stopped:
+        calls = self._call_pieces(parts)
+        if (reasoning or calls) and not self._assembler.stopped:
             if chunk is None:
                 chunk = TextChunk(text="", token_ids=self._assembler.take_ids())
             chunk.reasoning = reasoning
+            chunk.tool_calls = calls
         return chunk
+
+    def _call_pieces(self, parts: list[tuple[Part, bytes]]) -> list[Piece]:
+        """A call that began (its message's header ended) and its arguments' new text."""
+        assert self._harmony is not None
+        index = self._harmony.calls - self._calls_before - 1
+        pieces: list[Piece] = []
+        if index > self._started:
+            self._started = index
+            pieces.append(CallStart(index, new_call_id(), self._harmony.call_name))
+        text = self._arguments.decode(b"".join(p for part, p in parts if part is Part.TOOL_CALL))
+        if text:
+            pieces.append(ArgumentsPiece(index, text))
+        return pieces
 
     def end(self, finish: FinishReason) -> list[TextChunk | GenerationEnd]:
         self.done = True
@@ -127,4 +152,7 @@ class TextStream:
                 ids = self._assembler.take_ids()
                 out.append(TextChunk(text="", token_ids=ids, reasoning=reasoning))
         tail = self._assembler.flush()
+        if self._harmony is not None and self._harmony.calls > self._calls_before:
+            if finish is FinishReason.STOP:
+                finish = FinishReason.TOOL_CALLS
         return [*out, *([tail] if tail is not None else []), GenerationEnd(self.count, finish)]
