@@ -346,7 +346,7 @@ def _renamed_body(body: str, names: set[str], prefix: str) -> str:
     i = 0
     while i < len(body):
         c = body[i]
-        if c in "\"[":  # a literal or a character class, escapes included
+        if c in '"[':  # a literal or a character class, escapes included
             close = '"' if c == '"' else "]"
             j = i + 1
             while j < len(body) and body[j] != close:
