@@ -11,6 +11,8 @@ import importlib.util
 import json
 import subprocess
 import sys
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -21,12 +23,15 @@ import pytest
 from openai.types.chat import ChatCompletionMessageFunctionToolCall
 
 from disagg_mesh.client import MeshClient
+from disagg_mesh.server.common.engines.llama_cpp.model import LlamaModel
+from disagg_mesh.server.common.runtime.processes import free_port
 from disagg_mesh.server.common.tools.calls import ToolCall
 from disagg_mesh.server.common.tools.formats import ToolFormat, tool_format, turns
 from disagg_mesh.server.common.tools.requests import read_tools
-from disagg_mesh.server.common.types import ChatTurn
-from tests.conftest import ROOT, Mesh
+from disagg_mesh.server.common.types import ChatTurn, Prompt
+from tests.conftest import ROOT, Mesh, engine_node, route, router_node, running_mesh
 from tests.test_http_api import http_url
+from tests.tiny_models import write_qwen3moe
 
 QWEN = "qwen3-coder:30b"
 DECODE_ONLY = "test/decode-only"
@@ -377,3 +382,120 @@ def test_the_tool_grader_example_calls_runs_the_tests_and_grades(mesh: Mesh) -> 
     spec.loader.exec_module(example)
     result = example.run_tests(example.SAMPLE)
     assert result.startswith("3 of 4 passed") and "FAIL average([]) ZeroDivisionError" in result
+
+
+# -- a template with tools: Hermes-style <tool_call> -------------------------------------------
+
+# A ChatML template that writes its calls as Hermes templates do (written for this test: the
+# format is chosen because the template writes `<tool_call>`).
+HERMES_STYLE_TEMPLATE = """\
+{%- if tools -%}
+<|im_start|>system
+{% if messages[0].role == "system" %}{{ messages[0].content }}
+
+{% endif %}# Tools
+
+Functions you may call:
+<tools>
+{% for tool in tools %}{{ tool | tojson }}
+{% endfor %}</tools>
+
+To call one, answer with a JSON object inside <tool_call></tool_call> tags:
+<tool_call>
+{"name": <function-name>, "arguments": <args-json-object>}
+</tool_call><|im_end|>
+{% elif messages[0].role == "system" -%}
+<|im_start|>system
+{{ messages[0].content }}<|im_end|>
+{% endif -%}
+{%- for m in messages if m.role != "system" -%}
+{%- if m.role == "assistant" and m.tool_calls -%}
+<|im_start|>assistant
+{% for call in m.tool_calls %}<tool_call>
+{"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments | tojson }}}
+</tool_call>{% endfor %}<|im_end|>
+{% elif m.role == "tool" -%}
+<|im_start|>user
+<tool_response>
+{{ m.content }}
+</tool_response><|im_end|>
+{% else -%}
+<|im_start|>{{ m.role }}
+{{ m.content }}<|im_end|>
+{% endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif -%}
+"""
+HERMES = "test/hermes"
+HERMES_ALONE = "test/hermes-decode-only"
+
+
+@pytest.fixture(scope="module")
+def hermes_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
+    """A tiny random qwen3moe whose template writes <tool_call>: the Hermes format."""
+    folder = tmp_path_factory.mktemp("hermes")
+    path = str(write_qwen3moe(folder / "hermes.gguf", HERMES_STYLE_TEMPLATE))
+    parts = [
+        router_node(http_port=free_port()),
+        engine_node("prefill", "prefill", 1, model=path),
+        engine_node("decode", "decode", 1, model=path),
+        route(HERMES, ["prefill"], ["decode"], chain=["disaggregated"]),
+        route(HERMES_ALONE, [], ["decode"], chain=["decode_only"]),
+    ]
+    with running_mesh(folder, parts) as processes:
+        router = processes.topology.router
+        yield f"http://{router.host}:{router.http_port}", path
+
+
+@pytest.mark.parametrize("model", [HERMES, HERMES_ALONE])
+def test_a_hermes_template_renders_the_tools_and_a_named_call_is_held_to_its_format(
+    hermes_mesh: tuple[str, str], model: str
+) -> None:
+    """The tools go to the template (its `tools`), a named function's call is
+    `<tool_call>{"name", "arguments"}</tool_call>` held by a grammar (a random model writes
+    it), parsed into tool_calls, streamed pieces = whole; auto leaves the random model free
+    (its answer is text, or calls that parse)."""
+    client: Any = openai.OpenAI(base_url=f"{hermes_mesh[0]}/v1", api_key="x", max_retries=0)
+    args: dict[str, Any] = {
+        "model": model,
+        "messages": MESSAGES,
+        "tools": TOOLS,
+        "tool_choice": {"type": "function", "function": {"name": "look_up_rubric"}},
+        "temperature": 0,
+        "max_tokens": 120,
+    }
+    whole = client.chat.completions.create(**args)
+    assert whole.choices[0].finish_reason == "tool_calls", whole.choices[0]
+    (call,) = function_calls(whole.choices[0].message)
+    assert valid_call(call.function.name, call.function.arguments)["assignment"]
+    streamed: dict[int, list[str]] = {}
+    for chunk in client.chat.completions.create(**args, stream=True):
+        for piece in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+            streamed.setdefault(piece.index, []).append(
+                piece.function.name or piece.function.arguments or ""
+            )
+    assert streamed[0][0] == "look_up_rubric"
+    assert "".join(streamed[0][1:]) == call.function.arguments
+    free = client.chat.completions.create(**{**args, "tool_choice": "auto", "max_tokens": 24})
+    for c in function_calls(free.choices[0].message):
+        assert c.function.name in SCHEMAS
+    assert free.choices[0].message.content is not None or free.choices[0].message.tool_calls
+
+
+def test_the_hermes_template_gets_the_tools_and_the_calls(hermes_mesh: tuple[str, str]) -> None:
+    model = LlamaModel(Path(hermes_mesh[1]))
+    try:
+        assert model.tool_format is ToolFormat.HERMES
+        turns = (
+            ChatTurn("user", "grade"),
+            ChatTurn("assistant", "", (ToolCall("call_1", "run_tests", '{"code": "x"}'),)),
+            ChatTurn("tool", "3 passed", tool_call_id="call_1"),
+        )
+        tokens = model.tokenize(Prompt(messages=turns), 4096, read_tools(TOOLS))
+        text = b"".join(model.piece(t) for t in tokens).decode()
+    finally:
+        model.close()
+    assert '"name": "look_up_rubric"' in text and "<tools>" in text
+    assert '<tool_call>\n{"name": "run_tests", "arguments": {"code": "x"}}' in text
+    assert "<tool_response>\n3 passed" in text

@@ -380,10 +380,12 @@ def write_gpt_oss(
     return _write(writer, path)
 
 
-def write_qwen3moe(path: Path) -> Path:
+def write_qwen3moe(path: Path, chat_template: str | None = None) -> Path:
     writer = gguf.GGUFWriter(path, "qwen3moe")
     _common(writer, "qwen3moe")
     n_vocab = _tokenizer(writer)
+    if chat_template is not None:
+        writer.add_chat_template(chat_template)
     w = _Weights(writer, seed=30)
     w.ends(n_vocab)
     for i in range(LAYERS):

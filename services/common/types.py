@@ -26,6 +26,11 @@ class ResponseFormat:
     # its parameters' JSON Schema as JSON text), written as harmony writes a call; set by
     # the node from the request's tools (tools/formats.py), never sent.
     harmony_calls: tuple[tuple[str, str], ...] = ()
+    # The JSON is written between these (a template's call markers, `<tool_call>\n` and
+    # `\n</tool_call>`), once, or (repeated) one or more times a line apart; set by the node.
+    before: str = ""
+    after: str = ""
+    repeated: bool = False
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,8 @@ from typing import Any
 from disagg_mesh.server.common.errors import FailedPrecondition, InvalidArgument
 from disagg_mesh.server.common.tools import generic
 from disagg_mesh.server.common.tools.calls import ToolCall, ToolCallParser
+from disagg_mesh.server.common.tools.hermes import CLOSE as HERMES_CLOSE
+from disagg_mesh.server.common.tools.hermes import OPEN as HERMES_OPEN
 from disagg_mesh.server.common.tools.hermes import HermesParser
 from disagg_mesh.server.common.tools.qwen3_coder import Qwen3CoderParser
 from disagg_mesh.server.common.tools.requests import ToolRequest
@@ -51,10 +53,10 @@ def active(tools: ToolRequest | None) -> ToolRequest | None:
 
 
 def check_supported(fmt: ToolFormat, tools: ToolRequest | None) -> None:
-    if tools is not None and tools.forced and fmt in (ToolFormat.HERMES, ToolFormat.QWEN3_CODER):
+    if tools is not None and tools.forced and fmt is ToolFormat.QWEN3_CODER:
         raise FailedPrecondition(
-            f'tool_choice: "required" or a named function is not implemented yet for '
-            f"{fmt.value} templates (issue #43); use auto"
+            'tool_choice: "required" or a named function is not implemented yet for '
+            "Qwen3-Coder's XML calls (issue #43); use auto"
         )
 
 
@@ -123,6 +125,14 @@ def response_format(fmt: ToolFormat, tools: ToolRequest | None) -> ResponseForma
                 (t.name, json.dumps(t.parameters or {"type": "object"}, sort_keys=True))
                 for t in offered.offered()
             )
+        )
+    if fmt is ToolFormat.HERMES and offered.forced:
+        # As the template shows the model: <tool_call>\n{"name", "arguments"}\n</tool_call>.
+        return ResponseFormat(
+            json.dumps(generic.call_schema(offered.offered()), sort_keys=True),
+            before=f"{HERMES_OPEN}\n",
+            after=f"\n{HERMES_CLOSE}",
+            repeated=offered.parallel is True,
         )
     if fmt is not ToolFormat.GENERIC:
         return None

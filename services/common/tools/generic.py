@@ -47,10 +47,10 @@ def system_text(tools: Sequence[Tool], required: bool) -> str:
     )
 
 
-def schema(tools: Sequence[Tool], required: bool, parallel: bool) -> dict[str, Any]:
-    """The answer's JSON Schema: a call of one of these tools (several, if parallel), or,
-    unless required, a reply."""
-    one_call: dict[str, Any] = {
+def call_schema(tools: Sequence[Tool]) -> dict[str, Any]:
+    """One call of one of these tools: {"name": ..., "arguments": {...}}, the arguments held
+    to that tool's parameters (Hermes templates write their calls so too)."""
+    return {
         "anyOf": [
             {
                 "type": "object",
@@ -63,6 +63,12 @@ def schema(tools: Sequence[Tool], required: bool, parallel: bool) -> dict[str, A
             for t in tools
         ]
     }
+
+
+def schema(tools: Sequence[Tool], required: bool, parallel: bool) -> dict[str, Any]:
+    """The answer's JSON Schema: a call of one of these tools (several, if parallel), or,
+    unless required, a reply."""
+    one_call = call_schema(tools)
     calls: dict[str, Any] = (
         {
             "type": "object",

@@ -60,6 +60,10 @@ def parse(
         rules, root = harmony_call_rules(harmony, calls), HARMONY_ROOT
     else:
         rules, root = grammar(fmt, FIELD, limits), "root"
+    if fmt.before or fmt.after:
+        one = f"{_literal(fmt.before)} root {_literal(fmt.after)}"
+        more = f' ("\\n" {one})*' if fmt.repeated else ""
+        rules, root = f"{rules}\nwrapped-root ::= {one}{more}", "wrapped-root"
     if harmony is not None and not fmt.harmony_calls:
         # gpt-oss: the grammar constrains the final channel only
         rules, root = rules + "\n" + harmony_rules(harmony), HARMONY_ROOT
@@ -71,6 +75,12 @@ def parse(
             "repetition over its limit of 2,000)",
         )
     return Grammar(sampler)
+
+
+def _literal(text: str) -> str:
+    """A GBNF string literal of this text."""
+    escaped = text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+    return f'"{escaped}"'
 
 
 class Grammars:
