@@ -332,7 +332,46 @@ class FakeOllama:
         self._complete(h, body, text, chat=False)
 
     def _chat(self, h: BaseHTTPRequestHandler, body: dict[str, Any]) -> None:
+        if body.get("tools"):
+            return self._tool_call(h, body, body["tools"][0]["function"])
         self._complete(h, body, self.model.render_chat(body.get("messages", [])), chat=True)
+
+    def _tool_call(
+        self, h: BaseHTTPRequestHandler, body: dict[str, Any], function: dict[str, Any]
+    ) -> None:
+        """As Ollama answers a model that calls a tool: the call whole in one message
+        (arguments an object), then the final line, done_reason "stop"."""
+        schema = function.get("parameters") or {}
+        arguments = {
+            name: _example(spec)
+            for name, spec in (schema.get("properties") or {}).items()
+            if name in (schema.get("required") or ())
+        }
+        message = {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"function": {"name": function["name"], "arguments": arguments}}],
+        }
+        stats = {
+            "done_reason": "stop",
+            "total_duration": 10_000_000,
+            "load_duration": 0,
+            "prompt_eval_count": 12,
+            "prompt_eval_duration": 5_000_000,
+            "eval_count": 8,
+            "eval_duration": 5_000_000,
+        }
+        last = {"model": body["model"], "created_at": now(), "done": True, **stats}
+        if body.get("stream") is False:
+            return self._json(h, {**last, "message": message})
+        h.send_response(200)
+        h.send_header("Content-Type", "application/x-ndjson")
+        h.send_header("Transfer-Encoding", "chunked")
+        h.end_headers()
+        first = {"model": body["model"], "created_at": now(), "done": False}
+        self._chunk(h, {**first, "message": message})
+        self._chunk(h, {**last, "message": {"role": "assistant", "content": ""}})
+        self._chunk(h, None)
 
     def _complete(
         self, h: BaseHTTPRequestHandler, body: dict[str, Any], prompt: str, chat: bool
@@ -460,6 +499,15 @@ class FakeOllama:
             "capabilities": ["completion"],
             "modified_at": "2026-10-01T10:00:00.000000000Z",
         }
+
+
+def _example(spec: dict[str, Any]) -> Any:
+    """A value a schema allows, as a model would write one."""
+    if spec.get("enum"):
+        return spec["enum"][0]
+    return {"integer": 1, "number": 1.5, "boolean": True, "array": [], "object": {}}.get(
+        spec.get("type", "string"), "x"
+    )
 
 
 def main() -> None:

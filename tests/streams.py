@@ -24,6 +24,8 @@ class Collected:
     # Token ids in each delta, in order.
     delta_tokens: list[int] = field(default_factory=list)
     summary: Any = None
+    # Pieces of tool calls (types_pb2.ToolCallDelta), in order.
+    tool_calls: list[Any] = field(default_factory=list)
     first_delta_at: float = 0.0
     summary_at: float = 0.0
 
@@ -40,6 +42,7 @@ async def collect(call: AsyncIterable[Any]) -> Collected:
             out.text += reply.delta.text
             out.reasoning += reply.delta.reasoning
             out.token_ids.extend(reply.delta.token_ids)
+            out.tool_calls.extend(reply.delta.tool_calls)
         else:
             assert out.summary is None, "two summaries"
             out.summary = reply.summary

@@ -367,3 +367,63 @@ async def test_node_info_says_whether_ollama_holds_the_model_in_memory(
         assert (info.ready, info.model_loaded_in_memory) == (ready, loaded), name
         assert info.kv_transfer == types_pb2.KV_TRANSFER_TOKEN_IDS
     assert "unreachable" in info.problem
+
+
+async def test_tools_reach_ollama_and_its_calls_come_back_as_calls(
+    router: router_pb2_grpc.RouterServiceAsyncStub, ollama_mesh: OllamaMesh
+) -> None:
+    """Tools go to Ollama's /api/chat as its `tools`, an earlier call and its result in
+    Ollama's shape (arguments an object, the result naming its tool); Ollama's call (sent
+    whole) comes back as a call, finish tool_calls. Ollama has no tool_choice: a forced
+    one is refused by its nodes, naming the field."""
+    grade = types_pb2.ToolDefinition(
+        name="record_grade",
+        parameters_json_schema=json.dumps(
+            {
+                "type": "object",
+                "properties": {"points": {"type": "integer"}, "note": {"type": "string"}},
+                "required": ["points"],
+            }
+        ),
+    )
+    messages = [
+        types_pb2.ChatMessage(role="user", content="Grade it."),
+        types_pb2.ChatMessage(
+            role="assistant",
+            tool_calls=[
+                types_pb2.ToolCall(id="call_1", name="record_grade", arguments_json='{"points": 3}')
+            ],
+        ),
+        types_pb2.ChatMessage(role="tool", content="recorded", tool_call_id="call_1"),
+    ]
+
+    def request(choice: types_pb2.ToolChoice) -> router_pb2.GenerateRequest:
+        return router_pb2.GenerateRequest(
+            model="ollama/decode-only",
+            messages=messages,
+            sampling=types_pb2.SamplingParams(
+                max_tokens=16,
+                temperature=0.0,
+                tools=types_pb2.ToolSet(
+                    definitions=[grade], choice=choice, function_name="record_grade"
+                ),
+            ),
+        )
+
+    got = await collect(router.Generate(request(types_pb2.TOOL_CHOICE_AUTO)))
+    calls = got.tool_calls
+    assert [(c.index, c.name) for c in calls if c.name] == [(0, "record_grade")]
+    assert json.loads("".join(c.arguments_json for c in calls)) == {"points": 1}
+    assert got.summary.finish_reason == types_pb2.FINISH_REASON_TOOL_CALLS
+    sent = ollama_mesh.nodes_ollama.last("/api/chat")
+    assert sent["tools"][0]["function"]["name"] == "record_grade"
+    assert sent["messages"][1]["tool_calls"] == [
+        {"function": {"name": "record_grade", "arguments": {"points": 3}}}
+    ]
+    assert (sent["messages"][2]["role"], sent["messages"][2]["tool_name"]) == (
+        "tool",
+        "record_grade",
+    )
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await collect(router.Generate(request(types_pb2.TOOL_CHOICE_FUNCTION)))
+    assert "tool_choice" in (refused.value.details() or "")

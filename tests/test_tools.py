@@ -7,6 +7,7 @@ result, answer); bad inputs get a 400 naming the field. (The parsers: test_tool_
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import json
 import subprocess
@@ -499,3 +500,156 @@ def test_the_hermes_template_gets_the_tools_and_the_calls(hermes_mesh: tuple[str
     assert '"name": "look_up_rubric"' in text and "<tools>" in text
     assert '<tool_call>\n{"name": "run_tests", "arguments": {"code": "x"}}' in text
     assert "<tool_response>\n3 passed" in text
+
+
+# -- a template with Qwen3-Coder's XML calls -----------------------------------------------
+
+# A ChatML template that shows its calls as Qwen3-Coder's does (written for this test: the
+# format is chosen because the template writes `<function=` and `<parameter=`).
+XML_STYLE_TEMPLATE = """\
+{%- if tools -%}
+<|im_start|>system
+# Tools
+
+<tools>
+{% for tool in tools %}<function>
+<name>{{ tool.function.name }}</name>
+<parameters>{{ tool.function.parameters | tojson }}</parameters>
+</function>
+{% endfor %}</tools>
+
+To call a function, answer with:
+<tool_call>
+<function=example_function_name>
+<parameter=example_parameter>
+value
+</parameter>
+</function>
+</tool_call><|im_end|>
+{% endif -%}
+{%- for m in messages -%}
+{%- if m.role == "assistant" and m.tool_calls -%}
+<|im_start|>assistant
+{% for call in m.tool_calls %}<tool_call>
+<function={{ call.function.name }}>
+{% for k, v in call.function.arguments.items() %}<parameter={{ k }}>
+{{ v }}
+</parameter>
+{% endfor %}</function>
+</tool_call>{% endfor %}<|im_end|>
+{% elif m.role == "tool" -%}
+<|im_start|>user
+<tool_response>
+{{ m.content }}
+</tool_response><|im_end|>
+{% else -%}
+<|im_start|>{{ m.role }}
+{{ m.content }}<|im_end|>
+{% endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif -%}
+"""
+XML = "test/qwen3-coder-xml"
+XML_ALONE = "test/qwen3-coder-xml-decode-only"
+GRADE: dict[str, Any] = {
+    "type": "function",
+    "function": {
+        "name": "record_grade",
+        "description": "Record a grade.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "assignment": {"type": "string", "enum": ["hw1", "hw2"]},
+                "points": {"type": "integer", "minimum": 0, "maximum": 9},
+                "passed": {"type": "boolean"},
+            },
+            "required": ["assignment", "points", "passed"],
+        },
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def xml_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
+    folder = tmp_path_factory.mktemp("qwen3-coder-xml")
+    path = str(write_qwen3moe(folder / "xml.gguf", XML_STYLE_TEMPLATE))
+    parts = [
+        router_node(http_port=free_port()),
+        engine_node("prefill", "prefill", 1, model=path),
+        engine_node("decode", "decode", 1, model=path),
+        route(XML, ["prefill"], ["decode"], chain=["disaggregated"]),
+        route(XML_ALONE, [], ["decode"], chain=["decode_only"]),
+    ]
+    with running_mesh(folder, parts) as processes:
+        router = processes.topology.router
+        yield f"http://{router.host}:{router.http_port}", path
+
+
+@pytest.mark.parametrize("model", [XML, XML_ALONE])
+def test_a_qwen3_coder_template_gets_a_named_call_in_its_xml_held_by_a_grammar(
+    xml_mesh: tuple[str, str], model: str
+) -> None:
+    """A named function's call is Qwen3-Coder's XML, held by a grammar (an enum's value one
+    of its values, an integer's and a boolean's JSON their schema allows), parsed into
+    arguments typed by the schema; streamed pieces = whole."""
+    client: Any = openai.OpenAI(base_url=f"{xml_mesh[0]}/v1", api_key="x", max_retries=0)
+    args: dict[str, Any] = {
+        "model": model,
+        "messages": MESSAGES,
+        "tools": [GRADE, RUBRIC],
+        "tool_choice": {"type": "function", "function": {"name": "record_grade"}},
+        "temperature": 0,
+        "max_tokens": 120,
+    }
+    whole = client.chat.completions.create(**args)
+    assert whole.choices[0].finish_reason == "tool_calls", whole.choices[0]
+    (call,) = function_calls(whole.choices[0].message)
+    arguments = json.loads(call.function.arguments)
+    jsonschema.validate(arguments, GRADE["function"]["parameters"])
+    streamed: dict[int, list[str]] = {}
+    for chunk in client.chat.completions.create(**args, stream=True):
+        for piece in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+            streamed.setdefault(piece.index, []).append(
+                piece.function.name or piece.function.arguments or ""
+            )
+    assert streamed[0][0] == "record_grade"
+    assert json.loads("".join(streamed[0][1:])) == arguments
+    model_file = LlamaModel(Path(xml_mesh[1]))
+    try:
+        assert model_file.tool_format is ToolFormat.QWEN3_CODER
+    finally:
+        model_file.close()
+
+
+async def test_calls_held_by_a_grammar_beside_free_streams_in_one_batch_are_as_alone(
+    mesh: Mesh,
+) -> None:
+    """Two named calls and two free answers at once on one decode node (decode_only): each
+    the same as alone (a slot's grammar is its own; batched greedy = alone)."""
+    client = openai.AsyncOpenAI(base_url=f"{http_url(mesh)}/v1", api_key="x", max_retries=0)
+    named: dict[str, Any] = {
+        "model": DECODE_ONLY,
+        "tools": TOOLS,
+        "tool_choice": {"type": "function", "function": {"name": "run_tests"}},
+        "temperature": 0,
+        "max_tokens": 120,
+    }
+    free: dict[str, Any] = {"model": DECODE_ONLY, "temperature": 0, "max_tokens": 40}
+    questions = [
+        [{"role": "user", "content": f"Grade submission {i}: def f(x): return x * {i}"}]
+        for i in range(2)
+    ]
+
+    async def answer(kwargs: dict[str, Any], messages: Any) -> tuple[str, list[Any]]:
+        got = await client.chat.completions.create(messages=messages, **kwargs)
+        message = got.choices[0].message
+        return message.content or "", [
+            (c.function.name, c.function.arguments) for c in function_calls(message)
+        ]
+
+    jobs = [(named, q) for q in questions] + [(free, q) for q in questions]
+    alone = [await answer(kwargs, q) for kwargs, q in jobs]
+    together = await asyncio.gather(*(answer(kwargs, q) for kwargs, q in jobs))
+    assert list(together) == alone
+    assert all(calls for _, calls in alone[:2]) and all(text for text, _ in alone[2:])

@@ -22,10 +22,12 @@ class ResponseFormat:
     sampled. json_schema None: any JSON object; else a JSON Schema, as JSON text."""
 
     json_schema: str | None = None
-    # A harmony model's (gpt-oss) answer must be a call of one of these functions (name,
-    # its parameters' JSON Schema as JSON text), written as harmony writes a call; set by
-    # the node from the request's tools (tools/formats.py), never sent.
-    harmony_calls: tuple[tuple[str, str], ...] = ()
+    # The answer must be a call of one of these functions (name, its parameters' JSON Schema
+    # as JSON text), written as the model's format writes one (calls_format: "harmony" for
+    # gpt-oss, "qwen3_coder" for Qwen3-Coder's XML); set by the node from the request's tools
+    # (tools/formats.py), never sent.
+    calls: tuple[tuple[str, str], ...] = ()
+    calls_format: str = ""
     # The JSON is written between these (a template's call markers, `<tool_call>\n` and
     # `\n</tool_call>`), once, or (repeated) one or more times a line apart; set by the node.
     before: str = ""

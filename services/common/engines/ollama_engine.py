@@ -46,7 +46,11 @@ from disagg_mesh.server.common.errors import (
     ResourceExhausted,
     Unavailable,
 )
+from disagg_mesh.server.common.tools import formats
+from disagg_mesh.server.common.tools.calls import ArgumentsPiece, CallStart, Piece, new_call_id
+from disagg_mesh.server.common.tools.requests import ToolRequest
 from disagg_mesh.server.common.types import (
+    ChatTurn,
     Continuation,
     DecodeCandidate,
     Fingerprint,
@@ -215,7 +219,15 @@ class OllamaEngine:
             yield GenerationEnd(already, FinishReason.LENGTH)
             return
         options = self._options(sampling, num_predict=left)
-        turns = [{"role": m.role, "content": m.content} for m in prompt.messages]
+        tools = _ollama_tools(sampling.tools)
+        if tools and continuation is not None:
+            raise FailedPrecondition(
+                f"an Ollama node (at {self.url}) cannot go on with an answer that may call "
+                "tools: Ollama would parse its calls from the handed-over text again"
+            )
+        if tools and not prompt.messages:
+            raise InvalidArgument("tools", "need chat messages, not prompt text")
+        turns = [_ollama_turn(m, prompt.messages) for m in prompt.messages]
         text = prompt.text
         if continuation is not None:
             if continuation.raw_prompt and not turns:
@@ -232,6 +244,7 @@ class OllamaEngine:
                 request = self._client.chat(
                     model=self.model,
                     messages=turns,
+                    tools=tools,
                     options=options,
                     keep_alive=self.keep_alive,
                     stream=True,
@@ -255,14 +268,22 @@ class OllamaEngine:
         """Relay an NDJSON stream of /api/generate or /api/chat as chunks, then the end."""
         async with self._mapped_errors():
             parts: AsyncIterator[Any] = await request
+            calls = 0
             try:
                 async for part in parts:
                     message = part if hasattr(part, "response") else part.message
                     text = part.response if message is part else message.content
                     # A thinking model's reasoning (gpt-oss), apart from the answer.
                     thinking = message.thinking or ""
-                    if text or thinking:
-                        yield TextChunk(text=text or "", reasoning=thinking)
+                    # Ollama parses a model's calls itself and sends each one whole.
+                    pieces: list[Piece] = []
+                    for call in (getattr(message, "tool_calls", None) or []) if message else []:
+                        arguments = json.dumps(dict(call.function.arguments or {}))
+                        pieces.append(CallStart(calls, new_call_id(), call.function.name))
+                        pieces.append(ArgumentsPiece(calls, arguments))
+                        calls += 1
+                    if text or thinking or pieces:
+                        yield TextChunk(text=text or "", reasoning=thinking, tool_calls=pieces)
                     if part.done:
                         self._rates.add(part.prompt_eval_count or 0, part.eval_count or 0)
                         yield GenerationEnd(
@@ -270,6 +291,8 @@ class OllamaEngine:
                             finish_reason=(
                                 FinishReason.LENGTH
                                 if part.done_reason == "length"
+                                else FinishReason.TOOL_CALLS
+                                if calls
                                 else FinishReason.STOP
                             ),
                             prompt_tokens=part.prompt_eval_count or 0,
@@ -302,10 +325,11 @@ class OllamaEngine:
     # -- helpers ---------------------------------------------------------------------------
 
     def _options(self, sampling: Sampling, num_predict: int) -> dict[str, Any]:
-        if sampling.tools is not None:
+        if sampling.tools is not None and sampling.tools.forced:
             raise FailedPrecondition(
-                f"tools: the Ollama engine at {self.url} does not pass tools on yet (issue "
-                "#43); route the model to embedded llama.cpp nodes"
+                f'tool_choice: Ollama (at {self.url}) has no tool_choice, so "required" or a '
+                "named function cannot be held to; use auto, or route the model to embedded "
+                "llama.cpp nodes"
             )
         if sampling.ignore_eos:
             raise InvalidArgument(
@@ -387,3 +411,32 @@ def ollama_format(fmt: ResponseFormat | None) -> Any:
     if fmt is None:
         return None
     return "json" if fmt.json_schema is None else json.loads(fmt.json_schema)
+
+
+def _ollama_tools(tools: ToolRequest | None) -> list[dict[str, Any]] | None:
+    """The request's tools as Ollama's /api/chat takes them (OpenAI's shape)."""
+    offered = formats.active(tools)
+    if offered is None:
+        return None
+    return [
+        {
+            "type": "function",
+            "function": {"name": t.name, "description": t.description, "parameters": t.parameters},
+        }
+        for t in offered.offered()
+    ]
+
+
+def _ollama_turn(turn: ChatTurn, turns: Sequence[ChatTurn]) -> dict[str, Any]:
+    """A chat turn as Ollama takes it: an assistant's calls with their arguments as objects,
+    a tool's result with the name of the tool it answers (Ollama's calls have no id)."""
+    out: dict[str, Any] = {"role": turn.role, "content": turn.content}
+    if turn.tool_calls:
+        out["tool_calls"] = [
+            {"function": {"name": c.name, "arguments": c.parsed_arguments()}}
+            for c in turn.tool_calls
+        ]
+    if turn.role == "tool":
+        names = {c.id: c.name for t in turns for c in t.tool_calls}
+        out["tool_name"] = names.get(turn.tool_call_id, "")
+    return out

@@ -19,7 +19,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from disagg_mesh.server.common.errors import FailedPrecondition, InvalidArgument
+from disagg_mesh.server.common.errors import InvalidArgument
 from disagg_mesh.server.common.tools import generic
 from disagg_mesh.server.common.tools.calls import ToolCall, ToolCallParser
 from disagg_mesh.server.common.tools.hermes import CLOSE as HERMES_CLOSE
@@ -50,14 +50,6 @@ def tool_format(template: str, harmony: bool) -> ToolFormat:
 def active(tools: ToolRequest | None) -> ToolRequest | None:
     """The tools the model is told of and may call (None: none, or tool_choice none)."""
     return None if tools is None or tools.choice == "none" else tools
-
-
-def check_supported(fmt: ToolFormat, tools: ToolRequest | None) -> None:
-    if tools is not None and tools.forced and fmt is ToolFormat.QWEN3_CODER:
-        raise FailedPrecondition(
-            'tool_choice: "required" or a named function is not implemented yet for '
-            "Qwen3-Coder's XML calls (issue #43); use auto"
-        )
 
 
 def turns(
@@ -120,12 +112,9 @@ def response_format(fmt: ToolFormat, tools: ToolRequest | None) -> ResponseForma
     if offered is None:
         return None
     if fmt is ToolFormat.HARMONY and offered.forced:
-        return ResponseFormat(
-            harmony_calls=tuple(
-                (t.name, json.dumps(t.parameters or {"type": "object"}, sort_keys=True))
-                for t in offered.offered()
-            )
-        )
+        return ResponseFormat(calls=_calls(offered), calls_format="harmony")
+    if fmt is ToolFormat.QWEN3_CODER and offered.forced:
+        return ResponseFormat(calls=_calls(offered), calls_format="qwen3_coder")
     if fmt is ToolFormat.HERMES and offered.forced:
         # As the template shows the model: <tool_call>\n{"name", "arguments"}\n</tool_call>.
         return ResponseFormat(
@@ -153,6 +142,10 @@ def parser(fmt: ToolFormat, tools: ToolRequest | None) -> ToolCallParser | None:
     if fmt is ToolFormat.QWEN3_CODER:
         return Qwen3CoderParser({t.name: t for t in offered.tools})
     return None
+
+
+def _calls(tools: ToolRequest) -> tuple[tuple[str, str], ...]:
+    return tuple((t.name, json.dumps(t.parameters or {"type": "object"})) for t in tools.offered())
 
 
 def _arguments(call: ToolCall, i: int) -> dict[str, Any]:

@@ -21,9 +21,10 @@ name never closes comes back as text.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from disagg_mesh.server.common.structured.gbnf import literal, renamed, text_without
 from disagg_mesh.server.common.tools.calls import (
     ArgumentsPiece,
     CallStart,
@@ -243,3 +244,39 @@ class Qwen3CoderParser:
             )
         )
         self._params += 1
+
+
+def call_rules(tools: Sequence[Tool], json_rules: Callable[[dict[str, Any]], str]) -> str:
+    """GBNF, start rule `root`: one call of one of these tools written as Qwen3-Coder's
+    template shows its calls (`<tool_call>\\n<function=NAME>\\n`, each parameter
+    `<parameter=P>\\nVALUE\\n</parameter>\\n` in the schema's order, the required ones
+    always, then `</function>\\n</tool_call>`). A string's value is text that never holds
+    `\\n</parameter>` (an enum's: one of its values); any other type's is JSON its schema
+    allows (json_rules: a schema's rules with start rule `root`, renamed apart here)."""
+    rules: list[str] = []
+    calls: list[str] = []
+    for i, tool in enumerate(tools):
+        properties = tool.parameters.get("properties") or {}
+        required = set(tool.parameters.get("required") or ())
+        parts = [literal(f"{CALL_OPEN}\n{FUNCTION_OPEN}{tool.name}>\n")]
+        for j, (name, spec) in enumerate(properties.items()):
+            value = f"call{i}-p{j}"
+            rules.append(_value_rule(value, spec if isinstance(spec, dict) else {}, json_rules))
+            opened = literal(f"{PARAMETER_OPEN}{name}>\n")
+            parameter = f"( {opened} {value} {literal(chr(10) + PARAMETER_CLOSE + chr(10))} )"
+            parts.append(parameter if name in required else f"{parameter}?")
+        parts.append(literal(f"{FUNCTION_CLOSE}\n{CALL_CLOSE}"))
+        rules.append(f"call{i} ::= {' '.join(parts)}")
+        calls.append(f"call{i}")
+    return "\n".join([*rules, f"root ::= {' | '.join(calls)}"])
+
+
+def _value_rule(
+    name: str, spec: dict[str, Any], json_rules: Callable[[dict[str, Any]], str]
+) -> str:
+    kind = spec.get("type", "string")
+    if kind == "string" and isinstance(spec.get("enum"), list):
+        return f"{name} ::= {' | '.join(literal(str(v)) for v in spec['enum'])}"
+    if kind == "string":
+        return f"{name} ::= {text_without(chr(10) + PARAMETER_CLOSE)}"
+    return f"{renamed(json_rules(spec), name + '-')}\n{name} ::= {name}-root"

@@ -346,8 +346,7 @@ class OllamaApi:
                 "template": "",
                 "details": entry["details"],
                 "model_info": {"general.architecture": "", "disagg.chain": route.chain},
-                # "tools" once every family's calls are parsed (gpt-oss's: issue #43).
-                "capabilities": ["completion"],
+                "capabilities": ["completion", "tools"],
                 "modified_at": self.started,
             }
         )

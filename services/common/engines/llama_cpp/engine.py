@@ -258,7 +258,6 @@ class LlamaCppEngine:
     def _with_tools(self, sampling: Sampling) -> Sampling:
         """The grammar this model's tool format holds the answer to, where it has one."""
         fmt = self._model.tool_format
-        formats.check_supported(fmt, sampling.tools)
         grammar = formats.response_format(fmt, sampling.tools)
         if grammar is None:
             return sampling

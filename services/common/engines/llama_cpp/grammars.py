@@ -7,6 +7,7 @@ process."""
 
 from __future__ import annotations
 
+import json
 import weakref
 from collections import OrderedDict
 from typing import Any
@@ -21,8 +22,11 @@ from disagg_mesh.server.common.engines.llama_cpp.harmony import (
     harmony_rules,
 )
 from disagg_mesh.server.common.errors import InvalidArgument
+from disagg_mesh.server.common.structured.gbnf import literal
 from disagg_mesh.server.common.structured.offload import OverBudget, off_loop
 from disagg_mesh.server.common.structured.response_format import DEFAULT_LIMITS, FIELD, grammar
+from disagg_mesh.server.common.tools import qwen3_coder
+from disagg_mesh.server.common.tools.calls import Tool
 from disagg_mesh.server.common.types import ResponseFormat
 
 TOOLS_FIELD = "tools"
@@ -50,21 +54,27 @@ def parse(
 ) -> Grammar:
     """The format's grammar, parsed by llama.cpp (on the calling thread: give it a large
     stack); InvalidArgument naming the field when it cannot be enforced."""
-    if fmt.harmony_calls:
+    if fmt.calls_format == "harmony":
         if harmony is None:
             raise InvalidArgument("tools", "harmony calls asked of a model without harmony")
         calls = [
             (name, grammar(ResponseFormat(schema), TOOLS_FIELD, limits))
-            for name, schema in fmt.harmony_calls
+            for name, schema in fmt.calls
         ]
         rules, root = harmony_call_rules(harmony, calls), HARMONY_ROOT
+    elif fmt.calls_format == "qwen3_coder":
+        tools = [Tool(name, parameters=json.loads(schema)) for name, schema in fmt.calls]
+        rules = qwen3_coder.call_rules(
+            tools, lambda schema: grammar(ResponseFormat(json.dumps(schema)), TOOLS_FIELD, limits)
+        )
+        root = "root"
     else:
         rules, root = grammar(fmt, FIELD, limits), "root"
     if fmt.before or fmt.after:
-        one = f"{_literal(fmt.before)} root {_literal(fmt.after)}"
+        one = f"{literal(fmt.before)} root {literal(fmt.after)}"
         more = f' ("\\n" {one})*' if fmt.repeated else ""
         rules, root = f"{rules}\nwrapped-root ::= {one}{more}", "wrapped-root"
-    if harmony is not None and not fmt.harmony_calls:
+    if harmony is not None and not fmt.calls:
         # gpt-oss: the grammar constrains the final channel only
         rules, root = rules + "\n" + harmony_rules(harmony), HARMONY_ROOT
     sampler = llama_cpp.llama_sampler_init_grammar(vocab, rules.encode(), root.encode())
@@ -75,12 +85,6 @@ def parse(
             "repetition over its limit of 2,000)",
         )
     return Grammar(sampler)
-
-
-def _literal(text: str) -> str:
-    """A GBNF string literal of this text."""
-    escaped = text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-    return f'"{escaped}"'
 
 
 class Grammars:

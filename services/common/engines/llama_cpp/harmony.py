@@ -17,6 +17,8 @@ import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
+from disagg_mesh.server.common.structured.gbnf import renamed
+
 # The harmony chat template of a gpt-oss file that has none (Ollama keeps gpt-oss's template
 # outside its GGUF blob). Renders what openai-harmony's render_conversation_for_completion
 # renders (tests/test_harmony.py checks token for token): the system message with the knowledge
@@ -325,42 +327,3 @@ def harmony_call_rules(tokens: HarmonyTokens, calls: Sequence[tuple[str, str]]) 
             f'harmony-analysis ::= {ch} "analysis" {msg} !{end}* {end} {start} "assistant"',
         ]
     )
-
-
-def renamed(rules: str, prefix: str) -> str:
-    """GBNF rules (one a line, as llama.cpp's schema converter writes them) with every rule
-    name prefixed, in definitions and references, literals and character classes left as
-    they are."""
-    names = {line.split(" ::= ", 1)[0] for line in rules.splitlines() if " ::= " in line}
-    out = []
-    for line in rules.splitlines():
-        if " ::= " not in line:
-            continue
-        name, body = line.split(" ::= ", 1)
-        out.append(f"{prefix}{name} ::= {_renamed_body(body, names, prefix)}")
-    return "\n".join(out)
-
-
-def _renamed_body(body: str, names: set[str], prefix: str) -> str:
-    out: list[str] = []
-    i = 0
-    while i < len(body):
-        c = body[i]
-        if c in '"[':  # a literal or a character class, escapes included
-            close = '"' if c == '"' else "]"
-            j = i + 1
-            while j < len(body) and body[j] != close:
-                j += 2 if body[j] == "\\" else 1
-            out.append(body[i : j + 1])
-            i = j + 1
-        elif c.isalnum() or c == "-":
-            j = i
-            while j < len(body) and (body[j].isalnum() or body[j] == "-"):
-                j += 1
-            word = body[i:j]
-            out.append(prefix + word if word in names else word)
-            i = j
-        else:
-            out.append(c)
-            i += 1
-    return "".join(out)

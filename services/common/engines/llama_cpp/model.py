@@ -26,7 +26,6 @@ from disagg_mesh.server.common.engines.llama_cpp.harmony import (
 from disagg_mesh.server.common.engines.llama_cpp.sampling import end_tokens
 from disagg_mesh.server.common.errors import FailedPrecondition, InvalidArgument, MeshError
 from disagg_mesh.server.common.tools.formats import (
-    check_supported,
     template_tools,
     tool_format,
 )
@@ -220,7 +219,6 @@ class LlamaModel:
         if prompt.messages:
             if self._chat is None:
                 raise FailedPrecondition("this model has no chat template: send prompt text")
-            check_supported(self.tool_format, tools)
             turns: Any = tool_turns(prompt.messages, self.tool_format, tools)
             extra: dict[str, Any] = {}
             described = template_tools(self.tool_format, tools)
