@@ -122,7 +122,8 @@ def test_ollama_list_show_ps_version(mesh: Mesh) -> None:
     names = {m.model for m in client.list().models}
     assert {QWEN, "gpt-oss:120b"} <= names
     shown = client.show(QWEN)
-    assert "prefill-qwen" in (shown.modelfile or "") and shown.capabilities == ["completion", "tools"]
+    assert "prefill-qwen" in (shown.modelfile or "")
+    assert shown.capabilities == ["completion", "tools"]
     assert "num_ctx 4096" in (shown.parameters or "")
     running = {m.model for m in client.ps().models}
     assert QWEN in running
