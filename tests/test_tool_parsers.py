@@ -209,7 +209,8 @@ def test_a_requests_tools_are_read_and_every_mistake_names_its_field() -> None:
     assert request is not None and request.forced and not request.parallel
     assert request.function == "run_tests" and request.offered()[0].parameters == params
     auto = read_tools([offered()])
-    assert auto is not None and auto.choice == "auto" and not auto.forced and auto.parallel
+    assert auto is not None and auto.choice == "auto" and not auto.forced
+    assert auto.parallel is None  # not said: as the format does by default
     for tools, choice, parallel, field in (
         ("run_tests", None, None, "tools"),
         ([42], None, None, "tools[0]"),
