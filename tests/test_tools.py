@@ -387,9 +387,26 @@ def test_the_tool_grader_example_calls_runs_the_tests_and_grades(mesh: Mesh) -> 
 
 # -- a template with tools: Hermes-style <tool_call> -------------------------------------------
 
+# The end of both test templates: tool results as a user turn, other turns as ChatML.
+CHATML_TURNS = """\
+{% elif m.role == "tool" -%}
+<|im_start|>user
+<tool_response>
+{{ m.content }}
+</tool_response><|im_end|>
+{% else -%}
+<|im_start|>{{ m.role }}
+{{ m.content }}<|im_end|>
+{% endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif -%}
+"""
+
 # A ChatML template that writes its calls as Hermes templates do (written for this test: the
 # format is chosen because the template writes `<tool_call>`).
-HERMES_STYLE_TEMPLATE = """\
+HERMES_STYLE_TEMPLATE = (
+    """\
 {%- if tools -%}
 <|im_start|>system
 {% if messages[0].role == "system" %}{{ messages[0].content }}
@@ -415,38 +432,55 @@ To call one, answer with a JSON object inside <tool_call></tool_call> tags:
 {% for call in m.tool_calls %}<tool_call>
 {"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments | tojson }}}
 </tool_call>{% endfor %}<|im_end|>
-{% elif m.role == "tool" -%}
-<|im_start|>user
-<tool_response>
-{{ m.content }}
-</tool_response><|im_end|>
-{% else -%}
-<|im_start|>{{ m.role }}
-{{ m.content }}<|im_end|>
-{% endif -%}
-{%- endfor -%}
-{%- if add_generation_prompt %}<|im_start|>assistant
-{% endif -%}
 """
+    + CHATML_TURNS
+)
 HERMES = "test/hermes"
 HERMES_ALONE = "test/hermes-decode-only"
 
 
-@pytest.fixture(scope="module")
-def hermes_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
-    """A tiny random qwen3moe whose template writes <tool_call>: the Hermes format."""
-    folder = tmp_path_factory.mktemp("hermes")
-    path = str(write_qwen3moe(folder / "hermes.gguf", HERMES_STYLE_TEMPLATE))
+def template_mesh(
+    factory: pytest.TempPathFactory, template: str, split: str, alone: str
+) -> Iterator[tuple[str, str]]:
+    """A tiny random qwen3moe with this chat template behind a prefill and a decode node:
+    the routes `split` (disaggregated) and `alone` (decode_only); the HTTP door's URL and
+    the model's path."""
+    folder = factory.mktemp("template")
+    path = str(write_qwen3moe(folder / "tiny.gguf", template))
     parts = [
         router_node(http_port=free_port()),
         engine_node("prefill", "prefill", 1, model=path),
         engine_node("decode", "decode", 1, model=path),
-        route(HERMES, ["prefill"], ["decode"], chain=["disaggregated"]),
-        route(HERMES_ALONE, [], ["decode"], chain=["decode_only"]),
+        route(split, ["prefill"], ["decode"], chain=["disaggregated"]),
+        route(alone, [], ["decode"], chain=["decode_only"]),
     ]
     with running_mesh(folder, parts) as processes:
         router = processes.topology.router
         yield f"http://{router.host}:{router.http_port}", path
+
+
+def named_call(url: str, args: dict[str, Any]) -> tuple[str, str]:
+    """The one call a named function's request gets (name, arguments), checked equal to
+    the pieces of the same request streamed."""
+    client: Any = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+    whole = client.chat.completions.create(**args)
+    assert whole.choices[0].finish_reason == "tool_calls", whole.choices[0]
+    (call,) = function_calls(whole.choices[0].message)
+    streamed: dict[int, list[str]] = {}
+    for chunk in client.chat.completions.create(**args, stream=True):
+        for piece in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+            streamed.setdefault(piece.index, []).append(
+                piece.function.name or piece.function.arguments or ""
+            )
+    assert streamed[0][0] == call.function.name
+    assert "".join(streamed[0][1:]) == call.function.arguments
+    return call.function.name, call.function.arguments
+
+
+@pytest.fixture(scope="module")
+def hermes_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
+    """A template that writes <tool_call>: the Hermes format."""
+    yield from template_mesh(tmp_path_factory, HERMES_STYLE_TEMPLATE, HERMES, HERMES_ALONE)
 
 
 @pytest.mark.parametrize("model", [HERMES, HERMES_ALONE])
@@ -457,7 +491,6 @@ def test_a_hermes_template_renders_the_tools_and_a_named_call_is_held_to_its_for
     `<tool_call>{"name", "arguments"}</tool_call>` held by a grammar (a random model writes
     it), parsed into tool_calls, streamed pieces = whole; auto leaves the random model free
     (its answer is text, or calls that parse)."""
-    client: Any = openai.OpenAI(base_url=f"{hermes_mesh[0]}/v1", api_key="x", max_retries=0)
     args: dict[str, Any] = {
         "model": model,
         "messages": MESSAGES,
@@ -466,18 +499,9 @@ def test_a_hermes_template_renders_the_tools_and_a_named_call_is_held_to_its_for
         "temperature": 0,
         "max_tokens": 120,
     }
-    whole = client.chat.completions.create(**args)
-    assert whole.choices[0].finish_reason == "tool_calls", whole.choices[0]
-    (call,) = function_calls(whole.choices[0].message)
-    assert valid_call(call.function.name, call.function.arguments)["assignment"]
-    streamed: dict[int, list[str]] = {}
-    for chunk in client.chat.completions.create(**args, stream=True):
-        for piece in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
-            streamed.setdefault(piece.index, []).append(
-                piece.function.name or piece.function.arguments or ""
-            )
-    assert streamed[0][0] == "look_up_rubric"
-    assert "".join(streamed[0][1:]) == call.function.arguments
+    name, arguments = named_call(hermes_mesh[0], args)
+    assert name == "look_up_rubric" and valid_call(name, arguments)["assignment"]
+    client: Any = openai.OpenAI(base_url=f"{hermes_mesh[0]}/v1", api_key="x", max_retries=0)
     free = client.chat.completions.create(**{**args, "tool_choice": "auto", "max_tokens": 24})
     for c in function_calls(free.choices[0].message):
         assert c.function.name in SCHEMAS
@@ -506,7 +530,8 @@ def test_the_hermes_template_gets_the_tools_and_the_calls(hermes_mesh: tuple[str
 
 # A ChatML template that shows its calls as Qwen3-Coder's does (written for this test: the
 # format is chosen because the template writes `<function=` and `<parameter=`).
-XML_STYLE_TEMPLATE = """\
+XML_STYLE_TEMPLATE = (
+    """\
 {%- if tools -%}
 <|im_start|>system
 # Tools
@@ -537,19 +562,9 @@ value
 </parameter>
 {% endfor %}</function>
 </tool_call>{% endfor %}<|im_end|>
-{% elif m.role == "tool" -%}
-<|im_start|>user
-<tool_response>
-{{ m.content }}
-</tool_response><|im_end|>
-{% else -%}
-<|im_start|>{{ m.role }}
-{{ m.content }}<|im_end|>
-{% endif -%}
-{%- endfor -%}
-{%- if add_generation_prompt %}<|im_start|>assistant
-{% endif -%}
 """
+    + CHATML_TURNS
+)
 XML = "test/qwen3-coder-xml"
 XML_ALONE = "test/qwen3-coder-xml-decode-only"
 GRADE: dict[str, Any] = {
@@ -572,18 +587,7 @@ GRADE: dict[str, Any] = {
 
 @pytest.fixture(scope="module")
 def xml_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
-    folder = tmp_path_factory.mktemp("qwen3-coder-xml")
-    path = str(write_qwen3moe(folder / "xml.gguf", XML_STYLE_TEMPLATE))
-    parts = [
-        router_node(http_port=free_port()),
-        engine_node("prefill", "prefill", 1, model=path),
-        engine_node("decode", "decode", 1, model=path),
-        route(XML, ["prefill"], ["decode"], chain=["disaggregated"]),
-        route(XML_ALONE, [], ["decode"], chain=["decode_only"]),
-    ]
-    with running_mesh(folder, parts) as processes:
-        router = processes.topology.router
-        yield f"http://{router.host}:{router.http_port}", path
+    yield from template_mesh(tmp_path_factory, XML_STYLE_TEMPLATE, XML, XML_ALONE)
 
 
 @pytest.mark.parametrize("model", [XML, XML_ALONE])
@@ -593,7 +597,6 @@ def test_a_qwen3_coder_template_gets_a_named_call_in_its_xml_held_by_a_grammar(
     """A named function's call is Qwen3-Coder's XML, held by a grammar (an enum's value one
     of its values, an integer's and a boolean's JSON their schema allows), parsed into
     arguments typed by the schema; streamed pieces = whole."""
-    client: Any = openai.OpenAI(base_url=f"{xml_mesh[0]}/v1", api_key="x", max_retries=0)
     args: dict[str, Any] = {
         "model": model,
         "messages": MESSAGES,
@@ -602,19 +605,9 @@ def test_a_qwen3_coder_template_gets_a_named_call_in_its_xml_held_by_a_grammar(
         "temperature": 0,
         "max_tokens": 120,
     }
-    whole = client.chat.completions.create(**args)
-    assert whole.choices[0].finish_reason == "tool_calls", whole.choices[0]
-    (call,) = function_calls(whole.choices[0].message)
-    arguments = json.loads(call.function.arguments)
-    jsonschema.validate(arguments, GRADE["function"]["parameters"])
-    streamed: dict[int, list[str]] = {}
-    for chunk in client.chat.completions.create(**args, stream=True):
-        for piece in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
-            streamed.setdefault(piece.index, []).append(
-                piece.function.name or piece.function.arguments or ""
-            )
-    assert streamed[0][0] == "record_grade"
-    assert json.loads("".join(streamed[0][1:])) == arguments
+    name, arguments = named_call(xml_mesh[0], args)
+    assert name == "record_grade"
+    jsonschema.validate(json.loads(arguments), GRADE["function"]["parameters"])
     model_file = LlamaModel(Path(xml_mesh[1]))
     try:
         assert model_file.tool_format is ToolFormat.QWEN3_CODER
