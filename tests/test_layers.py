@@ -11,13 +11,23 @@ import pytest
 
 SERVER = Path(__file__).resolve().parent.parent / "services"
 PREFIX = "disagg_mesh.server."
-# The plain vocabulary every layer speaks, and what each may import of the server's code.
+# The plain vocabulary every layer speaks, and what each may import of the server's code
+# (the tool vocabulary too: a tool, a call, the tools a request offers).
 VOCABULARY = ("common/types.py", "common/errors.py", "common/validation.py")
+TOOL_VOCABULARY = ("common.tools.calls", "common.tools.requests")
 LAYERS = {
     **{
-        path: ("common.types", "common.errors", "common.config", "common.structured")
+        path: (
+            "common.types",
+            "common.errors",
+            "common.config",
+            "common.structured",
+            *TOOL_VOCABULARY,
+        )
         for path in VOCABULARY
     },
+    "common/tools/calls.py": (),
+    "common/tools/requests.py": ("common.errors", "common.tools.calls"),
     "common/structured": ("common.types", "common.errors", "common.config", "common.structured"),
     "common/config": ("common.types", "common.errors", "common.config"),
 }

@@ -268,3 +268,23 @@ def test_the_generic_format_holds_calls_to_the_schema_and_reads_them_back() -> N
     assert [c[0] for c in read(json.dumps(both))[1]] == ["run_tests", "lookup_rubric"]
     for text in ("not json", '{"tool_call": {"arguments": {}}}', "[1, 2]", '{"tool_calls": []}'):
         assert read(text) == (text, []), text
+
+
+def test_the_generic_formats_reply_streams_as_it_comes_from_any_cut() -> None:
+    """A reply's text goes out as its JSON string arrives (escapes decoded, a surrogate pair
+    whole), the same cut anywhere; calls still wait for the object's end."""
+    from disagg_mesh.server.common.tools import generic
+
+    reply = 'Line one\nsaid "hi" \\ done é 🙂 \t end'
+    for answer in (json.dumps({"response": reply}), json.dumps({"response": reply}, indent=1)):
+        for cut in range(len(answer) + 1):
+            parser = generic.GenericParser()
+            first = parser.feed(answer[:cut])
+            rest = parser.feed(answer[cut:]) + parser.finish()
+            assert assemble(first + rest)[0] == reply, (answer, cut)
+        parser = generic.GenericParser()
+        early = parser.feed(answer[: answer.index("said")])
+        assert assemble(early)[0] == "Line one\n"  # before the answer ends
+    call = json.dumps({"tool_call": {"name": "run_tests", "arguments": {"code": "x"}}})
+    parser = generic.GenericParser()
+    assert parser.feed(call) == [] and assemble(parser.finish())[1][0].name == "run_tests"

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import httpx
 import jsonschema
 import ollama
@@ -24,6 +25,7 @@ import pytest
 from openai.types.chat import ChatCompletionMessageFunctionToolCall
 
 from disagg_mesh.client import MeshClient
+from disagg_mesh.proto.v1 import router_pb2, router_pb2_grpc, types_pb2
 from disagg_mesh.server.common.engines.llama_cpp.model import LlamaModel
 from disagg_mesh.server.common.runtime.processes import free_port
 from disagg_mesh.server.common.tools.calls import ToolCall
@@ -31,6 +33,7 @@ from disagg_mesh.server.common.tools.formats import ToolFormat, tool_format, tur
 from disagg_mesh.server.common.tools.requests import read_tools
 from disagg_mesh.server.common.types import ChatTurn, Prompt
 from tests.conftest import ROOT, Mesh, engine_node, route, router_node, running_mesh
+from tests.streams import collect
 from tests.test_http_api import http_url
 from tests.tiny_models import write_qwen3moe
 
@@ -359,7 +362,7 @@ def test_the_format_follows_the_template_and_generic_turns_carry_the_calls() -> 
     )
     assert rendered[0]["role"] == "system" and "run_tests" in rendered[0]["content"]
     assert json.loads(rendered[2]["content"]) == {
-        "tool_calls": [{"name": "run_tests", "arguments": {"code": "x"}}]
+        "tool_call": {"name": "run_tests", "arguments": {"code": "x"}}
     }
     assert rendered[3]["role"] == "user"
     assert json.loads(rendered[3]["content"])["tool_response"]["tool_call_id"] == "call_1"
@@ -646,3 +649,40 @@ async def test_calls_held_by_a_grammar_beside_free_streams_in_one_batch_are_as_a
     together = await asyncio.gather(*(answer(kwargs, q) for kwargs, q in jobs))
     assert list(together) == alone
     assert all(calls for _, calls in alone[:2]) and all(text for text, _ in alone[2:])
+
+
+async def test_grpc_names_the_toolsets_own_fields(
+    router: router_pb2_grpc.RouterServiceAsyncStub,
+) -> None:
+    def call(tools: types_pb2.ToolSet) -> Any:
+        return router.Generate(
+            router_pb2.GenerateRequest(
+                model=QWEN,
+                messages=[types_pb2.ChatMessage(role="user", content="hi")],
+                sampling=types_pb2.SamplingParams(max_tokens=4, tools=tools),
+            )
+        )
+
+    good = types_pb2.ToolDefinition(name="run_tests")
+    for tools, field in (
+        (
+            types_pb2.ToolSet(
+                definitions=[good], choice=types_pb2.TOOL_CHOICE_FUNCTION, function_name="x"
+            ),
+            "sampling.tools.function_name: 'x' is not one of the tools",
+        ),
+        (
+            types_pb2.ToolSet(definitions=[types_pb2.ToolDefinition(name="has space")]),
+            "sampling.tools.definitions[0].name:",
+        ),
+        (
+            types_pb2.ToolSet(
+                definitions=[types_pb2.ToolDefinition(name="f", parameters_json_schema="{")]
+            ),
+            "sampling.tools.definitions[0].parameters_json_schema: is not JSON",
+        ),
+    ):
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await collect(call(tools))
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert (refused.value.details() or "").startswith(field), refused.value.details()

@@ -65,8 +65,10 @@ def turns(
             response = {"tool_call_id": m.tool_call_id, "content": m.content}
             out.append({"role": "user", "content": json.dumps({"tool_response": response})})
         elif m.tool_calls and fmt is ToolFormat.GENERIC:
+            # As the generic format's answers are written: one call alone, several a list.
             calls = [{"name": c.name, "arguments": _arguments(c, i)} for c in m.tool_calls]
-            out.append({"role": "assistant", "content": json.dumps({"tool_calls": calls})})
+            written = {"tool_call": calls[0]} if len(calls) == 1 else {"tool_calls": calls}
+            out.append({"role": "assistant", "content": json.dumps(written)})
         else:
             turn: dict[str, Any] = {"role": m.role, "content": m.content}
             if m.tool_calls:

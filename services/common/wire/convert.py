@@ -94,7 +94,25 @@ def tools_from_proto(msg: types_pb2.ToolSet) -> ToolRequest | None:
     else:
         raise InvalidArgument("sampling.tools.choice", f"unknown value {msg.choice}")
     parallel = msg.parallel_calls if msg.HasField("parallel_calls") else None
-    return read_tools(definitions, choice, parallel, field=TOOLS_FIELD)
+    try:
+        return read_tools(definitions, choice, parallel, field=TOOLS_FIELD)
+    except InvalidArgument as exc:  # named as OpenAI's fields: name the proto's
+        field = _proto_tool_field(exc.field)
+        raise InvalidArgument(field, str(exc)[len(exc.field) + 2 :]) from None
+
+
+def _proto_tool_field(field: str) -> str:
+    """A field read_tools names as OpenAI's (`...[0].function.name`, `tool_choice`) as
+    ToolSet's (`...[0].name`, `sampling.tools.choice`)."""
+    for openai_name, proto_name in (
+        ("tool_choice.function.name", "sampling.tools.function_name"),
+        (".function.parameters", ".parameters_json_schema"),
+        (".function.", "."),
+        ("tool_choice", "sampling.tools.choice"),
+        ("parallel_tool_calls", "sampling.tools.parallel_calls"),
+    ):
+        field = field.replace(openai_name, proto_name)
+    return field
 
 
 def tools_to_proto(tools: ToolRequest | None) -> types_pb2.ToolSet | None:
