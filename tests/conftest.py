@@ -41,18 +41,23 @@ def router_node(**extra: object) -> str:
 def engine_node(name: str, role: str, n_threads: int = 2, **extra: object) -> str:
     """An embedded node of the test model (or extra's `model`) on a free port."""
     model = extra.pop("model", MODEL)
+    return node_entry(
+        name, role, "llama_cpp", str(model), n_ctx=N_CTX, n_threads=n_threads, **extra
+    )
+
+
+def node_entry(name: str, role: str, engine: str, model: str, **keys: object) -> str:
+    """A [[nodes]] entry on 127.0.0.1 and a free port, with these keys."""
     lines = [
         "[[nodes]]",
         f'name = "{name}"',
         f'role = "{role}"',
         'host = "127.0.0.1"',
         f"port = {free_port()}",
-        'engine = "llama_cpp"',
+        f'engine = "{engine}"',
         f'model = "{model}"',
-        f"n_ctx = {N_CTX}",
-        f"n_threads = {n_threads}",
     ]
-    lines += [f"{k} = {v!r}".replace("'", '"') for k, v in extra.items()]
+    lines += [f"{k} = {v!r}".replace("'", '"') for k, v in keys.items()]
     return "\n".join(lines) + "\n"
 
 

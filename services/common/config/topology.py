@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from disagg_mesh.server.common.types import Fingerprint
 
 Role = Literal["router", "prefill", "decode"]
-EngineName = Literal["llama_cpp", "ollama"]
+EngineName = Literal["llama_cpp", "ollama", "sim"]
 Step = Literal["disaggregated", "decode_only", "direct_ollama"]
 
 NodeName = Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9-]*$", max_length=63)]
@@ -179,6 +179,10 @@ class Node(_Strict):
     # that start the same way (a prefix cache, in 64-token blocks; default n_ctx, 0: off).
     # Its KV memory comes on top of slots * n_ctx.
     prefix_cache_tokens: Annotated[int, Field(ge=0, le=16_777_216)] | None = None
+    # sim only: the hardware profile that times this node (a shipped one's name, e.g.
+    # "dgx-spark", "m3-ultra", or a profile file relative to the topology); its `model` is
+    # the model whose sizes and speeds it simulates.
+    hardware: str | None = None
     # ollama only: the server's URL, and how long it keeps the model loaded after a request.
     ollama_url: str = "http://127.0.0.1:11434"
     ollama_keep_alive: str = "30m"
@@ -204,7 +208,12 @@ class Node(_Strict):
     def _engine_for_workers(self) -> Node:
         if self.role != "router":
             if self.engine is None:
-                raise ValueError(f"a {self.role} node needs engine (llama_cpp or ollama)")
+                raise ValueError(f"a {self.role} node needs engine (llama_cpp, ollama or sim)")
+            if self.engine == "sim" and not self.hardware:
+                raise ValueError(
+                    'an engine = "sim" node needs hardware (a profile: "dgx-spark", '
+                    '"m3-ultra", or a file)'
+                )
             if not self.model:
                 raise ValueError(f"a {self.role} node needs model")
         if self.http_port is not None and self.role != "router":

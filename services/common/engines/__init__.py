@@ -65,6 +65,19 @@ async def open_engine(topology: Topology, node: Node) -> Engine:
             max_in_flight=max(node.max_queue, 1),
             keep_alive=node.ollama_keep_alive,
         )
+    if node.engine == "sim":
+        from disagg_mesh.server.common.engines.sim.engine import SimEngine
+        from disagg_mesh.server.common.engines.sim.profile import load_profile
+
+        assert node.hardware is not None
+        profile = load_profile(node.hardware, topology.source.parent)
+        return SimEngine(
+            model=node.model,
+            profile=profile,
+            n_ctx=node.n_ctx,
+            slots=node.slots or node.default_slots,
+            max_queue=node.max_queue,
+        )
     raise EngineUnavailable(f"node {node.name}: unknown engine {node.engine!r}")
 
 

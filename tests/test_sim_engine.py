@@ -1,0 +1,134 @@
+"""The simulated engine (`engine = "sim"`) behind the real router: a DGX Spark prefill node
+and a Mac Studio decode node of qwen3-coder:30b, timed by the shipped profiles. Generation,
+the KV handoff at its real size, decode_only, continuous batching, a cancelled stream and a
+migration give what real nodes give."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+import pytest
+
+from disagg_mesh.proto.v1 import node_pb2, node_pb2_grpc, router_pb2, router_pb2_grpc, types_pb2
+from disagg_mesh.server.common.engines.sim.engine import prompt_tokens
+from disagg_mesh.server.common.engines.sim.profile import load_profile
+from disagg_mesh.server.common.runtime.processes import MeshProcesses
+from disagg_mesh.server.common.types import Prompt
+from tests.conftest import node_entry, route, router_node, running_mesh
+from tests.streams import collect
+
+MODEL = "qwen3-coder:30b"
+ALONE = "sim/decode-only"
+PROMPT = "Grade this homework: def add(a, b): return a - b. " * 8
+
+
+def sim_node(name: str, role: str, hardware: str, **extra: object) -> str:
+    return node_entry(name, role, "sim", MODEL, hardware=hardware, **extra)
+
+
+@pytest.fixture(scope="module")
+def sim_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MeshProcesses]:
+    parts = [
+        "[mesh]\ncooldown_s = 0.5\nhealth_check_every_s = 0.5\n",
+        router_node(),
+        sim_node("spark", "prefill", "dgx-spark"),
+        sim_node("mac-1", "decode", "m3-ultra", slots=4, max_queue=0),
+        sim_node("mac-2", "decode", "m3-ultra", slots=4, max_queue=0),
+        route(MODEL, ["spark"], ["mac-1", "mac-2"], chain=["disaggregated", "decode_only"]),
+        route(ALONE, [], ["mac-1"], chain=["decode_only"]),
+    ]
+    with running_mesh(tmp_path_factory.mktemp("sim"), parts) as processes:
+        yield processes
+
+
+def generate(model: str, max_tokens: int, prompt: str = PROMPT) -> router_pb2.GenerateRequest:
+    return router_pb2.GenerateRequest(
+        model=model,
+        prompt=prompt,
+        sampling=types_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+    )
+
+
+async def test_a_sim_mesh_answers_with_the_real_kv_size_and_the_profiles_time(
+    sim_mesh: MeshProcesses,
+) -> None:
+    spark = load_profile("dgx-spark").model(MODEL)
+    mac = load_profile("m3-ultra").model(MODEL)
+    tokens = prompt_tokens(Prompt(text=PROMPT))
+    async with grpc.aio.insecure_channel(sim_mesh.topology.router.address) as channel:
+        stub: Any = router_pb2_grpc.RouterServiceStub(channel)
+        got = await collect(stub.Generate(generate(MODEL, 24)))
+        again = await collect(stub.Generate(generate(MODEL, 24)))
+        alone = await collect(stub.Generate(generate(ALONE, 24)))
+    s = got.summary
+    assert s.method == router_pb2.ROUTE_METHOD_DISAGGREGATED and s.prefill_node == "spark"
+    assert s.kv_transfer_bytes == spark.kv_bytes(tokens) == mac.kv_bytes(tokens)
+    assert s.prompt_tokens == tokens and s.completion_tokens == got.deltas == 24
+    assert got.text == again.text == alone.text  # the same request, the same answer
+    assert alone.summary.method == router_pb2.ROUTE_METHOD_DECODE_ONLY
+    # The profiles' time: the prefill on the Spark, 23 steps of one stream on the Mac.
+    prefill_s = s.prefill_duration.ToTimedelta().total_seconds()
+    assert prefill_s == pytest.approx(spark.prefill_seconds(tokens), rel=1e-3)
+    decode_s = s.decode_duration.ToTimedelta().total_seconds()
+    assert decode_s >= 23 * mac.decode_step_seconds(1, tokens) * 0.9
+
+
+async def test_streams_on_one_node_decode_together(sim_mesh: MeshProcesses) -> None:
+    """Four streams on one simulated Mac share its steps (continuous batching: together in
+    well under four times one alone, as the profile's batch rates say)."""
+    async with grpc.aio.insecure_channel(sim_mesh.topology.router.address) as channel:
+        stub: Any = router_pb2_grpc.RouterServiceStub(channel)
+        started = asyncio.get_running_loop().time()
+        await collect(stub.Generate(generate(ALONE, 40)))
+        one = asyncio.get_running_loop().time() - started
+        started = asyncio.get_running_loop().time()
+        four = await asyncio.gather(
+            *(collect(stub.Generate(generate(ALONE, 40, f"{PROMPT} {i}"))) for i in range(4))
+        )
+        together = asyncio.get_running_loop().time() - started
+    assert all(g.summary.completion_tokens == 40 for g in four)
+    assert together < 2.5 * one, (together, one)
+
+
+async def test_a_cancelled_stream_frees_its_slot(sim_mesh: MeshProcesses) -> None:
+    address = sim_mesh.topology.node("mac-1").address
+    async with grpc.aio.insecure_channel(sim_mesh.topology.router.address) as channel:
+        stub: Any = router_pb2_grpc.RouterServiceStub(channel)
+        call = stub.Generate(generate(ALONE, 400))
+        async for _ in call:
+            break
+        call.cancel()
+    async with grpc.aio.insecure_channel(address) as channel:
+        node: Any = node_pb2_grpc.NodeServiceStub(channel)
+        for _ in range(50):
+            info = await node.GetNodeInfo(node_pb2.GetNodeInfoRequest())
+            if info.slots_busy == 0:
+                break
+            await asyncio.sleep(0.1)
+    assert info.slots_busy == 0 and info.backend == "sim (m3-ultra)"
+
+
+async def test_a_killed_sim_decode_node_is_replaced_mid_answer(sim_mesh: MeshProcesses) -> None:
+    """The answer goes on on the other Mac: the same text as uninterrupted, once."""
+    async with grpc.aio.insecure_channel(sim_mesh.topology.router.address) as channel:
+        stub: Any = router_pb2_grpc.RouterServiceStub(channel)
+        whole = await collect(stub.Generate(generate(MODEL, 120)))
+        text, summary = "", None
+        killed = ""
+        async for reply in stub.Generate(generate(MODEL, 120)):
+            if reply.HasField("summary"):
+                summary = reply.summary
+                continue
+            text += reply.delta.text
+            if not killed and len(text.split()) == 10:
+                killed = "mac-1" if whole.summary.decode_node == "mac-1" else "mac-2"
+                os.kill(sim_mesh.procs[killed].pid, signal.SIGKILL)
+    assert summary is not None and text == whole.text
+    assert [m.failed_node for m in summary.migrations] == [killed]
+    sim_mesh.start_node(sim_mesh.topology.node(killed))
+    await sim_mesh.wait_serving(60, names=[killed])
