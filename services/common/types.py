@@ -132,6 +132,11 @@ class FinishReason(enum.Enum):
     LENGTH = "length"
     TOOL_CALLS = "tool_calls"
 
+    def with_calls(self, called: bool) -> FinishReason:
+        """An answer that ended by itself after making tool calls ended TOOL_CALLS (one cut
+        by max_tokens stays LENGTH)."""
+        return FinishReason.TOOL_CALLS if called and self is FinishReason.STOP else self
+
 
 class KvTransferKind(enum.Enum):
     NONE = "none"

@@ -291,10 +291,8 @@ class OllamaEngine:
                             finish_reason=(
                                 FinishReason.LENGTH
                                 if part.done_reason == "length"
-                                else FinishReason.TOOL_CALLS
-                                if calls
                                 else FinishReason.STOP
-                            ),
+                            ).with_calls(calls > 0),
                             prompt_tokens=part.prompt_eval_count or 0,
                             # The decode side's own prompt evaluation: with token ids
                             # this is the prefill done again.
@@ -416,15 +414,7 @@ def ollama_format(fmt: ResponseFormat | None) -> Any:
 def _ollama_tools(tools: ToolRequest | None) -> list[dict[str, Any]] | None:
     """The request's tools as Ollama's /api/chat takes them (OpenAI's shape)."""
     offered = formats.active(tools)
-    if offered is None:
-        return None
-    return [
-        {
-            "type": "function",
-            "function": {"name": t.name, "description": t.description, "parameters": t.parameters},
-        }
-        for t in offered.offered()
-    ]
+    return None if offered is None else offered.openai_shape()
 
 
 def _ollama_turn(turn: ChatTurn, turns: Sequence[ChatTurn]) -> dict[str, Any]:

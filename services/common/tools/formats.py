@@ -99,13 +99,7 @@ def template_tools(fmt: ToolFormat, tools: ToolRequest | None) -> list[dict[str,
     offered = active(tools)
     if offered is None or fmt is ToolFormat.GENERIC:
         return None
-    return [
-        {
-            "type": "function",
-            "function": {"name": t.name, "description": t.description, "parameters": t.parameters},
-        }
-        for t in offered.offered()
-    ]
+    return offered.openai_shape()
 
 
 def response_format(fmt: ToolFormat, tools: ToolRequest | None) -> ResponseFormat | None:

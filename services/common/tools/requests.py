@@ -41,6 +41,20 @@ class ToolRequest:
             return tuple(t for t in self.tools if t.name == self.function)
         return self.tools
 
+    def openai_shape(self) -> list[dict[str, Any]]:
+        """The offered tools as OpenAI's `tools` (what chat templates and Ollama take)."""
+        return [
+            {
+                "type": "function",
+                "function": {
+                    "name": t.name,
+                    "description": t.description,
+                    "parameters": t.parameters,
+                },
+            }
+            for t in self.offered()
+        ]
+
 
 def read_tools(
     tools: Any, tool_choice: Any = None, parallel_tool_calls: Any = None, field: str = "tools"

@@ -13,32 +13,30 @@ import dataclasses
 from collections.abc import AsyncGenerator, AsyncIterator
 
 from disagg_mesh.server.common.tools.calls import CallStart, Piece, TextPiece, ToolCallParser
-from disagg_mesh.server.common.types import FinishReason, GenerationEnd, TextChunk
+from disagg_mesh.server.common.types import GenerationEnd, TextChunk
 
 
 async def with_tool_calls(
     events: AsyncIterator[TextChunk | GenerationEnd],
-    parser: ToolCallParser | None,
+    parser: ToolCallParser,
     delivered_text: str = "",
 ) -> AsyncGenerator[TextChunk | GenerationEnd, None]:
-    if parser is None:
-        async for event in events:
-            yield event
-        return
-    called = any(isinstance(p, CallStart) for p in parser.feed(delivered_text))
+    called = _starts_call(parser.feed(delivered_text))
     async for event in events:
         if isinstance(event, TextChunk):
             pieces = parser.feed(event.text)
-            called = called or any(isinstance(p, CallStart) for p in pieces)
+            called = _starts_call(pieces) or called
             yield _chunk(pieces, event)
             continue
         pieces = parser.finish()
-        called = called or any(isinstance(p, CallStart) for p in pieces)
+        called = _starts_call(pieces) or called
         if pieces:
             yield _chunk(pieces, TextChunk(""))
-        if called and event.finish_reason is FinishReason.STOP:
-            event = dataclasses.replace(event, finish_reason=FinishReason.TOOL_CALLS)
-        yield event
+        yield dataclasses.replace(event, finish_reason=event.finish_reason.with_calls(called))
+
+
+def _starts_call(pieces: list[Piece]) -> bool:
+    return any(isinstance(p, CallStart) for p in pieces)
 
 
 def _chunk(pieces: list[Piece], chunk: TextChunk) -> TextChunk:

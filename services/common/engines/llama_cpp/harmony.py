@@ -292,14 +292,25 @@ def harmony_rules(tokens: HarmonyTokens) -> str:
     free, then the final channel's message constrained by `root` (as llama.cpp's own
     gpt-oss response-format grammar): token references, so a header is its control tokens,
     never text spelling them."""
-    ch, msg, end, start = (
-        f"<[{t}]>" for t in (tokens.channel, tokens.message, tokens.end, tokens.start)
-    )
+    ch, msg = _reference(tokens.channel), _reference(tokens.message)
     constrain = f' (" " <[{tokens.constrain}]> [A-Za-z0-9_-]+)?' if tokens.constrain else ""
     return (
         f'{HARMONY_ROOT} ::= harmony-analysis* {ch} "final"{constrain} {msg} root\n'
-        f'harmony-analysis ::= {ch} "analysis" {msg} !{end}* {end} {start} "assistant"\n'
+        f"{_analysis_rule(tokens)}\n"
     )
+
+
+def _reference(token: int) -> str:
+    """A grammar's reference to one token by id."""
+    return f"<[{token}]>"
+
+
+def _analysis_rule(tokens: HarmonyTokens) -> str:
+    """One reasoning message, free, then the next assistant message's start."""
+    ch, msg, end, start = map(
+        _reference, (tokens.channel, tokens.message, tokens.end, tokens.start)
+    )
+    return f'harmony-analysis ::= {ch} "analysis" {msg} !{end}* {end} {start} "assistant"'
 
 
 def harmony_call_rules(tokens: HarmonyTokens, calls: Sequence[tuple[str, str]]) -> str:
@@ -308,9 +319,7 @@ def harmony_call_rules(tokens: HarmonyTokens, calls: Sequence[tuple[str, str]]) 
     message (free) or none, then a commentary message to functions.NAME holding JSON its
     schema allows, as openai-harmony writes a call. Each schema's rules are renamed apart
     (`call0-...`)."""
-    ch, msg, end, start = (
-        f"<[{t}]>" for t in (tokens.channel, tokens.message, tokens.end, tokens.start)
-    )
+    ch, msg = _reference(tokens.channel), _reference(tokens.message)
     constrain = f' " " <[{tokens.constrain}]> "json"' if tokens.constrain else ' " json"'
     rules: list[str] = []
     branches: list[str] = []
@@ -324,6 +333,6 @@ def harmony_call_rules(tokens: HarmonyTokens, calls: Sequence[tuple[str, str]]) 
             # channel, which the grammar forbids, would otherwise reason on and on.
             f'{HARMONY_ROOT} ::= harmony-analysis? {ch} "commentary to=functions." '
             f"( {' | '.join(branches)} )",
-            f'harmony-analysis ::= {ch} "analysis" {msg} !{end}* {end} {start} "assistant"',
+            _analysis_rule(tokens),
         ]
     )

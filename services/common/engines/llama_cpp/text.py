@@ -152,7 +152,6 @@ class TextStream:
                 ids = self._assembler.take_ids()
                 out.append(TextChunk(text="", token_ids=ids, reasoning=reasoning))
         tail = self._assembler.flush()
-        if self._harmony is not None and self._harmony.calls > self._calls_before:
-            if finish is FinishReason.STOP:
-                finish = FinishReason.TOOL_CALLS
+        if self._harmony is not None:
+            finish = finish.with_calls(self._harmony.calls > self._calls_before)
         return [*out, *([tail] if tail is not None else []), GenerationEnd(self.count, finish)]

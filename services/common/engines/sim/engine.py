@@ -63,15 +63,19 @@ WORDS = (
 SHORTEST_ANSWER, LONGEST_ANSWER = 64, 511
 
 
+def _prompt_bytes(prompt: Prompt) -> bytes:
+    """A prompt's text: raw, or its chat turns as `role: content` lines."""
+    text = prompt.text or "".join(f"{m.role}: {m.content}\n" for m in prompt.messages)
+    return text.encode()
+
+
 def prompt_tokens(prompt: Prompt) -> int:
     """Tokens a prompt counts as: one per 4 bytes of its text."""
-    text = prompt.text or "".join(f"{m.role}: {m.content}\n" for m in prompt.messages)
-    return max(1, math.ceil(len(text.encode()) / BYTES_PER_TOKEN))
+    return max(1, math.ceil(len(_prompt_bytes(prompt)) / BYTES_PER_TOKEN))
 
 
 def prompt_seed(prompt: Prompt) -> int:
-    text = prompt.text or "".join(f"{m.role}: {m.content}\n" for m in prompt.messages)
-    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big")
+    return int.from_bytes(hashlib.sha256(_prompt_bytes(prompt)).digest()[:8], "big")
 
 
 def token(seed: int, position: int) -> tuple[int, str]:
@@ -134,21 +138,22 @@ class SimEngine:
         continuation: Continuation | None = None,
     ) -> PrefillOutput:
         n = self._checked(prompt, continuation)
-        replay = len(continuation.generated_token_ids) if continuation is not None else 0
+        # A continuation's tokens but the last (the decode node's first) go into the state.
+        replayed = max(len(continuation.generated_token_ids) - 1, 0) if continuation else 0
         async with self._slot():
-            seconds = await self._evaluate(n + max(replay - 1, 0))
+            seconds = await self._evaluate(n + replayed)
         seed = prompt_seed(prompt)
         first_id, first_text = token(seed, 0)
         if continuation is not None and continuation.generated_token_ids:
             first_id, first_text = continuation.generated_token_ids[-1], ""
-        state = self._state(seed, n + max(replay - 1, 0))
+        state = self._state(seed, n + replayed)
         return PrefillOutput(
             first_token_id=first_id,
             first_token_text=first_text,
             prompt_tokens=n,
             prefill_seconds=seconds,
             kv_state_bytes=len(state),
-            replayed_tokens=max(replay - 1, 0),
+            replayed_tokens=replayed,
             kv_state=memoryview(state),
             kv_sha256=hashlib.sha256(state).hexdigest(),
         )
