@@ -63,7 +63,10 @@ repeated, median reported:
    request throughput and goodput under a TTFT and inter-token latency SLO
    (bench/aiperf_load.py, a mesh and a server of their own);
 21. the dashboard: the router's CPU per request and the TTFT with a page open and streaming,
-   against closed (bench/dashboard.py, a mesh of its own).
+   against closed (bench/dashboard.py, a mesh of its own);
+22. a class of 200 x 2 models on the user's four machines, simulated (`disagg simulate` on
+   topology/seed.toml with the shipped profiles): the Ollama baseline's wall time over the
+   mesh's, with where the time goes (bench/simulated_class.py, sim nodes of its own).
 
 Every answer is greedy with ignore_eos (end tokens never sampled), so both sides of a ratio
 generate the same number of tokens on any CPU. Each row records what each side did (prompt
@@ -117,6 +120,8 @@ from bench.router_failover import measure as measure_router_failover
 from bench.router_failover import rows as router_failover_rows
 from bench.shared_cores import measure as measure_shared_cores
 from bench.shared_cores import rows as shared_cores_rows
+from bench.simulated_class import measure as measure_simulated_class
+from bench.simulated_class import rows as simulated_class_rows
 from bench.work import Work, failures, figure, record
 from disagg_mesh.server.common.config.topology import Topology, load_topology
 from disagg_mesh.server.common.models import resolve_model_path
@@ -148,6 +153,7 @@ OWN_MESH = (
     "class_at_once",
     "aiperf_load",
     "dashboard",
+    "simulated_class",
 )
 
 
@@ -247,6 +253,11 @@ async def run_all(bench: Bench, args: argparse.Namespace) -> dict[str, Any]:
             "dashboard",
             "21. the dashboard open against closed (a mesh of its own)",
             lambda: measure_dashboard(bench.repeats, 40),
+        ),
+        (
+            "simulated_class",
+            "22. a class on the user's four machines, simulated, against Ollama",
+            lambda: measure_simulated_class(200, 20),
         ),
     ]
     for key, title, step in steps:
@@ -378,6 +389,8 @@ def table(r: dict[str, Any]) -> str:
         rows += aiperf_rows(r["aiperf_load"])
     if "dashboard" in r:
         rows += dashboard_rows(r["dashboard"])
+    if "simulated_class" in r:
+        rows += simulated_class_rows(r["simulated_class"])
     width = [max(len(row[i]) for row in rows) for i in range(3)]
     header = ("measurement", "result", "goal")
     lines = ["  ".join(h.ljust(width[i]) for i, h in enumerate(header))]

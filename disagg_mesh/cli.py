@@ -3,6 +3,7 @@
     disagg generate --model qwen3-coder:30b "Review this code: ..."   # streams, then metrics
     echo "prompt" | disagg generate --model gpt-oss:120b -            # prompt from stdin
     disagg batch class.jsonl -o graded.jsonl    # OpenAI's batch format; run again to resume
+    disagg simulate --topology topology/seed.toml --workload class.jsonl  # vs Ollama today
     disagg status [--watch]                                           # every node's health
     disagg models                                                     # logical models, routes
     disagg doctor                              # can each prefill node hand KV to each decode node?
@@ -176,6 +177,39 @@ def _parser() -> argparse.ArgumentParser:
         "the first of each group ahead of the rest, so the prefix cache serves the others)",
     )
     batch.set_defaults(run=_batch)
+
+    simulate = commands.add_parser(
+        "simulate",
+        help="how a batch would run on --topology's machines (simulated nodes timed by "
+        "hardware profiles, the real router), against Ollama on the same machines",
+        description="Every engine node of --topology becomes a simulated node on 127.0.0.1 "
+        "(its `hardware` key, or --profile, times it; the topology's addresses are never "
+        "dialled); the workload runs through the real routers as `disagg batch` runs it. "
+        "Then the same workload on the same machines as Ollama serves it (profiles/ollama.toml "
+        "states each assumption), and the ratio of the wall times.",
+    )
+    simulate.add_argument(
+        "--topology", default=argparse.SUPPRESS, help="as the global --topology, after the command"
+    )
+    simulate.add_argument(
+        "--workload", type=Path, required=True, help="the requests: a `disagg batch` JSONL file"
+    )
+    simulate.add_argument(
+        "--profile", help="one hardware profile for every node (default: each node's hardware)"
+    )
+    simulate.add_argument(
+        "--speedup",
+        type=float,
+        default=20.0,
+        help="simulated seconds per real second (default 20; the router's own time counts "
+        "this many times over, so lower is closer, higher is quicker)",
+    )
+    simulate.add_argument(
+        "--concurrency", type=int, help="requests at once (default: as `disagg batch`)"
+    )
+    simulate.add_argument("--logs", type=Path, help="keep the nodes' logs in this folder")
+    simulate.add_argument("--json", action="store_true", help="one JSON object")
+    simulate.set_defaults(run=_simulate)
 
     status = commands.add_parser("status", help="health of every node of the topology")
     status.add_argument("--watch", nargs="?", type=float, const=2.0, metavar="SECONDS")
@@ -410,6 +444,38 @@ def _format(value: str | None) -> str | dict[str, Any] | None:
     if not isinstance(schema, dict):
         raise CliError(f"--format: a JSON Schema is an object, got {text[:60]!r}", 2)
     return schema
+
+
+# -- simulate ------------------------------------------------------------------------------
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    from disagg_mesh.server.common.errors import MeshError as ServerError
+    from disagg_mesh.server.simulation import simulate
+
+    if not 0 < args.speedup <= 10_000:
+        raise CliError(f"--speedup: between 0 and 10000, got {args.speedup}", 2)
+    if args.concurrency is not None and args.concurrency < 1:
+        raise CliError(f"--concurrency: must be at least 1, got {args.concurrency}", 2)
+
+    def progress(line: str) -> None:
+        if not args.json:
+            print(f"... {line}", file=sys.stderr, flush=True)
+
+    try:
+        got = simulate(
+            Path(args.topology),
+            args.workload,
+            profile=args.profile,
+            speedup=args.speedup,
+            concurrency=args.concurrency,
+            keep_logs=args.logs,
+            progress=progress,
+        )
+    except (ServerError, BatchInputError) as exc:
+        raise CliError(str(exc), 2) from None
+    print(json.dumps(got.data, indent=2) if args.json else got.text())
+    return 0
 
 
 # -- batch ---------------------------------------------------------------------------------

@@ -616,9 +616,15 @@ class AsyncMeshClient(_Client):
         that shows its progress: BatchRun.in_flight, BatchRun.results())."""
         items = requests_from(requests)
         doors, decode_nodes = await self._batch_doors()
+        per_model: dict[str, int] = {}
         if concurrency is None:
-            wanted = {a for r in items for a in decode_nodes.get(r.model, ())}
-            concurrency = await self._free_slots(sorted(wanted)) or DEFAULT_BATCH_CONCURRENCY
+            # Each model as many at once as its decode nodes have free slots: one gate for
+            # all would fill with the slower model's requests, waiting at the router for
+            # its nodes while the other model's nodes idle.
+            for model in sorted({r.model for r in items}):
+                free = await self._free_slots(sorted(decode_nodes.get(model, ())))
+                per_model[model] = free or DEFAULT_BATCH_CONCURRENCY
+            concurrency = sum(per_model.values())
         s = self._settings
         return BatchRun(
             items,
@@ -628,6 +634,7 @@ class AsyncMeshClient(_Client):
             ssl_context=s.tls.ssl_context() if s.tls else None,
             timeout_s=s.timeout,
             group_prefixes=group_prefixes,
+            model_concurrency=per_model,
         )
 
     async def _batch_doors(self) -> tuple[list[str], dict[str, list[str]]]:

@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
@@ -154,30 +152,12 @@ def running_mesh(
     try:
         asyncio.run(processes.wait_serving(timeout_s=240, names=wait_for))
         if wait_for is None:
-            routers_see_serving(processes)
+            processes.wait_routers_see_serving()
         yield processes
     finally:
         for proc in processes.procs.values():
             proc.send_signal(signal.SIGCONT)  # a test may have paused one
         processes.stop()
-
-
-def routers_see_serving(processes: MeshProcesses, timeout_s: float = 15.0) -> None:
-    """Wait until each router has found every other node serving (its health log line).
-    A router dials its nodes as it starts, before they listen; its channel then waits out a
-    reconnect back-off (up to 2 s), and a call in that while fails at once, so a test's
-    first request could meet a node the router cannot reach yet although it is SERVING."""
-    engines = {n.name for n in processes.topology.nodes if n.role != "router"}
-    deadline = time.monotonic() + timeout_s
-    for router in processes.topology.routers:
-        while time.monotonic() < deadline:
-            seen = set()
-            for line in processes.log_tail(router.name, 10_000).splitlines():
-                if '"event": "node health"' in line and '"serving": true' in line:
-                    seen.add(json.loads(line)["node"])
-            if engines <= seen:
-                break
-            time.sleep(0.1)
 
 
 @asynccontextmanager

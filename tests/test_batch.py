@@ -4,6 +4,7 @@ the progress bar in a pseudo-terminal."""
 
 from __future__ import annotations
 
+import asyncio
 import fcntl
 import json
 import os
@@ -479,3 +480,54 @@ def test_class_batch_example_writes_a_batch_the_router_accepts(mesh: Mesh, tmp_p
     assert ids == ["alice.py/code", "alice.py/feedback", "bob.py/code", "bob.py/feedback"]
     got = run_cli(mesh, "batch", str(batch), "-o", str(tmp_path / "out.jsonl"), "--dry-run")
     assert got.returncode == 0 and "4 requests valid" in got.stdout, got.stderr
+
+
+async def test_each_model_has_its_own_number_at_once() -> None:
+    """With model_concurrency, a slow model's requests take only its own places: the fast
+    model's requests go on beside them (one shared gate filled with the slow model's
+    requests, which then waited at the router while the other model's nodes idled)."""
+    from aiohttp import web
+
+    in_flight: dict[str, int] = {"slow": 0, "fast": 0}
+    most: dict[str, int] = {"slow": 0, "fast": 0}
+    fast_done_while_slow_ran = 0
+
+    async def answer(request: web.Request) -> web.Response:
+        nonlocal fast_done_while_slow_ran
+        model = (await request.json())["model"]
+        in_flight[model] += 1
+        most[model] = max(most[model], in_flight[model])
+        await asyncio.sleep(0.5 if model == "slow" else 0.02)
+        in_flight[model] -= 1
+        if model == "fast" and in_flight["slow"]:
+            fast_done_while_slow_ran += 1
+        return web.json_response({"model": model, "choices": []})
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", answer)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        requests = [
+            BatchRequest(f"{m}{i}", "/v1/completions", {"model": m, "prompt": f"{m} {i}"})
+            for i in range(8)
+            for m in ("slow", "fast")
+        ]
+        run = BatchRun(
+            requests,
+            Routers((f"http://127.0.0.1:{port}",), cooldown_s=30),
+            4,
+            headers={},
+            ssl_context=None,
+            timeout_s=30,
+            group_prefixes=False,
+            model_concurrency={"slow": 2, "fast": 2},
+        )
+        results = [r async for r in run.results()]
+    finally:
+        await runner.cleanup()
+    assert len(results) == 16 and all(r.ok for r in results)
+    assert most == {"slow": 2, "fast": 2}
+    assert fast_done_while_slow_ran == 8  # every fast request while slow ones still ran

@@ -68,9 +68,14 @@ async def test_a_sim_mesh_answers_with_the_real_kv_size_and_the_profiles_time(
     s = got.summary
     assert s.method == router_pb2.ROUTE_METHOD_DISAGGREGATED and s.prefill_node == "spark"
     assert s.kv_transfer_bytes == spark.kv_bytes(tokens) == mac.kv_bytes(tokens)
-    assert s.prompt_tokens == tokens and s.completion_tokens == got.deltas == 24
+    assert s.prompt_tokens == tokens and s.completion_tokens == 24
+    assert 1 < got.deltas <= 24  # steps shorter than MIN_TICK_S come together
     assert got.text == again.text == alone.text  # the same request, the same answer
     assert alone.summary.method == router_pb2.ROUTE_METHOD_DECODE_ONLY
+    # A decode node keeps a handed-over prompt's whole blocks, as the embedded engine does:
+    # mac-1 serves the prompt alone from them if it had the first request.
+    kept = tokens // 64 * 64 if s.decode_node == "mac-1" else 0
+    assert alone.summary.cached_prompt_tokens == kept
     # The profiles' time: the prefill on the Spark, 23 steps of one stream on the Mac.
     prefill_s = s.prefill_duration.ToTimedelta().total_seconds()
     assert prefill_s == pytest.approx(spark.prefill_seconds(tokens), rel=1e-3)
@@ -125,7 +130,7 @@ async def test_a_killed_sim_decode_node_is_replaced_mid_answer(sim_mesh: MeshPro
                 summary = reply.summary
                 continue
             text += reply.delta.text
-            if not killed and len(text.split()) == 10:
+            if not killed and len(text.split()) >= 10:
                 killed = "mac-1" if whole.summary.decode_node == "mac-1" else "mac-2"
                 os.kill(sim_mesh.procs[killed].pid, signal.SIGKILL)
     assert summary is not None and text == whole.text

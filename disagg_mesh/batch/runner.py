@@ -10,7 +10,10 @@ what that endpoint answers one request with.
   errors included.
 - **Order.** Requests whose prompts share a long start (the grader's rubric) form a group:
   its first request runs, and the others wait for it, so the prefill node's prefix cache
-  holds the shared part when they come (`plan`). Models alternate, so both pipelines work.
+  holds the shared part when they come (`plan`). Models alternate, so both pipelines work,
+  and each model has its own number at once (`model_concurrency`: by default its decode
+  nodes' free slots), so the slower model's requests cannot fill every place while the
+  other model's nodes idle.
 - **Checking first.** `validate` sends every body with the door's dry-run header: the router
   checks it as it would serve it (fields, model, prompt, sampling) and runs nothing.
 """
@@ -22,7 +25,7 @@ import json
 import os
 import ssl
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from itertools import zip_longest
 from typing import Any
 
@@ -107,9 +110,12 @@ class BatchRun:
         ssl_context: ssl.SSLContext | None,
         timeout_s: float,
         group_prefixes: bool = True,
+        model_concurrency: Mapping[str, int] | None = None,
     ) -> None:
         self.requests = list(requests)
         self.concurrency = max(concurrency, 1)
+        # Requests at once per model (a model not named here shares `concurrency`).
+        self.model_concurrency = dict(model_concurrency or {})
         self.in_flight = 0
         self._doors = doors
         self._headers = headers
@@ -148,14 +154,15 @@ class BatchRun:
         what is in flight: those requests have no result."""
         order = plan(self.requests) if self._group else [(r, None) for r in self.requests]
         finished = {r.custom_id: asyncio.Event() for r in self.requests}
-        gate = asyncio.Semaphore(self.concurrency)
+        shared = asyncio.Semaphore(self.concurrency)
+        gates = {m: asyncio.Semaphore(max(n, 1)) for m, n in self.model_concurrency.items()}
         out: asyncio.Queue[BatchResult] = asyncio.Queue()
 
         async def one(session: aiohttp.ClientSession, r: BatchRequest, after: str | None) -> None:
             try:
                 if after is not None:
                     await finished[after].wait()
-                async with gate:
+                async with gates.get(r.model, shared):
                     self.in_flight += 1
                     try:
                         out.put_nowait(await self._send(session, r))

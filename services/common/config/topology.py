@@ -88,6 +88,12 @@ class MeshSettings(_Strict):
     query_of_death_quarantine_s: Annotated[float, Field(ge=0, le=86400)] = 300.0
     # How big and complex a structured-output schema may be.
     schema_limits: SchemaLimits = SchemaLimits()
+    # sim nodes only: every simulated wait is divided by this (`disagg simulate --speedup`).
+    sim_speedup: Annotated[float, Field(gt=0, le=10_000)] = 1.0
+    # sim nodes only: KV states travel as their header alone, the link between the machines
+    # charged for the real size (`disagg simulate`: at a speedup, real bytes over loopback
+    # would count speedup times).
+    sim_compact_kv: bool = False
 
 
 class TlsSettings(_Strict):
@@ -175,14 +181,18 @@ class Node(_Strict):
     # once finish no sooner in all, only each later: with 1 the first requests of a burst
     # answer first.
     prompts_at_once: Annotated[int, Field(ge=1, le=255)] = 1
-    # llama_cpp: prompt tokens kept resident after their requests end, for later prompts
-    # that start the same way (a prefix cache, in 64-token blocks; default n_ctx, 0: off).
+    # llama_cpp and sim: prompt tokens kept resident after their requests end, for later
+    # prompts that start the same way (a prefix cache, in 64-token blocks; default n_ctx, 0: off).
     # Its KV memory comes on top of slots * n_ctx.
     prefix_cache_tokens: Annotated[int, Field(ge=0, le=16_777_216)] | None = None
-    # sim only: the hardware profile that times this node (a shipped one's name, e.g.
-    # "dgx-spark", "m3-ultra", or a profile file relative to the topology); its `model` is
-    # the model whose sizes and speeds it simulates.
+    # The hardware profile of this node's machine (a shipped one's name, e.g. "dgx-spark",
+    # "m3-ultra", or a profile file relative to the topology): it times an engine = "sim"
+    # node (its `model` is the model whose sizes and speeds it simulates), and `disagg
+    # simulate` simulates any node with it.
     hardware: str | None = None
+    # sim only: the machine this node stands for (default: host); a KV state from a node
+    # standing for another machine costs the profile's link time.
+    sim_host: str | None = None
     # ollama only: the server's URL, and how long it keeps the model loaded after a request.
     ollama_url: str = "http://127.0.0.1:11434"
     ollama_keep_alive: str = "30m"

@@ -66,7 +66,7 @@ async def open_engine(topology: Topology, node: Node) -> Engine:
             keep_alive=node.ollama_keep_alive,
         )
     if node.engine == "sim":
-        from disagg_mesh.server.common.engines.sim.engine import SimEngine
+        from disagg_mesh.server.common.engines.sim.engine import SimEngine, SimSettings
         from disagg_mesh.server.common.engines.sim.profile import load_profile
 
         assert node.hardware is not None
@@ -75,8 +75,16 @@ async def open_engine(topology: Topology, node: Node) -> Engine:
             model=node.model,
             profile=profile,
             n_ctx=node.n_ctx,
-            slots=node.slots or node.default_slots,
-            max_queue=node.max_queue,
+            settings=SimSettings(
+                slots=node.slots or node.default_slots,
+                max_queue=node.max_queue,
+                speedup=topology.mesh.sim_speedup,
+                prefix_cache_tokens=node.n_ctx
+                if node.prefix_cache_tokens is None
+                else node.prefix_cache_tokens,
+                host=node.sim_host or node.host,
+                compact_kv=topology.mesh.sim_compact_kv,
+            ),
         )
     raise EngineUnavailable(f"node {node.name}: unknown engine {node.engine!r}")
 

@@ -6,6 +6,7 @@ Used by `make run` (services/launcher.py) and by the tests, so both run the mesh
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import socket
@@ -84,6 +85,24 @@ class MeshProcesses:
             start_new_session=True,  # Ctrl-C reaches the launcher, which stops them in order
         )
         log.close()
+
+    def wait_routers_see_serving(self, timeout_s: float = 15.0) -> None:
+        """Wait until each router has found every other node serving (its health log
+        line, LOG_FORMAT=json). A router dials its nodes as it starts, before they listen;
+        its channel then waits out a reconnect back-off (up to 2 s), and a call in that
+        while fails at once, so a first request could meet a node the router cannot reach
+        yet although it is SERVING."""
+        engines = {n.name for n in self.topology.nodes if n.role != "router"}
+        deadline = time.monotonic() + timeout_s
+        for router in self.topology.routers:
+            while time.monotonic() < deadline:
+                seen = set()
+                for line in self.log_tail(router.name, 10_000).splitlines():
+                    if '"event": "node health"' in line and '"serving": true' in line:
+                        seen.add(json.loads(line)["node"])
+                if engines <= seen:
+                    break
+                time.sleep(0.1)
 
     def log_tail(self, name: str, lines: int = 15) -> str:
         path = self.log_dir / f"{name}.log"

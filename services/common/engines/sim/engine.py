@@ -7,16 +7,23 @@ the clients run over it unchanged.
   lines); generated tokens are words picked from the prompt's hash, so the same request gets
   the same answer on any node. An answer ends by itself after 64-511 tokens (from the same
   hash), or at max_tokens; `ignore_eos` runs it to max_tokens.
-- **Time.** One prompt evaluates at a time (`prefill_seconds` of the profile at the depth it
-  reaches); streams decode together in steps of `decode_step_seconds(streams, mean depth)`,
+- **Time.** One compute a machine: a prompt's evaluation (`prefill_seconds` of the profile
+  for its uncached tokens, at the depth they start from) and the decode steps take turns;
+  streams decode together in steps of `decode_step_seconds(streams, mean depth)`,
   continuous batching: a stream joins at the next step and leaves when it ends. `speedup`
-  divides every wait.
+  divides every wait; steps shorter than MIN_TICK_S of real time are taken several at once
+  (one message a stream for them all), so a high speedup does not flood the mesh.
+- **Prefix cache** (prefix.py): node-wide blocks as the embedded engine keeps them, or each
+  slot's last prompt as Ollama keeps them (the baseline of `disagg simulate`).
 - **KV.** A prefill's state holds `kv_bytes(prompt tokens)` bytes (sliding-window layers
-  counted as the profile says), zeros after a header naming the prompt's hash, with its
-  SHA-256: the mesh moves, checks and stores the real amount.
+  counted as the profile says): a header (the prompt's hash, the real size, the host the
+  node stands for) and zeros, with its SHA-256, so the mesh moves, checks and stores the
+  real amount; `compact_kv` sends the header alone (a simulation at a speedup, where real
+  bytes over loopback would count speedup times). A state from another host costs the
+  profile's link time for its real size before its first step.
 - **Slots.** `slots` sequences at once, `max_queue` waiting; more is RESOURCE_EXHAUSTED.
-- Not simulated (yet): a prefix cache, grammars (response_format and tools are answered as
-  free text), stop strings.
+- Not simulated (yet): grammars (response_format and tools are answered as free text), stop
+  strings, a decode node's prefix cache for handed-over states (states move whole).
 """
 
 from __future__ import annotations
@@ -24,11 +31,11 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import math
-import time
 from collections import deque
 from collections.abc import AsyncGenerator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from typing import Literal
 
 from disagg_mesh.server.common.engines.base import (
     EngineLoad,
@@ -36,6 +43,14 @@ from disagg_mesh.server.common.engines.base import (
     Placement,
     PrefillOutput,
     TokenRates,
+)
+from disagg_mesh.server.common.engines.sim.prefix import (
+    BLOCK_HASH_BYTES,
+    BYTES_PER_TOKEN,
+    BlockCache,
+    Blocks,
+    SlotCache,
+    prompt_blocks,
 )
 from disagg_mesh.server.common.engines.sim.profile import HardwareProfile, ModelSpeed
 from disagg_mesh.server.common.errors import InvalidArgument, ResourceExhausted
@@ -53,7 +68,6 @@ from disagg_mesh.server.common.types import (
 )
 
 SIM_VERSION = "disagg-sim/1"
-BYTES_PER_TOKEN = 4
 VOCAB = 50_000
 WORDS = (
     "the function returns a value for every input and the tests cover the edge cases "
@@ -61,6 +75,12 @@ WORDS = (
     "points total fix first loop list empty negative large"
 ).split()
 SHORTEST_ANSWER, LONGEST_ANSWER = 64, 511
+# Real seconds: decode steps shorter than this are taken together.
+MIN_TICK_S = 0.02
+# A state's header (_Header): seed, real size, host, block count; then the blocks.
+HEADER_BYTES = 8 + 8 + 64 + 4
+
+PrefixCacheKind = Literal["blocks", "per-slot", "off"]
 
 
 def _prompt_bytes(prompt: Prompt) -> bytes:
@@ -93,26 +113,72 @@ def answer_tokens(seed: int) -> int:
 @dataclass
 class _Stream:
     depth: int
-    tokens: asyncio.Queue[None] = field(default_factory=asyncio.Queue)
+    left: int  # steps until it ends
+    started: bool = False  # has had a step (its first token comes from one step alone)
+    steps: asyncio.Queue[int] = field(default_factory=asyncio.Queue)
+
+
+@dataclass(frozen=True)
+class _Header:
+    """What a simulated state carries before its zeros: the prompt's seed, the state's real
+    size, the host it was made on, and the prompt's blocks (the decode node keeps them in
+    its prefix cache, as the embedded engine keeps a handed-over prompt)."""
+
+    seed: int
+    real_bytes: int
+    host: str
+    blocks: Blocks = ()
+
+    def encode(self) -> bytes:
+        host = self.host.encode()[:64]
+        return b"".join(
+            (
+                self.seed.to_bytes(8, "big"),
+                self.real_bytes.to_bytes(8, "big"),
+                host + bytes(64 - len(host)),
+                len(self.blocks).to_bytes(4, "big"),
+                *self.blocks,
+            )
+        )
+
+    @classmethod
+    def decode(cls, state: memoryview) -> _Header:
+        raw = bytes(state[:HEADER_BYTES])
+        count = int.from_bytes(raw[80:84], "big")
+        blocks = bytes(state[HEADER_BYTES : HEADER_BYTES + count * BLOCK_HASH_BYTES])
+        return cls(
+            int.from_bytes(raw[:8], "big"),
+            int.from_bytes(raw[8:16], "big"),
+            raw[16:80].rstrip(b"\0").decode(errors="replace"),
+            tuple(
+                blocks[i : i + BLOCK_HASH_BYTES] for i in range(0, len(blocks), BLOCK_HASH_BYTES)
+            ),
+        )
+
+
+@dataclass(frozen=True)
+class SimSettings:
+    slots: int
+    max_queue: int
+    speedup: float = 1.0
+    prefix_cache: PrefixCacheKind = "blocks"
+    prefix_cache_tokens: int = 0
+    # The machine this node stands for (states from another one pay the link).
+    host: str = ""
+    compact_kv: bool = False
 
 
 class SimEngine:
     """One simulated model on one simulated machine."""
 
     def __init__(
-        self,
-        model: str,
-        profile: HardwareProfile,
-        n_ctx: int,
-        slots: int,
-        max_queue: int,
-        speedup: float = 1.0,
+        self, model: str, profile: HardwareProfile, n_ctx: int, settings: SimSettings
     ) -> None:
         self._speed: ModelSpeed = profile.model(model)
+        self._link = profile.link
         self._n_ctx = n_ctx
-        self._slots = slots
-        self._max_queue = max_queue
-        self._speedup = speedup
+        self._settings = settings
+        self._speedup = settings.speedup
         # The same for every machine: a state made on one loads on any other of the model.
         model_hash = hashlib.sha256(f"{SIM_VERSION} {model}".encode()).hexdigest()
         self.fingerprint = Fingerprint(
@@ -121,12 +187,20 @@ class SimEngine:
         self.placement = Placement(backend=f"sim ({profile.name})")
         self.kv_transfer = KvTransferKind.STATE
         self.loaded_in_memory = True
-        self._busy = 0
-        self._waiting: deque[asyncio.Future[None]] = deque()
-        self._prompts = asyncio.Lock()
+        self._free = list(range(settings.slots))
+        self._waiting: deque[asyncio.Future[int]] = deque()
+        self._compute = asyncio.Lock()
         self._streams: list[_Stream] = []
         self._stepper: asyncio.Task[None] | None = None
         self._rates = TokenRates()
+        self._blocks = BlockCache(
+            settings.prefix_cache_tokens if settings.prefix_cache == "blocks" else 0
+        )
+        self._slot_prompts = SlotCache(settings.slots)
+        # Simulated seconds the machine computed prompts and decode steps (where the time
+        # went).
+        self.prompt_seconds = 0.0
+        self.decode_seconds = 0.0
 
     # -- the engine interface ------------------------------------------------------------
 
@@ -140,18 +214,22 @@ class SimEngine:
         n = self._checked(prompt, continuation)
         # A continuation's tokens but the last (the decode node's first) go into the state.
         replayed = max(len(continuation.generated_token_ids) - 1, 0) if continuation else 0
-        async with self._slot():
-            seconds = await self._evaluate(n + replayed)
+        blocks = prompt_blocks(_prompt_bytes(prompt))
+        async with self._slot(blocks) as slot:
+            cached = self._cached(slot, blocks, n)
+            seconds = await self._evaluate(n + replayed - cached, cached)
+            self._keep(slot, blocks)
         seed = prompt_seed(prompt)
         first_id, first_text = token(seed, 0)
         if continuation is not None and continuation.generated_token_ids:
             first_id, first_text = continuation.generated_token_ids[-1], ""
-        state = self._state(seed, n + replayed)
+        state = self._state(seed, n + replayed, blocks)
         return PrefillOutput(
             first_token_id=first_id,
             first_token_text=first_text,
             prompt_tokens=n,
             prefill_seconds=seconds,
+            cached_prompt_tokens=cached,
             kv_state_bytes=len(state),
             replayed_tokens=replayed,
             kv_state=memoryview(state),
@@ -165,14 +243,17 @@ class SimEngine:
         sampling: Sampling,
         continuation: Continuation | None = None,
     ) -> Generation:
-        seed = int.from_bytes(bytes(kv_state[:8]), "big")
+        header = _Header.decode(kv_state)
         done = len(continuation.generated_token_ids) if continuation is not None else 0
         depth = reference.prompt_tokens + max(done - 1, 0)
-        async with self._slot():
+        async with self._slot(header.blocks):
+            if header.host != self._settings.host:  # over the link between the machines
+                await asyncio.sleep(self._link.seconds(header.real_bytes) / self._speedup)
+            self._blocks.keep(header.blocks)
             if not done:  # the prefill node's first token goes out first
                 yield TextChunk(reference.first_token_text, [reference.first_token_id])
                 done = 1
-            async for event in self._decode(seed, depth + 1, done, sampling, 0.0):
+            async for event in self._decode(header.seed, depth + 1, done, sampling, 0.0):
                 yield event
 
     async def generate(
@@ -183,9 +264,12 @@ class SimEngine:
         if continuation is not None and not done:
             done = continuation.generated_tokens
         seed = prompt_seed(prompt)
-        async with self._slot():
-            seconds = await self._evaluate(n + done)
-            async for event in self._decode(seed, n + done, done, sampling, seconds):
+        blocks = prompt_blocks(_prompt_bytes(prompt))
+        async with self._slot(blocks) as slot:
+            cached = self._cached(slot, blocks, n)
+            seconds = await self._evaluate(n + done - cached, cached)
+            self._keep(slot, blocks)
+            async for event in self._decode(seed, n + done, done, sampling, seconds, cached):
                 yield event
 
     async def problem(self) -> str | None:
@@ -194,12 +278,16 @@ class SimEngine:
     def load(self) -> EngineLoad:
         prompt_tps, decode_tps = self._rates.per_second()
         return EngineLoad(
-            slots=self._slots,
-            slots_busy=self._busy,
+            slots=self._settings.slots,
+            slots_busy=self._settings.slots - len(self._free),
             queue_depth=len(self._waiting),
-            max_queue=self._max_queue,
+            max_queue=self._settings.max_queue,
             prompt_tokens_per_second=prompt_tps,
             decode_tokens_per_second=decode_tps,
+            prefix_cache_tokens=self._blocks.tokens,
+            prefix_cache_max_tokens=self._settings.prefix_cache_tokens
+            if self._settings.prefix_cache == "blocks"
+            else 0,
         )
 
     async def close(self) -> None:
@@ -219,91 +307,134 @@ class SimEngine:
             )
         return n
 
-    async def _evaluate(self, tokens: int) -> float:
-        """Evaluate a prompt's tokens, one prompt at a time: the seconds it took."""
-        async with self._prompts:
-            seconds = self._speed.prefill_seconds(tokens)
+    def _cached(self, slot: int, blocks: Blocks, n: int) -> int:
+        """Prompt tokens the cache holds (at least the last one is evaluated)."""
+        if self._settings.prefix_cache == "blocks":
+            cached = self._blocks.cached_tokens(blocks)
+        elif self._settings.prefix_cache == "per-slot":
+            cached = self._slot_prompts.cached_tokens(slot, blocks)
+        else:
+            cached = 0
+        return min(cached, n - 1)
+
+    def _keep(self, slot: int, blocks: Blocks) -> None:
+        self._blocks.keep(blocks)
+        self._slot_prompts.keep(slot, blocks)
+
+    async def _evaluate(self, tokens: int, cached: int) -> float:
+        """Evaluate a prompt's new tokens on the machine's compute: the seconds it took."""
+        async with self._compute:
+            seconds = self._speed.prefill_seconds(tokens, cached)
             await asyncio.sleep(seconds / self._speedup)
+            self.prompt_seconds += seconds
         self._rates.add(tokens, 0)
         return seconds
 
     async def _decode(
-        self, seed: int, depth: int, done: int, sampling: Sampling, prompt_seconds: float
+        self,
+        seed: int,
+        depth: int,
+        done: int,
+        sampling: Sampling,
+        prompt_seconds: float,
+        cached: int = 0,
     ) -> AsyncGenerator[TextChunk | GenerationEnd, None]:
         """Tokens from position `done` on, in the shared steps, to the answer's end."""
         natural = sampling.max_tokens if sampling.ignore_eos else answer_tokens(seed)
         last = min(sampling.max_tokens, natural)
-        stream = _Stream(depth)
-        started = time.perf_counter()
-        self._streams.append(stream)
-        if self._stepper is None or self._stepper.done():
-            self._stepper = asyncio.create_task(self._step_loop())
-        try:
-            while done < last:
-                await stream.tokens.get()
-                token_id, text = token(seed, done)
-                done += 1
-                yield TextChunk(text, [token_id])
-        finally:
-            self._streams.remove(stream)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        if done < last:
+            stream = _Stream(depth, last - done)
+            self._streams.append(stream)
+            if self._stepper is None or self._stepper.done():
+                self._stepper = asyncio.create_task(self._step_loop())
+            try:
+                while done < last:
+                    steps = min(await stream.steps.get(), last - done)
+                    tokens = [token(seed, done + i) for i in range(steps)]
+                    done += steps
+                    yield TextChunk("".join(t for _, t in tokens), [i for i, _ in tokens])
+            finally:
+                if stream in self._streams:
+                    self._streams.remove(stream)
         finish = FinishReason.LENGTH if last == sampling.max_tokens else FinishReason.STOP
         yield GenerationEnd(
             completion_tokens=done,
             finish_reason=finish,
             prompt_tokens=depth,
+            cached_prompt_tokens=cached,
             prompt_eval_seconds=prompt_seconds,
-            decode_seconds=time.perf_counter() - started,
+            decode_seconds=(loop.time() - started) * self._speedup,
         )
 
     async def _step_loop(self) -> None:
-        """Decode steps while streams run: each step's length from the profile."""
+        """Decode steps while streams run, each as long as the profile says; steps shorter
+        than MIN_TICK_S (real) go together, up to the first stream's end (a stream's first
+        step alone, so its first token comes on time)."""
         while self._streams:
-            depth = sum(s.depth for s in self._streams) / len(self._streams)
-            seconds = self._speed.decode_step_seconds(len(self._streams), depth)
-            await asyncio.sleep(seconds / self._speedup)
-            for stream in self._streams:
-                stream.depth += 1
-                stream.tokens.put_nowait(None)
-            self._rates.add(0, len(self._streams))
+            async with self._compute:
+                streams = list(self._streams)
+                if not streams:
+                    break
+                depth = sum(s.depth for s in streams) / len(streams)
+                # Up to the first stream's end; one step when a stream waits for its first.
+                most = 1 if not all(s.started for s in streams) else min(s.left for s in streams)
+                seconds, steps = 0.0, 0
+                while steps < most and (steps == 0 or seconds / self._speedup < MIN_TICK_S):
+                    seconds += self._speed.decode_step_seconds(len(streams), depth + steps)
+                    steps += 1
+                await asyncio.sleep(seconds / self._speedup)
+                self.decode_seconds += seconds
+            for stream in streams:
+                stream.depth += steps
+                stream.left -= steps
+                stream.started = True
+                stream.steps.put_nowait(steps)
+                if stream.left <= 0 and stream in self._streams:
+                    self._streams.remove(stream)
+            self._rates.add(0, steps * len(streams))
 
     # -- slots and states ----------------------------------------------------------------
 
     @asynccontextmanager
-    async def _slot(self) -> AsyncGenerator[None, None]:
-        if self._busy >= self._slots:
-            if len(self._waiting) >= self._max_queue:
+    async def _slot(self, blocks: Blocks) -> AsyncGenerator[int, None]:
+        if self._free:
+            slot = self._slot_prompts.best(self._free, blocks)
+            self._free.remove(slot)
+        else:
+            if len(self._waiting) >= self._settings.max_queue:
                 raise ResourceExhausted(
-                    f"all {self._slots} simulated slots busy and {len(self._waiting)} "
-                    "requests waiting"
+                    f"all {self._settings.slots} simulated slots busy and "
+                    f"{len(self._waiting)} requests waiting"
                 )
-            turn: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            turn: asyncio.Future[int] = asyncio.get_running_loop().create_future()
             self._waiting.append(turn)
             try:
-                await turn
+                slot = await turn
             except asyncio.CancelledError:
                 if turn in self._waiting:
                     self._waiting.remove(turn)
                 elif not turn.cancelled():
-                    self._release()  # the slot was ours already: pass it on
+                    self._release(turn.result())  # the slot was ours already: pass it on
                 raise
-        else:
-            self._busy += 1
         try:
-            yield
+            yield slot
         finally:
-            self._release()
+            self._release(slot)
 
-    def _release(self) -> None:
+    def _release(self, slot: int) -> None:
         while self._waiting:
             turn = self._waiting.popleft()
             if not turn.done():
-                turn.set_result(None)  # the slot goes to the next caller as it is
+                turn.set_result(slot)  # the slot goes to the next caller as it is
                 return
-        self._busy -= 1
+        self._free.append(slot)
 
-    def _state(self, seed: int, tokens: int) -> bytes:
-        """A KV state of the real size: the prompt's seed, then zeros."""
-        size = max(self._speed.kv_bytes(tokens), 8)
-        state = bytearray(size)
-        state[:8] = seed.to_bytes(8, "big")
-        return bytes(state)
+    def _state(self, seed: int, tokens: int, blocks: Blocks) -> bytes:
+        """A KV state of the real size (or its header alone, compact_kv)."""
+        real = self._speed.kv_bytes(tokens)
+        header = _Header(seed, real, self._settings.host, blocks).encode()
+        if self._settings.compact_kv:
+            return header
+        return header + bytes(max(real - len(header), 0))

@@ -1,0 +1,127 @@
+"""The workload through the real mesh: the simulated topology's processes (routers and sim
+nodes), the requests sent as `disagg batch` sends them, each node's slots sampled while it
+runs. Times are real seconds times the speedup: simulated seconds."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from disagg_mesh.batch import BatchRequest
+from disagg_mesh.client import AsyncMeshClient
+from disagg_mesh.proto.v1 import node_pb2, node_pb2_grpc
+from disagg_mesh.server.common.config.topology import load_topology
+from disagg_mesh.server.common.runtime.processes import MeshProcesses
+from disagg_mesh.server.simulation.baseline import Served
+
+SAMPLE_EVERY_S = 0.2
+
+
+@dataclass
+class NodeUse:
+    """How busy a node was: the share of samples with a slot in use, and of its slots."""
+
+    samples: int = 0
+    active: int = 0
+    slots_used: float = 0.0
+
+    @property
+    def active_share(self) -> float:
+        return self.active / self.samples if self.samples else 0.0
+
+    @property
+    def slots_share(self) -> float:
+        return self.slots_used / self.samples if self.samples else 0.0
+
+
+@dataclass
+class MeshRun:
+    wall_seconds: float = 0.0
+    concurrency: int = 0
+    model_concurrency: dict[str, int] = field(default_factory=dict)
+    served: list[Served] = field(default_factory=list)
+    # Per request: its route's method, nodes, KV bytes moved (the real size) and cached
+    # prompt tokens, as the router reported them.
+    details: list[dict[str, Any]] = field(default_factory=list)
+    use: dict[str, NodeUse] = field(default_factory=dict)
+
+
+async def run_mesh(
+    topology_file: Path,
+    requests: Sequence[BatchRequest],
+    speedup: float,
+    log_dir: Path,
+    concurrency: int | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> MeshRun:
+    topology = load_topology(topology_file)
+    processes = MeshProcesses(topology, log_dir)
+    processes.start()
+    try:
+        await processes.wait_serving(timeout_s=120, progress=progress)
+        await asyncio.to_thread(processes.wait_routers_see_serving)
+        routers = [r.address for r in topology.routers]
+        async with AsyncMeshClient(routers, timeout=24 * 3600) as client:
+            batch = await client.batch_run(requests, concurrency=concurrency)
+            run = MeshRun(concurrency=batch.concurrency, model_concurrency=batch.model_concurrency)
+            nodes = [n for n in topology.nodes if n.role != "router"]
+            sampler = asyncio.create_task(_sample(nodes, run))
+            started = time.monotonic()
+            done = 0
+            try:
+                async for result in batch.results():
+                    run.served.append(_served(result, speedup))
+                    run.details.append(dict((result.body or {}).get("disagg") or {}))
+                    done += 1
+                    if progress is not None and done % max(len(requests) // 10, 1) == 0:
+                        progress(f"{done}/{len(requests)} requests answered")
+            finally:
+                run.wall_seconds = (time.monotonic() - started) * speedup
+                sampler.cancel()
+                await asyncio.gather(sampler, return_exceptions=True)
+        return run
+    finally:
+        processes.stop()
+
+
+def _served(result: Any, speedup: float) -> Served:
+    body = result.body or {}
+    usage = body.get("usage") or {}
+    mesh = body.get("disagg") or {}
+    return Served(
+        result.custom_id,
+        result.model,
+        result.ok,
+        time_to_first_token_seconds=float(mesh.get("time_to_first_token_seconds") or 0) * speedup,
+        latency_seconds=result.latency_s * speedup,
+        prompt_tokens=int(usage.get("prompt_tokens") or 0),
+        completion_tokens=int(usage.get("completion_tokens") or 0),
+        error="" if result.ok else result.message,
+    )
+
+
+async def _sample(nodes: Sequence[Any], run: MeshRun) -> None:
+    """Each node's busy slots, every SAMPLE_EVERY_S."""
+    channels = {n.name: grpc.aio.insecure_channel(n.address) for n in nodes}
+    stubs: dict[str, Any] = {k: node_pb2_grpc.NodeServiceStub(c) for k, c in channels.items()}
+    try:
+        while True:
+            for name, stub in stubs.items():
+                try:
+                    info = await stub.GetNodeInfo(node_pb2.GetNodeInfoRequest(), timeout=1.0)
+                except grpc.aio.AioRpcError:
+                    continue
+                use = run.use.setdefault(name, NodeUse())
+                use.samples += 1
+                use.active += info.slots_busy > 0
+                use.slots_used += info.slots_busy / max(info.slots, 1)
+            await asyncio.sleep(SAMPLE_EVERY_S)
+    finally:
+        for channel in channels.values():
+            await channel.close()

@@ -1,0 +1,212 @@
+"""`disagg simulate` (#41): any topology as sim nodes on 127.0.0.1 through the real router,
+against the Ollama baseline on a virtual clock. The topology's own addresses are never
+dialled (seed.toml's are the user's machines)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from bench.simulated_class import class_lines
+from disagg_mesh.batch import BatchRequest
+from disagg_mesh.server.common.config.topology import load_topology
+from disagg_mesh.server.common.engines.sim.engine import prompt_tokens
+from disagg_mesh.server.common.engines.sim.prefix import BlockCache, SlotCache, prompt_blocks
+from disagg_mesh.server.common.engines.sim.profile import load_baseline, load_profile
+from disagg_mesh.server.simulation.baseline import run_baseline
+from disagg_mesh.server.simulation.clock import run_virtual
+from disagg_mesh.server.simulation.topology import (
+    SimulationError,
+    simulated_topology,
+    write_toml,
+)
+from disagg_mesh.server.simulation.workload import work
+
+ROOT = Path(__file__).resolve().parent.parent
+SEED = ROOT / "topology" / "seed.toml"
+
+
+def test_the_virtual_clock_jumps_to_each_timer() -> None:
+    async def main() -> tuple[float, list[str]]:
+        loop = asyncio.get_running_loop()
+        order: list[str] = []
+
+        async def after(seconds: float, name: str) -> None:
+            await asyncio.sleep(seconds)
+            order.append(f"{name}@{loop.time():g}")
+
+        await asyncio.gather(after(3600, "late"), after(5, "soon"), after(60, "mid"))
+        return loop.time(), order
+
+    started = time.perf_counter()
+    now, order = run_virtual(main())
+    assert now == 3600 and order == ["soon@5", "mid@60", "late@3600"]
+    assert time.perf_counter() - started < 1.0
+
+
+def test_prefix_caches_keep_blocks_and_slots_keep_their_last_prompt() -> None:
+    rubric = b"r" * 256 * 3  # three blocks
+    a, b = prompt_blocks(rubric + b"a" * 256), prompt_blocks(rubric + b"b" * 256)
+    assert len(a) == 4 and a[:3] == b[:3] and a[3] != b[3]
+    cache = BlockCache(max_tokens=4 * 64)
+    assert cache.cached_tokens(a) == 0
+    cache.keep(a)
+    assert cache.cached_tokens(b) == 3 * 64 and cache.cached_tokens(a) == 4 * 64
+    cache.keep(prompt_blocks(b"x" * 256 * 2))  # two new blocks: the oldest two go
+    assert cache.tokens == 4 * 64 and cache.cached_tokens(a) == 0
+    slots = SlotCache(2)
+    slots.keep(1, a)
+    assert slots.best([0, 1], b) == 1 and slots.cached_tokens(1, b) == 3 * 64
+    assert slots.cached_tokens(0, b) == 0
+
+
+def test_the_simulated_topology_dials_only_loopback(tmp_path: Path) -> None:
+    seed = load_topology(SEED)
+    data = simulated_topology(seed, speedup=10)
+    hosts = {n["host"] for n in data["nodes"]}
+    assert hosts == {"127.0.0.1"}
+    engines = [n for n in data["nodes"] if n["role"] != "router"]
+    assert {n["engine"] for n in engines} == {"sim"}
+    assert {n["name"]: n["sim_host"] for n in engines} == {
+        n.name: n.host for n in seed.nodes if n.role != "router"
+    }
+    assert {n["name"]: n["hardware"] for n in engines} == {
+        "dgx-spark-1": "dgx-spark",
+        "dgx-spark-2": "dgx-spark",
+        "mac-studio-1": "m3-ultra",
+        "mac-studio-2": "m3-ultra",
+    }
+    assert all(n["http_port"] for n in data["nodes"] if n["role"] == "router")
+    for route in data["models"]:
+        assert "direct_ollama" not in route["chain"] and "ollama_url" not in route
+        assert route["decode_deadline_s"] == 180 / 10  # in simulated time
+    assert data["security"] == {"plaintext": True}
+    path = tmp_path / "simulated.toml"
+    write_toml(data, path)
+    text = path.read_text()
+    written = tomllib.loads(text)
+    assert {n["host"] for n in written["nodes"]} == {"127.0.0.1"}
+    assert load_topology(path).mesh.sim_speedup == 10
+
+
+def test_a_node_without_a_profile_is_named(tmp_path: Path) -> None:
+    text = SEED.read_text().replace('hardware = "m3-ultra"', "", 1)
+    path = tmp_path / "t.toml"
+    path.write_text(text)
+    with pytest.raises(SimulationError, match="node 'mac-studio-2' has no hardware key"):
+        simulated_topology(load_topology(path), speedup=1)
+    # --profile for every node instead
+    assert simulated_topology(load_topology(path), 1, profile="m3-ultra")["nodes"]
+
+
+def test_the_baseline_is_ollamas_flow_on_the_profiles_time(tmp_path: Path) -> None:
+    """One request alone: the Spark evaluates the prompt and makes a token, then the Mac
+    evaluates it again and generates: exactly the profiles' seconds, on a virtual clock.
+    A second request with the same rubric reuses the Mac's slot's last prompt."""
+    sim_file = tmp_path / "sim.toml"
+    write_toml(simulated_topology(load_topology(SEED), 1), sim_file)
+    sim = load_topology(sim_file)
+    lines = [line for line in class_lines(2) if line["body"]["model"] == "gpt-oss:120b"]
+    requests = [BatchRequest(line["custom_id"], line["url"], line["body"]) for line in lines]
+    works = [work(r, 8192) for r in requests]
+    n = prompt_tokens(works[0].prompt)
+    spark = load_profile("dgx-spark").model("gpt-oss:120b")
+    mac = load_profile("m3-ultra").model("gpt-oss:120b")
+    alone = run_baseline(sim, [(works[0], None)], 1, load_baseline())
+    expected = (
+        spark.prefill_seconds(n)
+        + spark.decode_step_seconds(1, n)
+        + mac.prefill_seconds(n)
+        + sum(mac.decode_step_seconds(1, n + i) for i in range(400))
+    )
+    assert alone.wall_seconds == pytest.approx(expected, rel=1e-6)
+    served = alone.served[0]
+    assert served.ok and served.completion_tokens == 400
+    assert served.time_to_first_token_seconds == pytest.approx(
+        expected - sum(mac.decode_step_seconds(1, n + i) for i in range(1, 400)), rel=1e-3
+    )
+    both = run_baseline(sim, [(works[0], None), (works[1], works[0].custom_id)], 1, load_baseline())
+    second = both.served[1]
+    assert second.latency_seconds < served.latency_seconds  # the rubric's blocks reused
+    assert both.prompt_seconds["mac-studio-1"] < 2 * alone.prompt_seconds["mac-studio-1"]
+
+
+def test_disagg_simulate_runs_seed_toml_through_the_real_router(tmp_path: Path) -> None:
+    """The user's four machines, a small class, through the real routers and sim nodes;
+    the same class as Ollama serves it; one JSON object."""
+    workload = tmp_path / "class.jsonl"
+    workload.write_text("".join(json.dumps(line) + "\n" for line in class_lines(4)))
+    logs = tmp_path / "run"
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "disagg_mesh.cli",
+            "simulate",
+            "--topology",
+            str(SEED),
+            "--workload",
+            str(workload),
+            "--speedup",
+            "40",
+            "--json",
+            "--logs",
+            str(logs),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout)
+    assert {"wall_seconds", "baseline_wall_seconds", "ratio", "requests", "failed"} <= set(got)
+    assert got["requests"] == 8 and got["failed"] == 0 and got["baseline"]["failed"] == 0
+    assert got["ratio"] == pytest.approx(
+        got["baseline_wall_seconds"] / got["wall_seconds"], rel=0.01
+    )
+    assert got["mesh"]["completion_tokens"] == got["baseline"]["completion_tokens"] == 8 * 400
+    assert set(got["mesh"]["nodes"]) == {
+        "dgx-spark-1",
+        "dgx-spark-2",
+        "mac-studio-1",
+        "mac-studio-2",
+    }
+    assert got["mesh"]["kv_bytes_moved"] > 0 and got["mesh"]["methods"]
+    written = tomllib.loads((logs / "simulated-topology.toml").read_text())
+    assert {n["host"] for n in written["nodes"]} == {"127.0.0.1"}
+    # Every address the nodes dialled or listened on is loopback.
+    for log in (logs / "logs").glob("*.log"):
+        assert "169.254." not in log.read_text(), log.name
+
+
+def test_disagg_simulate_names_a_model_the_topology_lacks(tmp_path: Path) -> None:
+    workload = tmp_path / "w.jsonl"
+    line = class_lines(1)[0]
+    line["body"]["model"] = "llama3:8b"
+    workload.write_text(json.dumps(line) + "\n")
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "disagg_mesh.cli",
+            "simulate",
+            "--topology",
+            str(SEED),
+            "--workload",
+            str(workload),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
+    assert done.returncode == 2
+    assert "model 'llama3:8b' is not in" in done.stderr and "Traceback" not in done.stderr
