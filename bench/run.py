@@ -66,7 +66,11 @@ repeated, median reported:
    against closed (bench/dashboard.py, a mesh of its own);
 22. a class of 200 x 2 models on the user's four machines, simulated (`disagg simulate` on
    topology/seed.toml with the shipped profiles): the Ollama baseline's wall time over the
-   mesh's, with where the time goes (bench/simulated_class.py, sim nodes of its own).
+   mesh's, with where the time goes (bench/simulated_class.py, sim nodes of its own);
+23. the router at 200 nodes: 100 prefill + 100 decode sim nodes, 10 models, 3 routers,
+   5,000 requests at 40/s: router CPU per request, added latency p99, prefix-cache hit
+   rate against random choice, load spread; then the same with 10 % of the nodes and a
+   router SIGKILLed (bench/scale.py, sim nodes of its own).
 
 Every answer is greedy with ignore_eos (end tokens never sampled), so both sides of a ratio
 generate the same number of tokens on any CPU. Each row records what each side did (prompt
@@ -118,6 +122,8 @@ from bench.migration import rows as migration_rows
 from bench.parallel_pipelines import measure as measure_parallel
 from bench.router_failover import measure as measure_router_failover
 from bench.router_failover import rows as router_failover_rows
+from bench.scale import measure_both as measure_scale_both
+from bench.scale import rows as scale_rows
 from bench.shared_cores import measure as measure_shared_cores
 from bench.shared_cores import rows as shared_cores_rows
 from bench.simulated_class import measure as measure_simulated_class
@@ -154,6 +160,7 @@ OWN_MESH = (
     "aiperf_load",
     "dashboard",
     "simulated_class",
+    "scale",
 )
 
 
@@ -258,6 +265,11 @@ async def run_all(bench: Bench, args: argparse.Namespace) -> dict[str, Any]:
             "simulated_class",
             "22. a class on the user's four machines, simulated, against Ollama",
             lambda: measure_simulated_class(200, 20),
+        ),
+        (
+            "scale",
+            "23. the router at 200 sim nodes, then with SIGKILLs",
+            lambda: measure_scale_both(5000, 40),
         ),
     ]
     for key, title, step in steps:
@@ -391,6 +403,8 @@ def table(r: dict[str, Any]) -> str:
         rows += dashboard_rows(r["dashboard"])
     if "simulated_class" in r:
         rows += simulated_class_rows(r["simulated_class"])
+    if "scale" in r:
+        rows += scale_rows(r["scale"]["steady"]) + scale_rows(r["scale"]["kills"])
     width = [max(len(row[i]) for row in rows) for i in range(3)]
     header = ("measurement", "result", "goal")
     lines = ["  ".join(h.ljust(width[i]) for i, h in enumerate(header))]

@@ -1,6 +1,7 @@
-"""Start one node of a topology by its name.
+"""Start one node of a topology by its name (or several simulated nodes in one process).
 
 python -m disagg_mesh.server.node --topology topology/local.toml --node prefill-qwen
+python -m disagg_mesh.server.node --topology sim.toml --node spark-1,spark-2,mac-1
 """
 
 from __future__ import annotations
@@ -32,7 +33,12 @@ except ModuleNotFoundError as missing:  # a client-only install
     )
 import structlog
 
-from disagg_mesh.server.common.config.topology import TopologyError, load_topology
+from disagg_mesh.server.common.config.topology import (
+    Node,
+    Topology,
+    TopologyError,
+    load_topology,
+)
 from disagg_mesh.server.common.models import ModelFileError
 from disagg_mesh.server.common.runtime.auth import TokenError, token_from_topology, use_token
 from disagg_mesh.server.common.runtime.observability.logging import configure_logging
@@ -44,37 +50,38 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--topology", default="topology/local.toml", help="topology TOML file")
-    parser.add_argument("--node", required=True, help="name of the node to run")
+    parser.add_argument(
+        "--node",
+        required=True,
+        help='name of the node to run; several comma-separated: engine = "sim" nodes, '
+        "all in this process (hundreds fit on one machine)",
+    )
     parser.add_argument(
         "--log-format",
         choices=["json", "console"],
         help="default: LOG_FORMAT, else console on a terminal",
     )
     args = parser.parse_args(argv)
-    configure_logging(args.node, args.log_format)
+    names = [name.strip() for name in args.node.split(",") if name.strip()]
+    configure_logging(names[0] if len(names) == 1 else "sim-group", args.log_format)
     log = structlog.get_logger("node")
     try:
         topology = load_topology(args.topology)
-        node = topology.node(args.node)
+        nodes = [topology.node(name) for name in names]
         use_token(token_from_topology(topology))
     except (TopologyError, TokenError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    log.info(
-        "starting",
-        role=node.role,
-        topology=str(args.topology),
-        engine=node.engine,
-        model=node.model,
-    )
-    if node.role == "prefill":
-        from disagg_mesh.server.prefill.main import run
-    elif node.role == "decode":
-        from disagg_mesh.server.decode.main import run
-    else:
-        from disagg_mesh.server.router.main import run
+    if len(nodes) > 1 and any(node.engine != "sim" for node in nodes):
+        print(
+            "error: --node: several nodes share a process only when they are all "
+            f'engine = "sim"; {", ".join(n.name for n in nodes if n.engine != "sim")} '
+            "need processes of their own",
+            file=sys.stderr,
+        )
+        return 2
     try:
-        asyncio.run(run(topology, node))
+        asyncio.run(_run_all(topology, nodes, str(args.topology)))
     except (BindError, ModelFileError) as exc:
         log.error("cannot start", error=str(exc))
         return 1
@@ -85,6 +92,26 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         raise
     return 0
+
+
+async def _run_all(topology: Topology, nodes: list[Node], source: str) -> None:
+    """Each node in a task of its own, its log lines carrying its name; the first to fail
+    ends the process."""
+
+    async def one(node: Node) -> None:
+        structlog.contextvars.bind_contextvars(node=node.name)
+        structlog.get_logger("node").info(
+            "starting", role=node.role, topology=source, engine=node.engine, model=node.model
+        )
+        if node.role == "prefill":
+            from disagg_mesh.server.prefill.main import run
+        elif node.role == "decode":
+            from disagg_mesh.server.decode.main import run
+        else:
+            from disagg_mesh.server.router.main import run
+        await run(topology, node)
+
+    await asyncio.gather(*(asyncio.create_task(one(node)) for node in nodes))
 
 
 if __name__ == "__main__":

@@ -447,6 +447,29 @@ async def test_a_prompt_prefers_the_node_already_evaluating_its_prefix() -> None
         pass
 
 
+def test_hash_placement_spreads_new_prefixes_and_keeps_held_ones() -> None:
+    """prefix_placement = "hash": a prompt start no node holds gets its own order of the
+    nodes (the same on every router), so different starts spread over them; a node that
+    holds the start still comes first."""
+    router, _ = build()
+    other, _ = build()  # another router: no shared state
+    p1, p2 = router.topology.node("p1"), router.topology.node("p2")
+
+    def first(selection: Any, start: str) -> str:
+        blocks = text_blocks(MODEL, prompt_bytes(Prompt(text=start * 40 + "Submission")))
+        return str(selection.by_prefix([p1, p2], blocks, "hash")[0].name)
+
+    starts = [f"Assignment {i}: grade it. " for i in range(40)]
+    homes = [first(router.selection, s) for s in starts]
+    assert homes == [first(other.selection, s) for s in starts]  # every router agrees
+    assert 10 <= homes.count("p1") <= 30  # spread, where "order" sends all 40 to p1
+    text = starts[0] * 40 + "Submission"
+    blocks = text_blocks(MODEL, prompt_bytes(Prompt(text=text)))
+    away = "p2" if homes[0] == "p1" else "p1"
+    router.knowledge.text_prefixes.learn(away, blocks)
+    assert first(router.selection, starts[0]) == away  # held beats the hash
+
+
 async def test_callers_wait_for_a_free_slot_in_turn_and_a_busy_node_refuses_after_the_budget() -> (
     None
 ):

@@ -11,6 +11,7 @@ import sys
 import time
 import tomllib
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -210,3 +211,72 @@ def test_disagg_simulate_names_a_model_the_topology_lacks(tmp_path: Path) -> Non
     )
     assert done.returncode == 2
     assert "model 'llama3:8b' is not in" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_sim_nodes_share_a_process_and_stop_together(tmp_path: Path) -> None:
+    """Several sim nodes in one process (hundreds fit on one machine): each on its own port
+    and health, each log line naming its node; one SIGTERM stops them all, exit 0. A real
+    engine node is refused a shared process."""
+    import grpc
+
+    from disagg_mesh.proto.v1 import router_pb2, router_pb2_grpc, types_pb2
+    from disagg_mesh.server.common.runtime.processes import MeshProcesses
+    from tests.conftest import node_entry, route, router_node
+    from tests.streams import collect
+
+    def sim(name: str, role: str, hardware: str) -> str:
+        return node_entry(name, role, "sim", "qwen3-coder:30b", hardware=hardware)
+
+    path = tmp_path / "topology.toml"
+    path.write_text(
+        "\n".join(
+            [
+                "[mesh]\nhealth_check_every_s = 0.5\nsim_speedup = 20\n",
+                router_node(),
+                sim("spark", "prefill", "dgx-spark"),
+                sim("mac-1", "decode", "m3-ultra"),
+                sim("mac-2", "decode", "m3-ultra"),
+                route("m", ["spark"], ["mac-1", "mac-2"]),
+            ]
+        )
+    )
+    mesh = MeshProcesses(load_topology(path), tmp_path / "logs")
+    mesh.start(sim_per_process=3)
+    try:
+        assert len({p.pid for p in mesh.procs.values()}) == 2  # the router, and the three
+        asyncio.run(mesh.wait_serving(60))
+        mesh.wait_routers_see_serving()
+
+        async def one() -> Any:
+            async with grpc.aio.insecure_channel(mesh.topology.router.address) as channel:
+                stub: Any = router_pb2_grpc.RouterServiceStub(channel)
+                request = router_pb2.GenerateRequest(
+                    model="m",
+                    prompt="Grade this. " * 40,
+                    sampling=types_pb2.SamplingParams(max_tokens=16, ignore_eos=True),
+                )
+                return await collect(stub.Generate(request))
+
+        got = asyncio.run(one())
+        assert got.summary.completion_tokens == 16 and got.summary.prefill_node == "spark"
+    finally:
+        codes = mesh.stop()
+    assert set(codes.values()) == {0}
+    log = (tmp_path / "logs" / "spark-group.log").read_text()
+    assert all(f'"node": "{name}"' in log for name in ("spark", "mac-1", "mac-2"))
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "disagg_mesh.server.node",
+            "--topology",
+            str(SEED),
+            "--node",
+            "dgx-spark-1,mac-studio-2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
+    assert done.returncode == 2 and "need processes of their own" in done.stderr

@@ -5,7 +5,9 @@
 - The attempts of a step: the prefill/decode pair, or each decode node in turn.
 - Among a role's nodes: health first (node_health.py), then those with a free slot, those
   that served prompts starting like this one the longest first (their prefix caches likely
-  hold it), then the busy ones by load; the topology's order breaks ties.
+  hold it), then the busy ones by load; the topology's order breaks ties, or (a route's
+  prefix_placement = "hash") a rank per prompt start, so that at scale new prefixes spread
+  over the nodes instead of piling onto the first ones and evicting one another there.
 - The decode nodes a prefill node may hand its KV state to, and the one it chose (it knows
   which decode node's prefix cache saves the most; the policy takes its choice when the
   node belongs to the route).
@@ -15,6 +17,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterator, Sequence
 
 from disagg_mesh.server.common.config.topology import ModelRoute, Node, Step, Topology
@@ -44,8 +47,10 @@ class Selection:
         if route.mode != "auto":
             metrics.route_decision(route.name, route.chain[0], "chain")
             return list(route.chain), f"chain: {route.chain[0]} is the chain's first step"
-        prefill = self.by_prefix(self.nodes(route.prefill), request.blocks)[0]
-        decode = self.by_prefix(self.nodes(route.decode), request.blocks)[0]
+        prefill = self.by_prefix(self.nodes(route.prefill), request.blocks, route.prefix_placement)[
+            0
+        ]
+        decode = self.by_prefix(self.nodes(route.decode), request.blocks, route.prefix_placement)[0]
         decision = self.knowledge.costs.decide(
             route.name,
             request.prompt_chars,
@@ -63,9 +68,11 @@ class Selection:
         if step == "direct_ollama":
             yield Attempt(RouteMethod.DIRECT_OLLAMA)
             return
-        decode = self.by_prefix(self.nodes(route.decode), request.blocks)
+        decode = self.by_prefix(self.nodes(route.decode), request.blocks, route.prefix_placement)
         if step == "disaggregated":
-            prefill = self.by_prefix(self.nodes(route.prefill), request.blocks)
+            prefill = self.by_prefix(
+                self.nodes(route.prefill), request.blocks, route.prefix_placement
+            )
             yield Attempt(
                 RouteMethod.DISAGGREGATED,
                 prefill_candidates=prefill,
@@ -76,14 +83,21 @@ class Selection:
             for node in decode:
                 yield Attempt(RouteMethod.DECODE_ONLY, decode=node)
 
-    def by_prefix(self, nodes: list[Node], blocks: list[bytes]) -> list[Node]:
+    def by_prefix(
+        self, nodes: list[Node], blocks: list[bytes], placement: str = "order"
+    ) -> list[Node]:
         """Health first, then among the nodes with a free slot, those that served prompts
-        starting like this one the longest first, then the busy ones by load."""
+        starting like this one the longest first (ties: the topology's order, or with
+        prefix_placement = "hash" each prompt start's own order of the nodes), then the
+        busy ones by load."""
         picked = self.health.pick(nodes)
         free = [n for n in picked if self.health.has_free_slot(n)]
         busy = [n for n in picked if not self.health.has_free_slot(n)]
-        text_prefixes = self.knowledge.text_prefixes
-        free.sort(key=lambda n: -text_prefixes.overlap(n.name, blocks))
+        overlap = self.knowledge.text_prefixes.overlap
+        if placement == "hash" and blocks:
+            free.sort(key=lambda n: (-overlap(n.name, blocks), _rendezvous(blocks[0], n.name)))
+        else:
+            free.sort(key=lambda n: -overlap(n.name, blocks))
         return free + busy
 
     def candidate(self, node: Node, blocks: list[bytes], held: int | None = None) -> Candidate:
@@ -136,7 +150,9 @@ class Selection:
             return None, "the delivered tokens' ids are not known (Ollama streams text)"
         prefills = [
             n
-            for n in self.by_prefix(self.nodes(route.prefill), request.blocks)
+            for n in self.by_prefix(
+                self.nodes(route.prefill), request.blocks, route.prefix_placement
+            )
             if n.engine == "llama_cpp" and self.health.available(n)
         ]
         if not prefills:
@@ -154,6 +170,12 @@ class Selection:
             self.candidate(target, request.blocks),
         )
         return (via if decision.via == "prefill" else None), f"auto: {decision.reason}"
+
+
+def _rendezvous(first_block: bytes, node: str) -> bytes:
+    """A node's rank for prompts starting with this block (rendezvous hashing): every router
+    ranks the nodes the same way, and different starts spread evenly over them."""
+    return hashlib.blake2b(first_block + node.encode(), digest_size=8).digest()
 
 
 def _ids_known(sent: Delivered) -> bool:

@@ -1,6 +1,7 @@
-"""The workload through the real mesh: the simulated topology's processes (routers and sim
-nodes), the requests sent as `disagg batch` sends them, each node's slots sampled while it
-runs. Times are real seconds times the speedup: simulated seconds."""
+"""The workload through the real mesh: the simulated topology's processes (routers, and sim
+nodes: a process each, or several to a process beyond PROCESSES), the requests sent as
+`disagg batch` sends them, each node's slots sampled while it runs. Times are real seconds
+times the speedup: simulated seconds."""
 
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ from disagg_mesh.server.common.runtime.processes import MeshProcesses
 from disagg_mesh.server.simulation.baseline import Served
 
 SAMPLE_EVERY_S = 0.2
+# Sim nodes run a process each up to this many; beyond, they share this many processes.
+PROCESSES = 16
 
 
 @dataclass
@@ -62,7 +65,8 @@ async def run_mesh(
 ) -> MeshRun:
     topology = load_topology(topology_file)
     processes = MeshProcesses(topology, log_dir)
-    processes.start()
+    sims = sum(1 for n in topology.nodes if n.engine == "sim")
+    processes.start(sim_per_process=-(-sims // PROCESSES))
     try:
         await processes.wait_serving(timeout_s=120, progress=progress)
         await asyncio.to_thread(processes.wait_routers_see_serving)

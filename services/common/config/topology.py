@@ -259,6 +259,12 @@ class ModelRoute(_Strict):
     # Nodes in order of preference; unhealthy or cooling-down ones are skipped.
     prefill: list[NodeName] = []
     decode: list[NodeName] = []
+    # A prompt whose start no node holds goes to the first free node in the order above
+    # ("order"), or to the first free one in an order of the nodes drawn from its start
+    # ("hash", rendezvous hashing: the same on every router): with many nodes, different
+    # prefixes (assignments, rubrics) then spread over them instead of piling onto the
+    # first ones, whose prefix caches would evict one another's.
+    prefix_placement: Literal["order", "hash"] = "order"
     # Stage limits: a node's work on the request (the router sends it a prompt only when
     # the node has a free slot, so waiting for one does not count: queue_budget_s).
     prefill_deadline_s: PositiveSeconds = 60.0

@@ -60,15 +60,28 @@ class MeshProcesses:
         self.log_dir = log_dir
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
 
-    def start(self, nodes: list[Node] | None = None) -> None:
+    def start(self, nodes: list[Node] | None = None, sim_per_process: int = 1) -> None:
+        """Start these nodes (default all), each in a process of its own, or simulated ones
+        sim_per_process to a process (their log: the first one's name + "-group.log")."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        for node in nodes or self.topology.nodes:
-            self.start_node(node)
+        nodes = nodes or self.topology.nodes
+        sims = [n for n in nodes if n.engine == "sim"] if sim_per_process > 1 else []
+        for node in nodes:
+            if node not in sims:
+                self.start_node(node)
+        for i in range(0, len(sims), sim_per_process):
+            self.start_group(sims[i : i + sim_per_process])
 
     def start_node(self, node: Node, extra_env: dict[str, str] | None = None) -> None:
-        log = (self.log_dir / f"{node.name}.log").open("ab")
+        self.start_group([node], extra_env)
+
+    def start_group(self, nodes: list[Node], extra_env: dict[str, str] | None = None) -> None:
+        """One process serving these nodes (several: sim nodes only); procs maps each name
+        to it, so stopping or killing one of them stops them all."""
+        name = nodes[0].name if len(nodes) == 1 else f"{nodes[0].name}-group"
+        log = (self.log_dir / f"{name}.log").open("ab")
         env = {**os.environ, "LOG_FORMAT": "json", "PYTHONUNBUFFERED": "1", **(extra_env or {})}
-        self.procs[node.name] = subprocess.Popen(
+        proc = subprocess.Popen(
             [
                 sys.executable,
                 "-m",
@@ -76,7 +89,7 @@ class MeshProcesses:
                 "--topology",
                 str(self.topology.source),
                 "--node",
-                node.name,
+                ",".join(n.name for n in nodes),
             ],
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -85,6 +98,8 @@ class MeshProcesses:
             start_new_session=True,  # Ctrl-C reaches the launcher, which stops them in order
         )
         log.close()
+        for node in nodes:
+            self.procs[node.name] = proc
 
     def wait_routers_see_serving(self, timeout_s: float = 15.0) -> None:
         """Wait until each router has found every other node serving (its health log

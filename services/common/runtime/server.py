@@ -45,6 +45,16 @@ class BindError(Exception):
     """The node's address could not be bound."""
 
 
+# Every node served by this process (several simulated nodes may share one): a signal
+# stops them all.
+_STOPS: set[asyncio.Event] = set()
+
+
+def _stop_all() -> None:
+    for stop in _STOPS:
+        stop.set()
+
+
 async def serve(
     *,
     bind_address: str,
@@ -86,9 +96,10 @@ async def serve(
         log.info("metrics", url=f"http://{metrics_address[0]}:{metrics_address[1]}/metrics")
 
     stop = asyncio.Event()
+    _STOPS.add(stop)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, _stop_all)
     log.info("listening", address=bind_address, status="NOT_SERVING")
 
     started = time.perf_counter()
