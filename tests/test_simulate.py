@@ -34,6 +34,12 @@ ROOT = Path(__file__).resolve().parent.parent
 SEED = ROOT / "topology" / "seed.toml"
 
 
+def simulate_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    """`disagg simulate --topology seed.toml ARGS` in a process of its own."""
+    command = [sys.executable, "-m", "disagg_mesh.cli", "simulate", "--topology", str(SEED)]
+    return subprocess.run([*command, *args], capture_output=True, text=True, timeout=300, cwd=ROOT)
+
+
 def test_the_virtual_clock_jumps_to_each_timer() -> None:
     async def main() -> tuple[float, list[str]]:
         loop = asyncio.get_running_loop()
@@ -145,26 +151,8 @@ def test_disagg_simulate_runs_seed_toml_through_the_real_router(tmp_path: Path) 
     workload = tmp_path / "class.jsonl"
     workload.write_text("".join(json.dumps(line) + "\n" for line in class_lines(4)))
     logs = tmp_path / "run"
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "disagg_mesh.cli",
-            "simulate",
-            "--topology",
-            str(SEED),
-            "--workload",
-            str(workload),
-            "--speedup",
-            "40",
-            "--json",
-            "--logs",
-            str(logs),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
+    done = simulate_cli(
+        "--workload", str(workload), "--speedup", "40", "--json", "--logs", str(logs)
     )
     assert done.returncode == 0, done.stderr[-3000:]
     got = json.loads(done.stdout)
@@ -193,22 +181,7 @@ def test_disagg_simulate_names_a_model_the_topology_lacks(tmp_path: Path) -> Non
     line = class_lines(1)[0]
     line["body"]["model"] = "llama3:8b"
     workload.write_text(json.dumps(line) + "\n")
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "disagg_mesh.cli",
-            "simulate",
-            "--topology",
-            str(SEED),
-            "--workload",
-            str(workload),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=ROOT,
-    )
+    done = simulate_cli("--workload", str(workload))
     assert done.returncode == 2
     assert "model 'llama3:8b' is not in" in done.stderr and "Traceback" not in done.stderr
 

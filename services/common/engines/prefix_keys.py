@@ -44,6 +44,16 @@ def reusable_blocks(
     return hashes[: (prompt_tokens - 1) // block_tokens]
 
 
+def common_prefix(a: Sequence[bytes], b: Sequence[bytes]) -> int:
+    """How many hashes two chains share from the first."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 def leading_blocks(hashes: Sequence[bytes], held: Container[bytes]) -> int:
     """How many of these chained hashes, from the first, are held."""
     n = 0

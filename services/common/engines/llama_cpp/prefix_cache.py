@@ -36,7 +36,11 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from disagg_mesh.server.common.engines.llama_cpp.model import attended_from
-from disagg_mesh.server.common.engines.prefix_keys import PREFIX_BLOCK_TOKENS, reusable_blocks
+from disagg_mesh.server.common.engines.prefix_keys import (
+    PREFIX_BLOCK_TOKENS,
+    common_prefix,
+    reusable_blocks,
+)
 
 
 class Sequences(Protocol):
@@ -60,15 +64,6 @@ class Entry:
     # that the cache can count on (a state loaded with a prefix from elsewhere holds that
     # prefix's old window cells, then a gap up to its own window).
     window_from: int = 0
-
-
-def common_prefix(a: Sequence[bytes], b: Sequence[bytes]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 class PrefixCache:

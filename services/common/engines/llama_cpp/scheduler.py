@@ -54,15 +54,11 @@ from disagg_mesh.server.common.engines.llama_cpp.context import Row, SlotContext
 from disagg_mesh.server.common.engines.llama_cpp.grammars import Grammar
 from disagg_mesh.server.common.engines.llama_cpp.host_threads import HostThreads, yield_to_io
 from disagg_mesh.server.common.engines.llama_cpp.model import LlamaModel, attended_from
-from disagg_mesh.server.common.engines.llama_cpp.prefix_cache import (
-    Entry,
-    PrefixCache,
-    common_prefix,
-)
+from disagg_mesh.server.common.engines.llama_cpp.prefix_cache import Entry, PrefixCache
 from disagg_mesh.server.common.engines.llama_cpp.sampling import SlotSampler
 from disagg_mesh.server.common.engines.llama_cpp.step_plan import SlotPhase, StepPlan, plan_step
 from disagg_mesh.server.common.engines.llama_cpp.text import GeneratedToken, TextStream
-from disagg_mesh.server.common.engines.prefix_keys import reusable_blocks
+from disagg_mesh.server.common.engines.prefix_keys import common_prefix, reusable_blocks
 from disagg_mesh.server.common.errors import (
     Aborted,
     FailedPrecondition,

@@ -18,6 +18,8 @@ import hashlib
 from collections import OrderedDict
 from collections.abc import Sequence
 
+from disagg_mesh.server.common.engines.prefix_keys import common_prefix
+
 BYTES_PER_TOKEN = 4
 BLOCK_TOKENS = 64
 BLOCK_HASH_BYTES = 16
@@ -36,15 +38,6 @@ def prompt_blocks(text: bytes) -> Blocks:
         ).digest()
         hashes.append(previous)
     return tuple(hashes)
-
-
-def shared_blocks(a: Sequence[bytes], b: Sequence[bytes]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 class BlockCache:
@@ -86,10 +79,10 @@ class SlotCache:
 
     def best(self, free: Sequence[int], blocks: Blocks) -> int:
         """The free slot whose last prompt shares the most with this one."""
-        return max(free, key=lambda slot: shared_blocks(self._last[slot], blocks))
+        return max(free, key=lambda slot: common_prefix(self._last[slot], blocks))
 
     def cached_tokens(self, slot: int, blocks: Blocks) -> int:
-        return shared_blocks(self._last[slot], blocks) * BLOCK_TOKENS
+        return common_prefix(self._last[slot], blocks) * BLOCK_TOKENS
 
     def keep(self, slot: int, blocks: Blocks) -> None:
         self._last[slot] = blocks
