@@ -70,7 +70,10 @@ repeated, median reported:
 23. the router at 200 nodes: 100 prefill + 100 decode sim nodes, 10 models, 3 routers,
    5,000 requests at 40/s: router CPU per request, added latency p99, prefix-cache hit
    rate against random choice, load spread; then the same with 10 % of the nodes and a
-   router SIGKILLed (bench/scale.py, sim nodes of its own).
+   router SIGKILLed (bench/scale.py, sim nodes of its own);
+24. calibration: `disagg simulate` with the profile `disagg calibrate` wrote on this
+   machine, predicting a mesh of the embedded engine on a grader-shaped batch, against
+   the real `disagg batch` of the same file (bench/calibration.py, a mesh of its own).
 
 Every answer is greedy with ignore_eos (end tokens never sampled), so both sides of a ratio
 generate the same number of tokens on any CPU. Each row records what each side did (prompt
@@ -105,6 +108,8 @@ from bench.batching import measure as measure_batching
 from bench.batching import structured_rows
 from bench.burst import measure as measure_burst
 from bench.burst import rows as burst_rows
+from bench.calibration import measure as measure_calibration
+from bench.calibration import rows as calibration_rows
 from bench.class_at_once import measure as measure_class
 from bench.class_at_once import rows as class_rows
 from bench.common import ROOT, machine, median, report, say
@@ -161,6 +166,7 @@ OWN_MESH = (
     "dashboard",
     "simulated_class",
     "scale",
+    "calibration",
 )
 
 
@@ -270,6 +276,11 @@ async def run_all(bench: Bench, args: argparse.Namespace) -> dict[str, Any]:
             "scale",
             "23. the router at 200 sim nodes, then with SIGKILLs",
             lambda: measure_scale_both(5000, 40),
+        ),
+        (
+            "calibration",
+            "24. disagg simulate, calibrated, against the real mesh (a mesh of its own)",
+            lambda: measure_calibration(12),
         ),
     ]
     for key, title, step in steps:
@@ -405,6 +416,8 @@ def table(r: dict[str, Any]) -> str:
         rows += simulated_class_rows(r["simulated_class"])
     if "scale" in r:
         rows += scale_rows(r["scale"]["steady"]) + scale_rows(r["scale"]["kills"])
+    if "calibration" in r:
+        rows += calibration_rows(r["calibration"])
     width = [max(len(row[i]) for row in rows) for i in range(3)]
     header = ("measurement", "result", "goal")
     lines = ["  ".join(h.ljust(width[i]) for i, h in enumerate(header))]

@@ -79,7 +79,7 @@ def write(path: Path, submissions: int) -> None:
 
 async def measure(submissions: int, speedup: int) -> dict[str, Any]:
     """seed.toml as it is, and the what-if that lifts what limits it (each Mac's slots)."""
-    from disagg_mesh.server.simulation import simulate
+    from disagg_mesh.server.simulation.run import simulate
 
     def run() -> dict[str, Any]:
         with tempfile.TemporaryDirectory() as tmp:

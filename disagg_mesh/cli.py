@@ -4,6 +4,7 @@
     echo "prompt" | disagg generate --model gpt-oss:120b -            # prompt from stdin
     disagg batch class.jsonl -o graded.jsonl    # OpenAI's batch format; run again to resume
     disagg simulate --topology topology/seed.toml --workload class.jsonl  # vs Ollama today
+    disagg calibrate --out profiles/this-machine.toml # this machine, for disagg simulate
     disagg status [--watch]                                           # every node's health
     disagg models                                                     # logical models, routes
     disagg doctor                              # can each prefill node hand KV to each decode node?
@@ -210,6 +211,17 @@ def _parser() -> argparse.ArgumentParser:
     simulate.add_argument("--logs", type=Path, help="keep the nodes' logs in this folder")
     simulate.add_argument("--json", action="store_true", help="one JSON object")
     simulate.set_defaults(run=_simulate)
+
+    calibrate = commands.add_parser(
+        "calibrate",
+        help="a hardware profile of this machine for `disagg simulate`, measured with the "
+        "embedded engine and --topology's llama_cpp models",
+    )
+    calibrate.add_argument(
+        "--topology", default=argparse.SUPPRESS, help="as the global --topology, after the command"
+    )
+    calibrate.add_argument("--out", type=Path, required=True, help="the profile (TOML) to write")
+    calibrate.set_defaults(run=_calibrate)
 
     status = commands.add_parser("status", help="health of every node of the topology")
     status.add_argument("--watch", nargs="?", type=float, const=2.0, metavar="SECONDS")
@@ -451,7 +463,7 @@ def _format(value: str | None) -> str | dict[str, Any] | None:
 
 def _simulate(args: argparse.Namespace) -> int:
     from disagg_mesh.server.common.errors import MeshError as ServerError
-    from disagg_mesh.server.simulation import simulate
+    from disagg_mesh.server.simulation.run import simulate
 
     if not 0 < args.speedup <= 10_000:
         raise CliError(f"--speedup: between 0 and 10000, got {args.speedup}", 2)
@@ -476,6 +488,15 @@ def _simulate(args: argparse.Namespace) -> int:
         raise CliError(str(exc), 2) from None
     print(json.dumps(got.data, indent=2) if args.json else got.text())
     return 0
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    """In a process of its own: llama.cpp loads before grpc there (services/node.py)."""
+    import subprocess
+
+    command = [sys.executable, "-m", "disagg_mesh.server.simulation.calibrate"]
+    command += ["--topology", str(args.topology), "--out", str(args.out)]
+    return subprocess.run(command, check=False).returncode
 
 
 # -- batch ---------------------------------------------------------------------------------

@@ -253,3 +253,38 @@ def test_sim_nodes_share_a_process_and_stop_together(tmp_path: Path) -> None:
         cwd=ROOT,
     )
     assert done.returncode == 2 and "need processes of their own" in done.stderr
+
+
+def test_disagg_calibrate_measures_this_machine_for_simulate(tmp_path: Path) -> None:
+    """A profile of this machine from the embedded engine: rates that simulate can read, the
+    engine's own KV bytes per token, and the tokenizer's bytes per token."""
+    from tests.conftest import MODEL, node_entry, route, router_node
+
+    path = tmp_path / "topology.toml"
+    path.write_text(
+        "\n".join(
+            [
+                router_node(),
+                node_entry("p", "prefill", "llama_cpp", MODEL, n_ctx=1024, slots=2),
+                node_entry("d", "decode", "llama_cpp", MODEL, n_ctx=1024, slots=2),
+                route("m", ["p"], ["d"]),
+            ]
+        )
+    )
+    out = tmp_path / "this-machine.toml"
+    command = [sys.executable, "-m", "disagg_mesh.cli", "calibrate", "--topology", str(path)]
+    done = subprocess.run(
+        [*command, "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    speed = load_profile(str(out)).model(MODEL)
+    assert speed.prefill_rate.x[0] == 128  # rates over 256-token prompts: their middle
+    assert len(speed.decode_rate.x) == 2 and list(speed.batch_rate.x) == [1.0, 2.0]
+    assert all(r > 0 for r in (*speed.prefill_rate.y, *speed.decode_rate.y))
+    assert speed.kv_bytes_per_token == pytest.approx(23_040, rel=0.01)  # SmolLM2's, f16
+    assert 2 < speed.bytes_per_token < 8
+    assert speed.decode_step_seconds(1, 0) > 0 and speed.prefill_seconds(100) > 0

@@ -1,5 +1,5 @@
 """The workload through the real mesh: the simulated topology's processes (routers, and sim
-nodes: a process each, or several to a process beyond PROCESSES), the requests sent as
+nodes: a process per host, hosts sharing them beyond PROCESSES), the requests sent as
 `disagg batch` sends them, each node's slots sampled while it runs. Times are real seconds
 times the speedup: simulated seconds."""
 
@@ -17,12 +17,13 @@ import grpc
 from disagg_mesh.batch import BatchRequest
 from disagg_mesh.client import AsyncMeshClient
 from disagg_mesh.proto.v1 import node_pb2, node_pb2_grpc
-from disagg_mesh.server.common.config.topology import load_topology
+from disagg_mesh.server.common.config.topology import Node, load_topology
 from disagg_mesh.server.common.runtime.processes import MeshProcesses
 from disagg_mesh.server.simulation.baseline import Served
 
 SAMPLE_EVERY_S = 0.2
-# Sim nodes run a process each up to this many; beyond, they share this many processes.
+# The sim nodes of each host run in a process (they share the host's compute), up to this
+# many processes; beyond, hosts share them.
 PROCESSES = 16
 
 
@@ -65,8 +66,16 @@ async def run_mesh(
 ) -> MeshRun:
     topology = load_topology(topology_file)
     processes = MeshProcesses(topology, log_dir)
-    sims = sum(1 for n in topology.nodes if n.engine == "sim")
-    processes.start(sim_per_process=-(-sims // PROCESSES))
+    processes.start([n for n in topology.nodes if n.engine != "sim"])
+    # A host's sim nodes in one process (they share its compute), up to PROCESSES.
+    hosts: dict[str, list[Node]] = {}
+    for node in topology.nodes:
+        if node.engine == "sim":
+            hosts.setdefault(node.sim_host or node.host, []).append(node)
+    groups = list(hosts.values())
+    per = -(-len(groups) // PROCESSES)
+    for i in range(0, len(groups), per):
+        processes.start_group([node for group in groups[i : i + per] for node in group])
     try:
         await processes.wait_serving(timeout_s=120, progress=progress)
         await asyncio.to_thread(processes.wait_routers_see_serving)

@@ -3,16 +3,18 @@ hardware profile says its machine would (profile.py), and hands over KV states o
 size. It serves the same RPCs as a real node, so the real router, its chain, migrations and
 the clients run over it unchanged.
 
-- **Tokens.** A prompt is one token per 4 bytes of its text (chat turns as `role: content`
-  lines); generated tokens are words picked from the prompt's hash, so the same request gets
-  the same answer on any node. An answer ends by itself after 64-511 tokens (from the same
-  hash), or at max_tokens; `ignore_eos` runs it to max_tokens.
-- **Time.** One compute a machine: a prompt's evaluation (`prefill_seconds` of the profile
-  for its uncached tokens, at the depth they start from) and the decode steps take turns;
-  streams decode together in steps of `decode_step_seconds(streams, mean depth)`,
-  continuous batching: a stream joins at the next step and leaves when it ends. `speedup`
-  divides every wait; steps shorter than MIN_TICK_S of real time are taken several at once
-  (one message a stream for them all), so a high speedup does not flood the mesh.
+- **Tokens.** A prompt is one token per 4 bytes of its text (or the profile's
+  `bytes_per_token`; chat turns as `role: content` lines); generated tokens are words
+  picked from the prompt's hash, so the same request gets the same answer on any node. An
+  answer ends by itself after 64-511 tokens (from the same hash), or at max_tokens;
+  `ignore_eos` runs it to max_tokens.
+- **Time.** One compute a machine (shared by the sim nodes of one host in one process): a
+  prompt's evaluation (`prefill_seconds` of the profile for its uncached tokens, at the
+  depth they start from) and the decode steps take turns; streams decode together in
+  steps of `decode_step_seconds(streams, mean depth)`, continuous batching: a stream joins
+  at the next step and leaves when it ends. `speedup` divides every wait; steps shorter
+  than MIN_TICK_S of real time are taken several at once (one message a stream for them
+  all), so a high speedup does not flood the mesh.
 - **Prefix cache** (prefix.py): node-wide blocks as the embedded engine keeps them, or each
   slot's last prompt as Ollama keeps them (the baseline of `disagg simulate`).
 - **KV.** A prefill's state holds `kv_bytes(prompt tokens)` bytes (sliding-window layers
@@ -23,7 +25,7 @@ the clients run over it unchanged.
   profile's link time for its real size before its first step.
 - **Slots.** `slots` sequences at once, `max_queue` waiting; more is RESOURCE_EXHAUSTED.
 - Not simulated (yet): grammars (response_format and tools are answered as free text), stop
-  strings, a decode node's prefix cache for handed-over states (states move whole).
+  strings, the delta transfer of a prefix the decode node holds (states move whole).
 """
 
 from __future__ import annotations
@@ -81,6 +83,10 @@ MIN_TICK_S = 0.02
 HEADER_BYTES = 8 + 8 + 64 + 4
 
 PrefixCacheKind = Literal["blocks", "per-slot", "off"]
+# Each host's compute, for the sim nodes of one host served by one process (`disagg
+# simulate` runs a host's nodes together): their prompts and steps take turns, as a real
+# machine's nodes share its cores.
+_COMPUTE: dict[str, asyncio.Lock] = {}
 
 
 def _prompt_bytes(prompt: Prompt) -> bytes:
@@ -89,9 +95,10 @@ def _prompt_bytes(prompt: Prompt) -> bytes:
     return text.encode()
 
 
-def prompt_tokens(prompt: Prompt) -> int:
-    """Tokens a prompt counts as: one per 4 bytes of its text."""
-    return max(1, math.ceil(len(_prompt_bytes(prompt)) / BYTES_PER_TOKEN))
+def prompt_tokens(prompt: Prompt, bytes_per_token: float = BYTES_PER_TOKEN) -> int:
+    """Tokens a prompt counts as: one per bytes_per_token bytes of its text (the profile's
+    figure for its model; 4 by default)."""
+    return max(1, math.ceil(len(_prompt_bytes(prompt)) / bytes_per_token))
 
 
 def prompt_seed(prompt: Prompt) -> int:
@@ -189,7 +196,10 @@ class SimEngine:
         self.loaded_in_memory = True
         self._free = list(range(settings.slots))
         self._waiting: deque[asyncio.Future[int]] = deque()
-        self._compute = asyncio.Lock()
+        # One compute per machine: the sim nodes of one host in this process share it.
+        self._compute = (
+            _COMPUTE.setdefault(settings.host, asyncio.Lock()) if settings.host else asyncio.Lock()
+        )
         self._streams: list[_Stream] = []
         self._stepper: asyncio.Task[None] | None = None
         self._rates = TokenRates()
@@ -214,7 +224,7 @@ class SimEngine:
         n = self._checked(prompt, continuation)
         # A continuation's tokens but the last (the decode node's first) go into the state.
         replayed = max(len(continuation.generated_token_ids) - 1, 0) if continuation else 0
-        blocks = prompt_blocks(_prompt_bytes(prompt))
+        blocks = prompt_blocks(_prompt_bytes(prompt), self._speed.bytes_per_token)
         async with self._slot(blocks) as slot:
             cached = self._cached(slot, blocks, n)
             seconds = await self._evaluate(n + replayed - cached, cached)
@@ -264,7 +274,7 @@ class SimEngine:
         if continuation is not None and not done:
             done = continuation.generated_tokens
         seed = prompt_seed(prompt)
-        blocks = prompt_blocks(_prompt_bytes(prompt))
+        blocks = prompt_blocks(_prompt_bytes(prompt), self._speed.bytes_per_token)
         async with self._slot(blocks) as slot:
             cached = self._cached(slot, blocks, n)
             seconds = await self._evaluate(n + done - cached, cached)
@@ -297,12 +307,13 @@ class SimEngine:
     # -- time ----------------------------------------------------------------------------
 
     def _checked(self, prompt: Prompt, continuation: Continuation | None) -> int:
-        n = prompt_tokens(prompt)
+        n = prompt_tokens(prompt, self._speed.bytes_per_token)
         done = len(continuation.generated_token_ids) if continuation is not None else 0
         if n + done >= self._n_ctx:
             raise InvalidArgument(
                 "prompt",
-                f"is {n} tokens (simulated: 4 bytes a token); the context holds {self._n_ctx} "
+                f"is {n} tokens (simulated: {self._speed.bytes_per_token:g} bytes a token); the "
+                f"context holds {self._n_ctx} "
                 "including at least one generated token",
             )
         return n

@@ -1,6 +1,7 @@
 """The simulated engine's prompt caches: which of a prompt's tokens need no evaluation.
 
-A prompt is cut into blocks of BLOCK_TOKENS simulated tokens (4 bytes a token), each named
+A prompt is cut into blocks of BLOCK_TOKENS simulated tokens (the profile's bytes a token,
+4 by default), each named
 by a hash chained over the blocks before it, so two prompts share a block only when they
 share everything up to its end.
 
@@ -27,9 +28,9 @@ BLOCK_HASH_BYTES = 16
 Blocks = tuple[bytes, ...]
 
 
-def prompt_blocks(text: bytes) -> Blocks:
+def prompt_blocks(text: bytes, bytes_per_token: float = BYTES_PER_TOKEN) -> Blocks:
     """The chained hashes of a prompt's whole blocks."""
-    size = BLOCK_TOKENS * BYTES_PER_TOKEN
+    size = max(round(BLOCK_TOKENS * bytes_per_token), 1)
     hashes: list[bytes] = []
     previous = b""
     for start in range(0, len(text) - size + 1, size):

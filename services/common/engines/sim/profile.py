@@ -4,7 +4,8 @@ and to make a decode step, for each model it serves, and its link to the other m
 A profile is a TOML file (the shipped ones are in profiles/, each number citing its source):
 
     [link]                 bandwidth_bytes_per_second, latency_seconds
-    [models."NAME"]        kv_bytes_per_token (+ window_tokens, window_kv_bytes_per_token)
+    [models."NAME"]        kv_bytes_per_token (+ window_tokens, window_kv_bytes_per_token),
+                           bytes_per_token (of prompt text, default 4)
     [models."NAME".prefill]  depth_tokens = [...], tokens_per_second = [...]
     [models."NAME".decode]   depth_tokens, tokens_per_second (one stream by depth),
                              batch, batch_tokens_per_second (streams at once, shallow)
@@ -73,6 +74,9 @@ class ModelSpeed:
     window_tokens: int = 0
     window_kv_bytes_per_token: int = 0
     estimate: bool = False  # some of these numbers are estimates (the file says which)
+    # Bytes of prompt text a token stands for (the model's tokenizer on English and code;
+    # `disagg calibrate` measures it): how many tokens the simulated engine counts.
+    bytes_per_token: float = 4.0
 
     def prefill_seconds(self, new_tokens: int, cached_tokens: int = 0) -> float:
         """Seconds to evaluate new_tokens after cached_tokens already in the cache (several
@@ -212,6 +216,7 @@ class _Reader:
             window_tokens=int(self.number(data, where, "window_tokens", 0)),
             window_kv_bytes_per_token=int(self.number(data, where, "window_kv_bytes_per_token", 0)),
             estimate=bool(prefill.get("estimate") or decode.get("estimate")),
+            bytes_per_token=self.positive(data, where, "bytes_per_token", 4.0),
         )
 
 
