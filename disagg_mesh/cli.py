@@ -189,9 +189,7 @@ def _parser() -> argparse.ArgumentParser:
         "Then the same workload on the same machines as Ollama serves it (profiles/ollama.toml "
         "states each assumption), and the ratio of the wall times.",
     )
-    simulate.add_argument(
-        "--topology", default=argparse.SUPPRESS, help="as the global --topology, after the command"
-    )
+    _topology_after(simulate)
     simulate.add_argument(
         "--workload", type=Path, required=True, help="the requests: a `disagg batch` JSONL file"
     )
@@ -217,9 +215,7 @@ def _parser() -> argparse.ArgumentParser:
         help="a hardware profile of this machine for `disagg simulate`, measured with the "
         "embedded engine and --topology's llama_cpp models",
     )
-    calibrate.add_argument(
-        "--topology", default=argparse.SUPPRESS, help="as the global --topology, after the command"
-    )
+    _topology_after(calibrate)
     calibrate.add_argument("--out", type=Path, required=True, help="the profile (TOML) to write")
     calibrate.set_defaults(run=_calibrate)
 
@@ -243,9 +239,7 @@ def _parser() -> argparse.ArgumentParser:
         help="a Prometheus configuration scraping every node of --topology (its alert rules: "
         "deploy/prometheus/alerts.yml)",
     )
-    prometheus.add_argument(
-        "--topology", default=argparse.SUPPRESS, help="as the global --topology, after the command"
-    )
+    _topology_after(prometheus)
     prometheus.add_argument("--out", type=Path, help="write it to this file (default: print it)")
     prometheus.add_argument(
         "--rules", default="alerts.yml", help="the rule file it names (default: alerts.yml)"
@@ -271,6 +265,13 @@ def _parser() -> argparse.ArgumentParser:
         sub.add_argument("--print", action="store_true", help="show it, change nothing")
         sub.set_defaults(run=_service, action=action)
     return parser
+
+
+def _topology_after(command: argparse.ArgumentParser) -> None:
+    """--topology accepted after the command too (`disagg simulate --topology T ...`)."""
+    command.add_argument(
+        "--topology", default=argparse.SUPPRESS, help="as the global --topology, after the command"
+    )
 
 
 def _prometheus_config(args: argparse.Namespace) -> int:
