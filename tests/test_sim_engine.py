@@ -1,7 +1,7 @@
 """The simulated engine (`engine = "sim"`) behind the real router: a DGX Spark prefill node
 and a Mac Studio decode node of qwen3-coder:30b, timed by the shipped profiles. Generation,
-the KV handoff at its real size, decode_only, continuous batching, a cancelled stream and a
-migration give what real nodes give."""
+the KV handoff at its real size, decode_only, continuous batching, a cancelled stream, a
+caller's deadline, a migration and a router killed mid-answer give what real nodes give."""
 
 from __future__ import annotations
 
@@ -137,3 +137,59 @@ async def test_a_killed_sim_decode_node_is_replaced_mid_answer(sim_mesh: MeshPro
     assert [m.failed_node for m in summary.migrations] == [killed]
     sim_mesh.start_node(sim_mesh.topology.node(killed))
     await sim_mesh.wait_serving(60, names=[killed])
+
+
+async def test_a_callers_deadline_ends_the_call_and_frees_the_slot(
+    sim_mesh: MeshProcesses,
+) -> None:
+    """The caller's own deadline: DEADLINE_EXCEEDED, and the sim node's slot comes back."""
+    async with grpc.aio.insecure_channel(sim_mesh.topology.router.address) as channel:
+        stub: Any = router_pb2_grpc.RouterServiceStub(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as late:
+            await collect(stub.Generate(generate(ALONE, 400), timeout=1.0))
+    assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    async with grpc.aio.insecure_channel(sim_mesh.topology.node("mac-1").address) as channel:
+        node: Any = node_pb2_grpc.NodeServiceStub(channel)
+        for _ in range(50):
+            info = await node.GetNodeInfo(node_pb2.GetNodeInfoRequest())
+            if info.slots_busy == 0:
+                break
+            await asyncio.sleep(0.1)
+    assert info.slots_busy == 0
+
+
+def test_a_router_killed_mid_answer_costs_nothing_over_sim_nodes(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """Two routers over sim nodes sharing one process; the client's router SIGKILLed
+    mid-answer: the answer goes on through the other, the same text as uninterrupted."""
+    from disagg_mesh import AsyncMeshClient, GenerateCall, Metrics
+
+    parts = [
+        router_node().replace('name = "router"', 'name = "router-a"'),
+        router_node().replace('name = "router"', 'name = "router-b"'),
+        sim_node("spark", "prefill", "dgx-spark"),
+        sim_node("mac", "decode", "m3-ultra"),
+        route(MODEL, ["spark"], ["mac"]),
+    ]
+    with running_mesh(tmp_path_factory.mktemp("sim-routers"), parts) as mesh:
+        addresses = [r.address for r in mesh.topology.routers]
+        call = GenerateCall(model=MODEL, prompt=PROMPT, max_tokens=150, ignore_eos=True)
+
+        async def run(kill: bool) -> tuple[str, Metrics | None]:
+            text, metrics = "", None
+            async with AsyncMeshClient(addresses, timeout=60) as client:
+                async for item in client.stream(call):
+                    if isinstance(item, Metrics):
+                        metrics = item
+                        continue
+                    text += str(item)
+                    if kill and len(text.split()) >= 20 and mesh.procs["router-a"].poll() is None:
+                        mesh.procs["router-a"].kill()
+            return text, metrics
+
+        whole, _ = asyncio.run(run(kill=False))
+        text, metrics = asyncio.run(run(kill=True))
+        killed = mesh.procs["router-a"].poll() is not None
+    assert killed  # the client's first router died under it
+    assert text == whole and metrics is not None and metrics.completion_tokens == 150
