@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import math
+import weakref
 from collections import deque
 from collections.abc import AsyncGenerator, Sequence
 from contextlib import asynccontextmanager
@@ -83,10 +84,24 @@ MIN_TICK_S = 0.02
 HEADER_BYTES = 8 + 8 + 64 + 4
 
 PrefixCacheKind = Literal["blocks", "per-slot", "off"]
-# Each host's compute, for the sim nodes of one host served by one process (`disagg
-# simulate` runs a host's nodes together): their prompts and steps take turns, as a real
-# machine's nodes share its cores.
-_COMPUTE: dict[str, asyncio.Lock] = {}
+# Each host's compute, for the sim nodes of one host served by one event loop (`disagg
+# simulate` runs a host's nodes in one process; the baseline all its machines in one
+# loop): their prompts and steps take turns, as a real machine's nodes share its cores.
+# Per loop: a lock belongs to the loop it first waited in, and the baseline runs a loop
+# of its own each time.
+_COMPUTE: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[str, asyncio.Lock]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _host_compute(host: str) -> asyncio.Lock:
+    """This host's compute in the running loop (its own, for a node standing for no host)."""
+    if not host:
+        return asyncio.Lock()
+    locks = _COMPUTE.setdefault(asyncio.get_running_loop(), {})
+    if host not in locks:
+        locks[host] = asyncio.Lock()
+    return locks[host]
 
 
 def _prompt_bytes(prompt: Prompt) -> bytes:
@@ -176,7 +191,8 @@ class SimSettings:
 
 
 class SimEngine:
-    """One simulated model on one simulated machine."""
+    """One simulated model on one simulated machine (made inside the event loop that runs
+    it)."""
 
     def __init__(
         self, model: str, profile: HardwareProfile, n_ctx: int, settings: SimSettings
@@ -196,10 +212,8 @@ class SimEngine:
         self.loaded_in_memory = True
         self._free = list(range(settings.slots))
         self._waiting: deque[asyncio.Future[int]] = deque()
-        # One compute per machine: the sim nodes of one host in this process share it.
-        self._compute = (
-            _COMPUTE.setdefault(settings.host, asyncio.Lock()) if settings.host else asyncio.Lock()
-        )
+        # One compute per machine: the sim nodes of one host in this loop share it.
+        self._compute = _host_compute(settings.host)
         self._streams: list[_Stream] = []
         self._stepper: asyncio.Task[None] | None = None
         self._rates = TokenRates()
