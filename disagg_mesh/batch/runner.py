@@ -25,7 +25,8 @@ import json
 import os
 import ssl
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from contextlib import asynccontextmanager
 from itertools import zip_longest
 from typing import Any
 
@@ -96,6 +97,36 @@ def plan(requests: Sequence[BatchRequest]) -> list[tuple[BatchRequest, str | Non
     return [item for row in zip_longest(*lanes) for item in row if item is not None]
 
 
+class Turns:
+    """When each request of a plan may go: after the request it waits for (its group's
+    first), within its model's number at once (else the shared number). `disagg batch`
+    sends by it, and `disagg simulate`'s Ollama baseline sends the same way."""
+
+    def __init__(
+        self,
+        custom_ids: Iterable[str],
+        concurrency: int,
+        model_concurrency: Mapping[str, int] | None = None,
+    ) -> None:
+        self._finished = {custom_id: asyncio.Event() for custom_id in custom_ids}
+        self._shared = asyncio.Semaphore(max(concurrency, 1))
+        self._gates = {
+            m: asyncio.Semaphore(max(n, 1)) for m, n in (model_concurrency or {}).items()
+        }
+
+    @asynccontextmanager
+    async def turn(self, custom_id: str, model: str, after: str | None) -> AsyncIterator[None]:
+        """Its turn, held while inside; the requests waiting for it go once it is over
+        (whatever became of it)."""
+        try:
+            if after is not None:
+                await self._finished[after].wait()
+            async with self._gates.get(model, self._shared):
+                yield
+        finally:
+            self._finished[custom_id].set()
+
+
 class BatchRun:
     """One batch through the routers' doors. `in_flight` is how many requests are being
     answered now (for a progress display)."""
@@ -153,23 +184,18 @@ class BatchRun:
         """Each request's result as it completes. Stopping early (break, cancel) cancels
         what is in flight: those requests have no result."""
         order = plan(self.requests) if self._group else [(r, None) for r in self.requests]
-        finished = {r.custom_id: asyncio.Event() for r in self.requests}
-        shared = asyncio.Semaphore(self.concurrency)
-        gates = {m: asyncio.Semaphore(max(n, 1)) for m, n in self.model_concurrency.items()}
+        turns = Turns(
+            (r.custom_id for r in self.requests), self.concurrency, self.model_concurrency
+        )
         out: asyncio.Queue[BatchResult] = asyncio.Queue()
 
         async def one(session: aiohttp.ClientSession, r: BatchRequest, after: str | None) -> None:
-            try:
-                if after is not None:
-                    await finished[after].wait()
-                async with gates.get(r.model, shared):
-                    self.in_flight += 1
-                    try:
-                        out.put_nowait(await self._send(session, r))
-                    finally:
-                        self.in_flight -= 1
-            finally:
-                finished[r.custom_id].set()
+            async with turns.turn(r.custom_id, r.model, after):
+                self.in_flight += 1
+                try:
+                    out.put_nowait(await self._send(session, r))
+                finally:
+                    self.in_flight -= 1
 
         async with self._session() as session:
             tasks = [asyncio.create_task(one(session, r, after)) for r, after in order]

@@ -20,9 +20,11 @@ import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
+from disagg_mesh.batch.runner import Turns
 from disagg_mesh.server.common.config.topology import Node, Topology
 from disagg_mesh.server.common.engines.sim.engine import SimEngine, SimSettings
 from disagg_mesh.server.common.engines.sim.profile import OllamaBaseline, load_profile
+from disagg_mesh.server.common.errors import MeshError
 from disagg_mesh.server.common.types import GenerationEnd, TextChunk
 from disagg_mesh.server.simulation.clock import run_virtual
 from disagg_mesh.server.simulation.topology import sim_model
@@ -100,18 +102,11 @@ async def _run(
         for route in topology.models
     }
     run = BaselineRun()
-    finished = {w.custom_id: asyncio.Event() for w, _ in order}
-    shared = asyncio.Semaphore(max(concurrency, 1))
-    gates = {m: asyncio.Semaphore(max(n, 1)) for m, n in model_concurrency.items()}
+    sending = Turns((w.custom_id for w, _ in order), concurrency, model_concurrency)
 
     async def one(w: Work, after: str | None) -> None:
-        try:
-            if after is not None:
-                await finished[after].wait()
-            async with gates.get(w.model, shared):
-                run.served.append(await _served(w))
-        finally:
-            finished[w.custom_id].set()
+        async with sending.turn(w.custom_id, w.model, after):
+            run.served.append(await _served(w))
 
     async def _served(w: Work) -> Served:
         sent = loop.time()
@@ -129,7 +124,7 @@ async def _run(
                     first = loop.time() - sent
                 elif isinstance(event, GenerationEnd):
                     end = event
-        except Exception as exc:
+        except MeshError as exc:  # refused (all slots and the queue full): a result
             return Served(
                 w.custom_id, w.model, False, latency_seconds=loop.time() - sent, error=str(exc)
             )
