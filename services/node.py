@@ -63,6 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     names = [name.strip() for name in args.node.split(",") if name.strip()]
+    if not names:
+        parser.error("--node: a node's name (or several, comma-separated)")
     configure_logging(names[0] if len(names) == 1 else "sim-group", args.log_format)
     log = structlog.get_logger("node")
     try:

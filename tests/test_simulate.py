@@ -241,7 +241,8 @@ def test_sim_nodes_share_a_process_and_stop_together(tmp_path: Path) -> None:
         )
     )
     mesh = MeshProcesses(load_topology(path), tmp_path / "logs")
-    mesh.start(sim_per_process=3)
+    mesh.start([mesh.topology.router])
+    mesh.start_group([n for n in mesh.topology.nodes if n.engine == "sim"])
     try:
         assert len({p.pid for p in mesh.procs.values()}) == 2  # the router, and the three
         asyncio.run(mesh.wait_serving(60))

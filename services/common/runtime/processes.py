@@ -60,24 +60,20 @@ class MeshProcesses:
         self.log_dir = log_dir
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
 
-    def start(self, nodes: list[Node] | None = None, sim_per_process: int = 1) -> None:
-        """Start these nodes (default all), each in a process of its own, or simulated ones
-        sim_per_process to a process (their log: the first one's name + "-group.log")."""
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        nodes = nodes or self.topology.nodes
-        sims = [n for n in nodes if n.engine == "sim"] if sim_per_process > 1 else []
-        for node in nodes:
-            if node not in sims:
-                self.start_node(node)
-        for i in range(0, len(sims), sim_per_process):
-            self.start_group(sims[i : i + sim_per_process])
+    def start(self, nodes: list[Node] | None = None) -> None:
+        """Start these nodes (default all), each in a process of its own (start_group puts
+        simulated ones together)."""
+        for node in nodes or self.topology.nodes:
+            self.start_node(node)
 
     def start_node(self, node: Node, extra_env: dict[str, str] | None = None) -> None:
         self.start_group([node], extra_env)
 
     def start_group(self, nodes: list[Node], extra_env: dict[str, str] | None = None) -> None:
-        """One process serving these nodes (several: sim nodes only); procs maps each name
-        to it, so stopping or killing one of them stops them all."""
+        """One process serving these nodes (several: sim nodes only; their log: the first
+        one's name + "-group.log"); procs maps each name to it, so stopping or killing one
+        of them stops them all."""
+        self.log_dir.mkdir(parents=True, exist_ok=True)
         name = nodes[0].name if len(nodes) == 1 else f"{nodes[0].name}-group"
         log = (self.log_dir / f"{name}.log").open("ab")
         env = {**os.environ, "LOG_FORMAT": "json", "PYTHONUNBUFFERED": "1", **(extra_env or {})}
