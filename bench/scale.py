@@ -34,6 +34,7 @@ import asyncio
 import os
 import random
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -45,6 +46,7 @@ from bench.common import pct, run_alone, say
 from disagg_mesh.client import AsyncMeshClient, GenerateCall
 from disagg_mesh.metrics import Metrics
 from disagg_mesh.proto.v1 import node_pb2, node_pb2_grpc
+from disagg_mesh.server.common.config.topology import load_topology
 from disagg_mesh.server.common.engines.sim.engine import prompt_tokens
 from disagg_mesh.server.common.engines.sim.prefix import BlockCache, prompt_blocks
 from disagg_mesh.server.common.engines.sim.profile import load_profile
@@ -136,13 +138,9 @@ def cpu_seconds(pids: Sequence[int]) -> float:
 
 
 async def measure(requests: int, rate: int, kills: int) -> dict[str, Any]:
-    import tempfile
-
     folder = Path(tempfile.mkdtemp(prefix="disagg-scale-"))
     path = folder / "topology.toml"
     path.write_text(topology_text())
-    from disagg_mesh.server.common.config.topology import load_topology
-
     topology = load_topology(path)
     mesh = MeshProcesses(topology, folder / "logs")
     started_at = time.perf_counter()

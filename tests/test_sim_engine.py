@@ -54,6 +54,18 @@ def generate(model: str, max_tokens: int, prompt: str = PROMPT) -> router_pb2.Ge
     )
 
 
+async def once_idle(address: str) -> Any:
+    """The node's GetNodeInfo once no slot is busy (or after 5 s)."""
+    async with grpc.aio.insecure_channel(address) as channel:
+        node: Any = node_pb2_grpc.NodeServiceStub(channel)
+        for _ in range(50):
+            info = await node.GetNodeInfo(node_pb2.GetNodeInfoRequest())
+            if info.slots_busy == 0:
+                break
+            await asyncio.sleep(0.1)
+    return info
+
+
 async def test_a_sim_mesh_answers_with_the_real_kv_size_and_the_profiles_time(
     sim_mesh: MeshProcesses,
 ) -> None:
@@ -108,13 +120,7 @@ async def test_a_cancelled_stream_frees_its_slot(sim_mesh: MeshProcesses) -> Non
         async for _ in call:
             break
         call.cancel()
-    async with grpc.aio.insecure_channel(address) as channel:
-        node: Any = node_pb2_grpc.NodeServiceStub(channel)
-        for _ in range(50):
-            info = await node.GetNodeInfo(node_pb2.GetNodeInfoRequest())
-            if info.slots_busy == 0:
-                break
-            await asyncio.sleep(0.1)
+    info = await once_idle(address)
     assert info.slots_busy == 0 and info.backend == "sim (m3-ultra)"
 
 
@@ -148,13 +154,7 @@ async def test_a_callers_deadline_ends_the_call_and_frees_the_slot(
         with pytest.raises(grpc.aio.AioRpcError) as late:
             await collect(stub.Generate(generate(ALONE, 400), timeout=1.0))
     assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    async with grpc.aio.insecure_channel(sim_mesh.topology.node("mac-1").address) as channel:
-        node: Any = node_pb2_grpc.NodeServiceStub(channel)
-        for _ in range(50):
-            info = await node.GetNodeInfo(node_pb2.GetNodeInfoRequest())
-            if info.slots_busy == 0:
-                break
-            await asyncio.sleep(0.1)
+    info = await once_idle(sim_mesh.topology.node("mac-1").address)
     assert info.slots_busy == 0
 
 
