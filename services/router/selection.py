@@ -47,10 +47,8 @@ class Selection:
         if route.mode != "auto":
             metrics.route_decision(route.name, route.chain[0], "chain")
             return list(route.chain), f"chain: {route.chain[0]} is the chain's first step"
-        prefill = self.by_prefix(self.nodes(route.prefill), request.blocks, route.prefix_placement)[
-            0
-        ]
-        decode = self.by_prefix(self.nodes(route.decode), request.blocks, route.prefix_placement)[0]
+        prefill = self.ranked(route.prefill, request)[0]
+        decode = self.ranked(route.decode, request)[0]
         decision = self.knowledge.costs.decide(
             route.name,
             request.prompt_chars,
@@ -68,11 +66,9 @@ class Selection:
         if step == "direct_ollama":
             yield Attempt(RouteMethod.DIRECT_OLLAMA)
             return
-        decode = self.by_prefix(self.nodes(route.decode), request.blocks, route.prefix_placement)
+        decode = self.ranked(route.decode, request)
         if step == "disaggregated":
-            prefill = self.by_prefix(
-                self.nodes(route.prefill), request.blocks, route.prefix_placement
-            )
+            prefill = self.ranked(route.prefill, request)
             yield Attempt(
                 RouteMethod.DISAGGREGATED,
                 prefill_candidates=prefill,
@@ -82,6 +78,11 @@ class Selection:
         else:
             for node in decode:
                 yield Attempt(RouteMethod.DECODE_ONLY, decode=node)
+
+    def ranked(self, names: Sequence[str], request: Request) -> list[Node]:
+        """These nodes of the request's route in the order they should serve it
+        (by_prefix, with the route's prefix_placement)."""
+        return self.by_prefix(self.nodes(names), request.blocks, request.route.prefix_placement)
 
     def by_prefix(
         self, nodes: list[Node], blocks: list[bytes], placement: str = "order"
@@ -150,9 +151,7 @@ class Selection:
             return None, "the delivered tokens' ids are not known (Ollama streams text)"
         prefills = [
             n
-            for n in self.by_prefix(
-                self.nodes(route.prefill), request.blocks, route.prefix_placement
-            )
+            for n in self.ranked(route.prefill, request)
             if n.engine == "llama_cpp" and self.health.available(n)
         ]
         if not prefills:
