@@ -141,8 +141,7 @@ async def test_a_killed_sim_decode_node_is_replaced_mid_answer(sim_mesh: MeshPro
                 os.kill(sim_mesh.procs[killed].pid, signal.SIGKILL)
     assert summary is not None and text == whole.text
     assert [m.failed_node for m in summary.migrations] == [killed]
-    sim_mesh.start_node(sim_mesh.topology.node(killed))
-    await sim_mesh.wait_serving(60, names=[killed])
+    await sim_mesh.restart_node(killed, 60)
 
 
 async def test_a_callers_deadline_ends_the_call_and_frees_the_slot(

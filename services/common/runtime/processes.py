@@ -97,29 +97,45 @@ class MeshProcesses:
         for node in nodes:
             self.procs[node.name] = proc
 
-    def wait_routers_see_serving(self, timeout_s: float = 15.0) -> None:
-        """Wait until each router has found every other node serving (its health log
-        line, LOG_FORMAT=json). A router dials its nodes as it starts, before they listen;
-        its channel then waits out a reconnect back-off (up to 2 s), and a call in that
-        while fails at once, so a first request could meet a node the router cannot reach
+    def wait_routers_see_serving(
+        self,
+        timeout_s: float = 15.0,
+        names: list[str] | None = None,
+        after: dict[str, int] | None = None,
+    ) -> None:
+        """Wait until each router has found every other node (or those named) serving: its
+        health log line (LOG_FORMAT=json), past the first `after[router]` lines of its log.
+        A router dials its nodes as it starts, before they listen (or again after one
+        restarts); its channel then waits out a reconnect back-off (up to 0.5 s), and a call
+        in that while fails at once, so a request could meet a node the router cannot reach
         yet although it is SERVING."""
-        engines = {n.name for n in self.topology.nodes if n.role != "router"}
+        engines = set(names or (n.name for n in self.topology.nodes if n.role != "router"))
         deadline = time.monotonic() + timeout_s
         for router in self.topology.routers:
+            skip = (after or {}).get(router.name, 0)
             while time.monotonic() < deadline:
                 seen = set()
-                for line in self.log_tail(router.name, 10_000).splitlines():
+                for line in self._log_lines(router.name)[skip:]:
                     if '"event": "node health"' in line and '"serving": true' in line:
                         seen.add(json.loads(line)["node"])
                 if engines <= seen:
                     break
                 time.sleep(0.1)
 
-    def log_tail(self, name: str, lines: int = 15) -> str:
+    async def restart_node(self, name: str, timeout_s: float = 120.0) -> None:
+        """Start a stopped or killed node again; return once it is SERVING and every router
+        has found it so (its channel reconnected), as a node that never went away."""
+        marks = {router.name: len(self._log_lines(router.name)) for router in self.topology.routers}
+        self.start_node(self.topology.node(name))
+        await self.wait_serving(timeout_s, names=[name])
+        await asyncio.to_thread(self.wait_routers_see_serving, 15.0, [name], marks)
+
+    def _log_lines(self, name: str) -> list[str]:
         path = self.log_dir / f"{name}.log"
-        if not path.exists():
-            return ""
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+        return path.read_text(errors="replace").splitlines() if path.exists() else []
+
+    def log_tail(self, name: str, lines: int = 15) -> str:
+        return "\n".join(self._log_lines(name)[-lines:])
 
     async def wait_serving(
         self,
