@@ -169,6 +169,19 @@ async def test_prometheus_metrics(mesh: Mesh) -> None:
     assert 0.0 <= usage <= 1.0 and usage == pytest.approx(used / total)
 
 
+async def test_routers_watch_each_nodes_health_instead_of_polling_it(mesh: Mesh) -> None:
+    """Each router holds one grpc.health.v1 Watch stream per node: a change arrives as it
+    happens, and a quiet node is asked nothing (polling 200 nodes every second cost the
+    routers more CPU than the requests did)."""
+    node = mesh.topology.node("prefill-qwen")
+    before = await asyncio.to_thread(scrape, node)
+    await asyncio.sleep(3 * mesh.topology.mesh.health_check_every_s + 0.5)
+    after = await asyncio.to_thread(scrape, node)
+    assert sample(after, "disagg_health_watchers") == len(mesh.topology.routers)
+    checks = "disagg_health_checks_total"
+    assert sample(after, checks) == sample(before, checks)
+
+
 def sample(text: str, series: str) -> float:
     """The value of one series (name and labels, as exposed) in a scrape."""
     found = re.search(rf"^{re.escape(series)} (\S+)$", text, re.M)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -142,6 +143,22 @@ async def test_a_killed_sim_decode_node_is_replaced_mid_answer(sim_mesh: MeshPro
     assert summary is not None and text == whole.text
     assert [m.failed_node for m in summary.migrations] == [killed]
     await sim_mesh.restart_node(killed, 60)
+
+
+async def test_a_stopped_node_ends_its_health_streams_and_stops_at_once(
+    sim_mesh: MeshProcesses,
+) -> None:
+    """SIGTERM: the node's last word on the router's health stream is NOT_SERVING and the
+    stream ends, so the stop does not wait out its grace period (10 s) for it."""
+    router = sim_mesh.topology.router.name
+    mark = len(sim_mesh.log_tail(router, 1_000_000).splitlines())
+    started = time.monotonic()
+    assert sim_mesh.stop_node("mac-2") == 0
+    assert time.monotonic() - started < 5
+    await asyncio.sleep(0.5)
+    seen = sim_mesh.log_tail(router, 1_000_000).splitlines()[mark:]
+    assert any('"node": "mac-2"' in line and '"serving": false' in line for line in seen)
+    await sim_mesh.restart_node("mac-2", 60)
 
 
 async def test_a_callers_deadline_ends_the_call_and_frees_the_slot(

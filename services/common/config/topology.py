@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import tomllib
+from functools import cached_property
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -318,10 +319,15 @@ class Topology(_Strict):
     # Where the file was read from; model paths are relative to its folder.
     source: Path = Path(".")
 
+    @cached_property
+    def _by_name(self) -> dict[str, Node]:
+        """Nodes by name (the router looks nodes up on every request)."""
+        return {n.name: n for n in self.nodes}
+
     def node(self, name: str) -> Node:
-        for node in self.nodes:
-            if node.name == name:
-                return node
+        node = self._by_name.get(name)
+        if node is not None:
+            return node
         known = ", ".join(n.name for n in self.nodes)
         raise TopologyError(f"{self.source}: no node named {name!r} (nodes: {known})")
 

@@ -23,6 +23,7 @@ from disagg_mesh.server.common.config.topology import Node
 from disagg_mesh.server.common.runtime.auth import TokenInterceptor, configured_token
 from disagg_mesh.server.common.runtime.grpc_status import RequestScopeInterceptor
 from disagg_mesh.server.common.runtime.node_info import SERVICE_NAME as NODE_SERVICE_NAME
+from disagg_mesh.server.common.runtime.observability import metrics
 from disagg_mesh.server.common.runtime.observability.metrics import serve_metrics
 from disagg_mesh.server.common.runtime.processes import restarts
 from disagg_mesh.server.common.runtime.readiness import Ready
@@ -35,10 +36,56 @@ SERVER_OPTIONS = (
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.so_reuseport", 0),
+    # Routers ping each node's health stream every health_check_every_s, with no data
+    # between (runtime wire/node_clients.py health_channel_options): accept that, where
+    # gRPC's default would count a strike per ping under 5 minutes and hang up.
+    ("grpc.http2.min_ping_interval_without_data_ms", 100),
+    ("grpc.http2.max_ping_strikes", 0),
 )
 GRACE_S = 10.0
 HEALTH_PROBE_EVERY_S = 2.0
 HEALTH_PROBE_TIMEOUT_S = 5.0
+
+
+class HealthServicer(health.aio.HealthServicer):
+    """gRPC's health servicer, whose Watch streams end (NOT_SERVING their last word) once
+    the node shuts down: a router's stream never ends by itself, and the server's stop
+    would otherwise wait out its whole grace period for them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._closing = asyncio.Event()
+
+    async def Check(self, request: Any, context: Any) -> Any:
+        metrics.HEALTH_CHECKS.inc()
+        return await super().Check(request, context)
+
+    async def Watch(self, request: Any, context: Any) -> None:
+        metrics.HEALTH_WATCHERS.inc()
+        try:
+            await self._watch(request, context)
+        finally:
+            metrics.HEALTH_WATCHERS.dec()
+
+    async def _watch(self, request: Any, context: Any) -> None:
+        watching = asyncio.ensure_future(super().Watch(request, context))
+        closing = asyncio.ensure_future(self._closing.wait())
+        try:
+            await asyncio.wait({watching, closing}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            closing.cancel()
+            if not watching.done():
+                watching.cancel()
+        if not watching.cancelled():
+            watching.result()  # it ended by itself: its error, if any
+            return
+        await context.write(
+            health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.NOT_SERVING)
+        )
+
+    async def enter_graceful_shutdown(self) -> None:
+        await super().enter_graceful_shutdown()
+        self._closing.set()
 
 
 class BindError(Exception):
@@ -75,7 +122,7 @@ async def serve(
     if token is not None:
         interceptors.insert(0, TokenInterceptor(token))  # refused calls go no further
     server = grpc.aio.server(interceptors=interceptors, options=SERVER_OPTIONS)
-    health_servicer = health.aio.HealthServicer()
+    health_servicer = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     register(server)
     reflection.enable_server_reflection(
@@ -193,7 +240,7 @@ async def serve_engine_node(
 
 
 async def _watch_health(
-    health_servicer: health.aio.HealthServicer,
+    health_servicer: HealthServicer,
     service_names: list[str],
     problem: Callable[[], Awaitable[str | None]],
 ) -> None:

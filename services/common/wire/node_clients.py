@@ -6,7 +6,8 @@ They speak protobuf on the wire and plain Python to their callers. A failed call
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Sequence
+import asyncio
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import Any, NoReturn
 
 import grpc
@@ -56,17 +57,43 @@ CHANNEL_OPTIONS = (
 )
 
 
-def open_channel(address: str, credentials: grpc.ChannelCredentials | None) -> grpc.aio.Channel:
+def health_channel_options(ping_every_s: float, ping_timeout_s: float) -> tuple[Any, ...]:
+    """A channel that only carries a node's grpc.health.v1 Watch stream: HTTP/2 pings every
+    `ping_every_s`, the connection dropped (and the stream failed) when one goes unanswered
+    for `ping_timeout_s`, which is how a hung node (SIGSTOP, a frozen host) is noticed
+    while its stream says nothing. Pings are answered by gRPC's core, never by Python, and
+    the nodes accept them this often (runtime/server.py SERVER_OPTIONS)."""
+    keepalive = {"grpc.keepalive_time_ms", "grpc.keepalive_timeout_ms"}
+    return (
+        *(option for option in CHANNEL_OPTIONS if option[0] not in keepalive),
+        ("grpc.keepalive_time_ms", max(100, round(1000 * ping_every_s))),
+        ("grpc.keepalive_timeout_ms", max(100, round(1000 * ping_timeout_s))),
+        ("grpc.http2.ping_timeout_ms", max(100, round(1000 * ping_timeout_s))),  # gRPC >= 1.6x
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+        # A connection of its own: gRPC would otherwise share one subchannel (and its
+        # pings) between this channel and the calls' channel to the same address.
+        ("grpc.use_local_subchannel_pool", 1),
+    )
+
+
+def open_channel(
+    address: str,
+    credentials: grpc.ChannelCredentials | None,
+    options: Sequence[tuple[str, Any]] = CHANNEL_OPTIONS,
+) -> grpc.aio.Channel:
     if credentials is None:
-        return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
-    return grpc.aio.secure_channel(address, credentials, options=CHANNEL_OPTIONS)
+        return grpc.aio.insecure_channel(address, options=options)
+    return grpc.aio.secure_channel(address, credentials, options=options)
 
 
 class ChannelPool:
-    """One channel per address, reused for every call."""
+    """One channel per address, reused for every call; and, apart, one per address for its
+    health stream (`watch_channel`), whose pings must not drop the calls' connection."""
 
     def __init__(self, credentials: grpc.ChannelCredentials | None = None) -> None:
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._watch_channels: dict[str, grpc.aio.Channel] = {}
         self._credentials = credentials
 
     def get(self, address: str) -> grpc.aio.Channel:
@@ -76,10 +103,21 @@ class ChannelPool:
             self._channels[address] = channel
         return channel
 
+    def watch_channel(
+        self, address: str, ping_every_s: float, ping_timeout_s: float
+    ) -> grpc.aio.Channel:
+        channel = self._watch_channels.get(address)
+        if channel is None:
+            options = health_channel_options(ping_every_s, ping_timeout_s)
+            channel = open_channel(address, self._credentials, options)
+            self._watch_channels[address] = channel
+        return channel
+
     async def close(self) -> None:
-        for channel in self._channels.values():
+        for channel in (*self._channels.values(), *self._watch_channels.values()):
             await channel.close()
         self._channels.clear()
+        self._watch_channels.clear()
 
 
 def _fail(role: str, address: str, exc: grpc.aio.AioRpcError) -> NoReturn:
@@ -231,3 +269,22 @@ async def health_status(channel: grpc.aio.Channel, timeout_s: float) -> tuple[st
     except grpc.aio.AioRpcError as exc:
         return exc.code().name, exc.details() or ""
     return str(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)), ""
+
+
+async def health_changes(channel: grpc.aio.Channel, first_within_s: float) -> AsyncIterator[str]:
+    """A node's overall grpc.health.v1 status each time it changes ("SERVING",
+    "NOT_SERVING"; the first at once), from its Watch stream. Ends when the stream does:
+    the node went away or stopped (its last word NOT_SERVING), its connection dropped (an
+    unanswered ping), or it sent nothing within `first_within_s` of the call (a node not
+    up, or hung)."""
+    stub: Any = health_pb2_grpc.HealthStub(channel)
+    call = stub.Watch(health_pb2.HealthCheckRequest())
+    try:
+        reply = await asyncio.wait_for(call.read(), first_within_s)
+        while reply is not grpc.aio.EOF:
+            yield str(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
+            reply = await call.read()
+    except (grpc.aio.AioRpcError, TimeoutError):
+        return
+    finally:
+        call.cancel()

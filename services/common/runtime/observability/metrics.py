@@ -134,6 +134,13 @@ VLLM_KV_CACHE_USAGE = Gauge(
 )
 
 
+HEALTH_WATCHERS = Gauge(
+    "disagg_health_watchers",
+    "grpc.health.v1 Watch streams open on this node (each router holds one per node)",
+)
+HEALTH_CHECKS = Counter(
+    "disagg_health_checks_total", "grpc.health.v1 Check calls answered by this node"
+)
 NODE_RESTARTS = Gauge(
     "disagg_node_restarts",
     "Times the launcher (make run) started this node again after it exited unasked",
