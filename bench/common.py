@@ -12,7 +12,7 @@ import platform
 import statistics
 import subprocess
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar, TypeVarTuple
@@ -42,6 +42,19 @@ async def on_llama_thread(call: Callable[[*Args], T], *args: *Args) -> T:
 
 def say(line: str = "") -> None:
     print(line, flush=True)
+
+
+def cpu_seconds(pids: Sequence[int]) -> float:
+    """User + system CPU seconds of these processes so far (/proc; a gone one counts 0)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / ticks
+    return total
 
 
 def median(xs: list[float]) -> float:

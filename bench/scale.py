@@ -13,7 +13,9 @@ arrive at a fixed rate through 3 clients (one per router, each failing over to t
 32-token answers, speedup 20. Reported:
 
 - the routers' CPU per request (utime + stime of the 3 router processes over the run, by
-  /proc, divided by the requests), goal <= 2 ms;
+  /proc, divided by the requests), goal <= 2 ms; and, after the steady run, the floor under
+  it: a bare Python gRPC relay making the same calls with as many messages, at one router's
+  share of the rate (bench/relay_floor.py);
 - added latency: a request's time to first token at the client minus its prefill node's
   evaluation (the profile's seconds / speedup), p99, goal <= 20 ms;
 - the prefix-cache hit rate (prompt tokens from a cache / prompt tokens) against random
@@ -31,7 +33,6 @@ restarted 3 s later: nothing may be lost.
 from __future__ import annotations
 
 import asyncio
-import os
 import random
 import sys
 import tempfile
@@ -42,7 +43,8 @@ from typing import Any
 
 import grpc
 
-from bench.common import pct, run_alone, say
+from bench.common import cpu_seconds, pct, run_alone, say
+from bench.relay_floor import floor_ms
 from disagg_mesh.client import AsyncMeshClient, GenerateCall
 from disagg_mesh.metrics import Metrics
 from disagg_mesh.proto.v1 import node_pb2, node_pb2_grpc
@@ -125,18 +127,6 @@ def random_choice_hit_rate(work: Sequence[tuple[str, str]], seed: int = 11) -> f
     return cached / total
 
 
-def cpu_seconds(pids: Sequence[int]) -> float:
-    ticks = os.sysconf("SC_CLK_TCK")
-    total = 0.0
-    for pid in pids:
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        total += (int(fields[11]) + int(fields[12])) / ticks
-    return total
-
-
 async def measure(requests: int, rate: int, kills: int) -> dict[str, Any]:
     folder = Path(tempfile.mkdtemp(prefix="disagg-scale-"))
     path = folder / "topology.toml"
@@ -155,9 +145,17 @@ async def measure(requests: int, rate: int, kills: int) -> dict[str, Any]:
         await mesh.wait_serving(timeout_s=300, progress=say, every_s=10)
         await asyncio.to_thread(mesh.wait_routers_see_serving, 120)
         say(f"200 sim nodes and 3 routers serving in {time.perf_counter() - started_at:.0f} s")
-        return await _load(mesh, requests, rate, bool(kills))
+        got = await _load(mesh, requests, rate, bool(kills))
     finally:
         mesh.stop()
+    if not kills:
+        # The floor: a bare relay of the same calls at one router's share of the rate.
+        say("a bare gRPC relay of the same calls at the same rate per router")
+        messages = max(2, round(got["replies_per_request"]))
+        got["bare_relay_cpu_ms_per_request"] = round(
+            await floor_ms(rate / ROUTERS, min(requests // ROUTERS, 400), messages), 3
+        )
+    return got
 
 
 async def _load(mesh: MeshProcesses, requests: int, rate: int, kills: bool) -> dict[str, Any]:
@@ -176,10 +174,12 @@ async def _load(mesh: MeshProcesses, requests: int, rate: int, kills: bool) -> d
     async def one(i: int, model: str, text: str) -> None:
         sent = time.perf_counter()
         first = 0.0
+        replies = 0
         metrics: Metrics | None = None
         call = GenerateCall(model=model, prompt=text, max_tokens=NEW_TOKENS, ignore_eos=True)
         try:
             async for item in clients[i % ROUTERS].stream(call):
+                replies += 1
                 if isinstance(item, Metrics):
                     metrics = item
                 elif not first:
@@ -200,6 +200,7 @@ async def _load(mesh: MeshProcesses, requests: int, rate: int, kills: bool) -> d
                 "method": metrics.method,
                 "migrations": len(metrics.migrations),
                 "failed_attempts": len(metrics.failed_attempts),
+                "replies": replies,
             }
         )
 
@@ -286,6 +287,7 @@ async def _load(mesh: MeshProcesses, requests: int, rate: int, kills: bool) -> d
         "methods": {
             m: sum(r["method"] == m for r in results) for m in {r["method"] for r in results}
         },
+        "replies_per_request": round(sum(r["replies"] for r in results) / max(len(results), 1), 2),
     }
 
 
@@ -310,6 +312,17 @@ def rows(m: dict[str, Any]) -> list[tuple[str, str, str]]:
             "  router CPU per request (of which idle health checks)",
             f"{m['router_cpu_ms_per_request']:.2f} ms ({m['router_idle_cpu_ms_per_request']:.2f})",
             "<= 2 ms",
+        ),
+        *(
+            [
+                (
+                    "  a bare Python gRPC relay of the same calls at one router's rate (floor)",
+                    f"{m['bare_relay_cpu_ms_per_request']:.2f} ms",
+                    "-",
+                )
+            ]
+            if "bare_relay_cpu_ms_per_request" in m
+            else []
         ),
         (
             "  added latency p99 (p50)",
