@@ -96,6 +96,36 @@ async def test_a_sim_mesh_answers_with_the_real_kv_size_and_the_profiles_time(
     assert decode_s >= 23 * mac.decode_step_seconds(1, tokens) * 0.9
 
 
+async def test_a_prefix_the_decode_node_holds_moves_once(sim_mesh: MeshProcesses) -> None:
+    """The delta transfer, as the embedded engine does it: a second prompt starting with the
+    first's rubric goes to the decode node that kept the rubric, and only the rest of its
+    state moves; that node restarted (its cache gone), the router's belief is stale: ABORTED,
+    and the whole state goes again."""
+    mac = load_profile("m3-ultra").model(MODEL)
+    rubric = "Rubric: correctness first, then style, then the tests it brings. " * 24
+    texts = [rubric + f"Submission {i}: def add(a, b): return a + {i}\n" for i in range(3)]
+    async with grpc.aio.insecure_channel(sim_mesh.topology.router.address) as channel:
+        stub: Any = router_pb2_grpc.RouterServiceStub(channel)
+        first = (await collect(stub.Generate(generate(MODEL, 8, texts[0])))).summary
+        second = (await collect(stub.Generate(generate(MODEL, 8, texts[1])))).summary
+        holder = second.decode_node
+        assert holder == first.decode_node and not second.failed_attempts
+        held = second.decode_cached_prompt_tokens
+        tokens = prompt_tokens(Prompt(text=texts[1]))
+        assert held == len(rubric) // 4 // 64 * 64 > 0  # the rubric's whole blocks
+        assert second.kv_state_bytes == mac.kv_bytes(tokens)
+        assert second.kv_transfer_bytes == mac.kv_bytes(tokens - held)
+        os.kill(sim_mesh.procs[holder].pid, signal.SIGKILL)
+        sim_mesh.procs[holder].wait()
+        await sim_mesh.restart_node(holder, 60)
+        third = (await collect(stub.Generate(generate(MODEL, 8, texts[2])))).summary
+    (aborted,) = third.failed_attempts
+    assert (aborted.code, aborted.node) == ("ABORTED", holder)
+    assert f"no longer holds the prompt's first {held} tokens" in aborted.message
+    tokens = prompt_tokens(Prompt(text=texts[2]))
+    assert third.kv_transfer_bytes == mac.kv_bytes(tokens) and not third.decode_cached_prompt_tokens
+
+
 async def test_streams_on_one_node_decode_together(sim_mesh: MeshProcesses) -> None:
     """Four streams on one simulated Mac share its steps (continuous batching: together in
     well under four times one alone, as the profile's batch rates say)."""

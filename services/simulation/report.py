@@ -96,8 +96,10 @@ def report(
     models = len({s.model for s in mesh.served})
     mesh_side = _side(mesh.served, mesh.wall_seconds, models)
     methods = Counter(str(d.get("method", "failed")) for d in mesh.details)
-    kv_bytes = sum(
-        speeds[d["prefill_node"]].kv_bytes(s.prompt_tokens)
+    kv_bytes = sum(  # the decode node's own copy of a prefix did not move
+        speeds[d["prefill_node"]].kv_bytes(
+            s.prompt_tokens - int(d.get("decode_cached_prompt_tokens") or 0)
+        )
         for s, d in zip(mesh.served, mesh.details, strict=True)
         if d.get("method") == "disaggregated" and d.get("prefill_node") in speeds
     )

@@ -333,6 +333,7 @@ def mesh_fields(s: RouteSummary) -> dict[str, Any]:
         "decode_node": s.decode_node,
         "kv_transfer": s.kv_transfer.value,
         "cached_prompt_tokens": s.cached_prompt_tokens,
+        "decode_cached_prompt_tokens": s.decode_cached_prompt_tokens,
         "kv_transfer_bytes": s.kv_transfer_bytes,
         "kv_transfer_seconds": s.kv_transfer_seconds,
         "kv_load_seconds": s.kv_load_seconds,

@@ -23,9 +23,15 @@ the clients run over it unchanged.
   real amount; `compact_kv` sends the header alone (a simulation at a speedup, where real
   bytes over loopback would count speedup times). A state from another host costs the
   profile's link time for its real size before its first step.
+- **Delta transfer**, as the embedded engine does it: a decode node keeps a handed-over
+  prompt's blocks and says so (`kept_prefix_tokens`); when the router's decode candidates
+  hold a prompt's first blocks, the prefill node leaves them out of the state (at least
+  the last token stays in, and with a sliding window every position the first new token
+  attends to), so only `kv_bytes(the rest)` moves; a decode node that let them go answers
+  ABORTED and gets the whole state.
 - **Slots.** `slots` sequences at once, `max_queue` waiting; more is RESOURCE_EXHAUSTED.
 - Not simulated (yet): grammars (response_format and tools are answered as free text), stop
-  strings, the delta transfer of a prefix the decode node holds (states move whole).
+  strings.
 """
 
 from __future__ import annotations
@@ -47,8 +53,10 @@ from disagg_mesh.server.common.engines.base import (
     PrefillOutput,
     TokenRates,
 )
+from disagg_mesh.server.common.engines.prefix_keys import leading_blocks
 from disagg_mesh.server.common.engines.sim.prefix import (
     BLOCK_HASH_BYTES,
+    BLOCK_TOKENS,
     BYTES_PER_TOKEN,
     BlockCache,
     Blocks,
@@ -56,7 +64,7 @@ from disagg_mesh.server.common.engines.sim.prefix import (
     prompt_blocks,
 )
 from disagg_mesh.server.common.engines.sim.profile import HardwareProfile, ModelSpeed
-from disagg_mesh.server.common.errors import InvalidArgument, ResourceExhausted
+from disagg_mesh.server.common.errors import Aborted, InvalidArgument, ResourceExhausted
 from disagg_mesh.server.common.types import (
     Continuation,
     DecodeCandidate,
@@ -247,14 +255,18 @@ class SimEngine:
         first_id, first_text = token(seed, 0)
         if continuation is not None and continuation.generated_token_ids:
             first_id, first_text = continuation.generated_token_ids[-1], ""
-        state = self._state(seed, n + replayed, blocks)
+        holder, prefix = self._best_holder(blocks, n + replayed, candidates)
+        state = self._state(seed, n + replayed - prefix, blocks)
         return PrefillOutput(
             first_token_id=first_id,
             first_token_text=first_text,
             prompt_tokens=n,
             prefill_seconds=seconds,
             cached_prompt_tokens=cached,
-            kv_state_bytes=len(state),
+            block_hashes=blocks,
+            kv_prefix_tokens=prefix,
+            kv_prefix_node=holder,
+            kv_state_bytes=self._state_bytes(n + replayed, blocks),
             replayed_tokens=replayed,
             kv_state=memoryview(state),
             kv_sha256=hashlib.sha256(state).hexdigest(),
@@ -270,14 +282,23 @@ class SimEngine:
         header = _Header.decode(kv_state)
         done = len(continuation.generated_token_ids) if continuation is not None else 0
         depth = reference.prompt_tokens + max(done - 1, 0)
+        prefix = reference.kv_prefix_tokens
         async with self._slot(header.blocks):
+            held = self._blocks.cached_tokens(header.blocks[: prefix // BLOCK_TOKENS])
+            if held < prefix:
+                raise Aborted(
+                    f"this decode node no longer holds the prompt's first {prefix} tokens (its "
+                    "prefix cache let them go): the whole KV state is needed"
+                )
             if header.host != self._settings.host:  # over the link between the machines
                 await asyncio.sleep(self._link.seconds(header.real_bytes) / self._speedup)
             self._blocks.keep(header.blocks)
+            kept = min(self._blocks.cached_tokens(header.blocks), reference.prompt_tokens - 1)
             if not done:  # the prefill node's first token goes out first
                 yield TextChunk(reference.first_token_text, [reference.first_token_id])
                 done = 1
-            async for event in self._decode(header.seed, depth + 1, done, sampling, 0.0):
+            events = self._decode(header.seed, depth + 1, done, sampling, 0.0, prefix, kept)
+            async for event in events:
                 yield event
 
     async def generate(
@@ -342,6 +363,24 @@ class SimEngine:
             cached = 0
         return min(cached, n - 1)
 
+    def _best_holder(
+        self, blocks: Blocks, state_tokens: int, candidates: Sequence[DecodeCandidate]
+    ) -> tuple[str, int]:
+        """The decode candidate holding the most of the prompt's first blocks, and the
+        tokens it holds ("", 0: none), as the embedded engine picks it: the state's last
+        token always moves, and with a sliding window so does every position the first new
+        token attends to."""
+        usable = (state_tokens - 1) // BLOCK_TOKENS
+        window = self._speed.window_tokens
+        if window:
+            usable = min(usable, max(0, state_tokens - window + 1) // BLOCK_TOKENS)
+        best, most = "", 0
+        for candidate in candidates:
+            held = leading_blocks(blocks[:usable], set(candidate.block_hashes))
+            if held > most:
+                best, most = candidate.node, held
+        return best, most * BLOCK_TOKENS
+
     def _keep(self, slot: int, blocks: Blocks) -> None:
         self._blocks.keep(blocks)
         self._slot_prompts.keep(slot, blocks)
@@ -363,6 +402,7 @@ class SimEngine:
         sampling: Sampling,
         prompt_seconds: float,
         cached: int = 0,
+        kept: int = 0,
     ) -> AsyncGenerator[TextChunk | GenerationEnd, None]:
         """Tokens from position `done` on, in the shared steps, to the answer's end."""
         natural = sampling.max_tokens if sampling.ignore_eos else answer_tokens(seed)
@@ -389,6 +429,7 @@ class SimEngine:
             finish_reason=finish,
             prompt_tokens=depth,
             cached_prompt_tokens=cached,
+            kept_prefix_tokens=kept,
             prompt_eval_seconds=prompt_seconds,
             decode_seconds=(loop.time() - started) * self._speedup,
         )
@@ -457,9 +498,13 @@ class SimEngine:
         self._free.append(slot)
 
     def _state(self, seed: int, tokens: int, blocks: Blocks) -> bytes:
-        """A KV state of the real size (or its header alone, compact_kv)."""
+        """A KV state of `tokens` positions at the real size (or its header alone,
+        compact_kv)."""
         real = self._speed.kv_bytes(tokens)
         header = _Header(seed, real, self._settings.host, blocks).encode()
-        if self._settings.compact_kv:
-            return header
-        return header + bytes(max(real - len(header), 0))
+        return header + bytes(self._state_bytes(tokens, blocks) - len(header))
+
+    def _state_bytes(self, tokens: int, blocks: Blocks) -> int:
+        """The length of _state(., tokens, blocks)."""
+        header = HEADER_BYTES + len(blocks) * BLOCK_HASH_BYTES
+        return header if self._settings.compact_kv else max(self._speed.kv_bytes(tokens), header)
