@@ -424,6 +424,44 @@ async def test_a_node_that_starts_listening_late_is_reached_within_a_second_or_l
         await pool.close()
 
 
+class _CheckOnly(health.aio.HealthServicer):
+    """A node whose grpc.health.v1 has no Watch (as some servers do), counting its Checks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.checks = 0
+
+    async def Check(self, request: Any, context: Any) -> Any:
+        self.checks += 1
+        return await super().Check(request, context)
+
+    async def Watch(self, request: Any, context: Any) -> None:
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "no Watch here")
+
+
+async def test_a_node_without_health_watch_is_polled_not_spun_on() -> None:
+    """The router follows each node's Watch stream; a node that answers Check but not Watch
+    is seen serving and checked once every health_check_every_s, never in a tight loop."""
+    node = topology().node("d1").model_copy(update={"port": free_port()})
+    servicer = _CheckOnly()
+    server = grpc.aio.server()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    server.add_insecure_port(node.address)
+    await server.start()
+    pool = ChannelPool()
+    health_ = NodeHealth([node], pool, every_s=0.25, cooldown_s=1.0)
+    watching = asyncio.create_task(health_.watch())
+    try:
+        await asyncio.sleep(1.6)
+        assert health_.serving(node) and health_.available(node)
+        assert 3 <= servicer.checks <= 9  # 1.6 s at one check every 0.25 s
+    finally:
+        watching.cancel()
+        await asyncio.gather(watching, return_exceptions=True)
+        await server.stop(None)
+        await pool.close()
+
+
 async def test_a_prompt_prefers_the_node_already_evaluating_its_prefix() -> None:
     """While a node evaluates a prompt (before the request is served), the next prompt
     starting the same way prefers that node, where it waits for the shared blocks instead of

@@ -258,13 +258,19 @@ class NodeHealth:
         CHECK_TIMEOUT_S: hung), one Check says what it is; while it is not serving, it is
         tried again every `every_s`."""
         channel = self._pool.watch_channel(node.address, self._every_s, CHECK_TIMEOUT_S)
+        loop = asyncio.get_running_loop()
         while True:
+            started = loop.time()
             async for status in health_changes(channel, CHECK_TIMEOUT_S):
                 await self._saw(node, status == "SERVING")
             status, _ = await health_status(channel, CHECK_TIMEOUT_S)
             await self._saw(node, status == "SERVING")
+            # Not sooner than every_s after the last stream began (a node that serves but
+            # keeps ending its streams, or has no Watch, is polled, never spun on).
             if status != "SERVING":
                 await asyncio.sleep(self._every_s)
+            else:
+                await asyncio.sleep(max(started + self._every_s - loop.time(), 0.0))
 
     async def _saw(self, node: Node, serving: bool) -> None:
         if not serving:

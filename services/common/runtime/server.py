@@ -37,7 +37,7 @@ SERVER_OPTIONS = (
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.so_reuseport", 0),
     # Routers ping each node's health stream every health_check_every_s, with no data
-    # between (runtime wire/node_clients.py health_channel_options): accept that, where
+    # between (wire/node_clients.py health_channel_options): accept that, where
     # gRPC's default would count a strike per ping under 5 minutes and hang up.
     ("grpc.http2.min_ping_interval_without_data_ms", 100),
     ("grpc.http2.max_ping_strikes", 0),

@@ -68,7 +68,9 @@ def health_channel_options(ping_every_s: float, ping_timeout_s: float) -> tuple[
         *(option for option in CHANNEL_OPTIONS if option[0] not in keepalive),
         ("grpc.keepalive_time_ms", max(100, round(1000 * ping_every_s))),
         ("grpc.keepalive_timeout_ms", max(100, round(1000 * ping_timeout_s))),
-        ("grpc.http2.ping_timeout_ms", max(100, round(1000 * ping_timeout_s))),  # gRPC >= 1.6x
+        # The timeout that ends the connection in gRPC 1.85 (keepalive_timeout_ms alone left
+        # a SIGSTOPped node's stream open: its pings waited out the default 60 s).
+        ("grpc.http2.ping_timeout_ms", max(100, round(1000 * ping_timeout_s))),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),
         # A connection of its own: gRPC would otherwise share one subchannel (and its
