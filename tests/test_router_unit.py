@@ -36,6 +36,7 @@ from disagg_mesh.server.common.types import (
 from disagg_mesh.server.common.wire.node_clients import ChannelPool
 from disagg_mesh.server.router import failures
 from disagg_mesh.server.router.failures import CallerDeadlineExceeded, StageDeadlineExceeded
+from disagg_mesh.server.router.knowledge import Knowledge
 from disagg_mesh.server.router.node_health import NodeHealth, Overloaded
 from disagg_mesh.server.router.prefixes import prompt_bytes, text_blocks
 from disagg_mesh.server.router.request import Clock, Request
@@ -304,6 +305,22 @@ async def test_a_decode_node_that_let_the_prefix_go_gets_the_prompt_prefilled_ag
     assert text == answer(8)
     assert len(nodes.calls["p1"]) == 2 and len(nodes.calls["d1"]) == 2
     assert [(f.node, f.code) for f in summary.failed_attempts] == [("d1", "ABORTED")]
+
+
+def test_the_router_believes_no_more_of_a_node_than_its_prefix_cache_holds() -> None:
+    """A decode node's cache lets its least recently used blocks go; the router's belief of
+    it is bounded the same way (prefix_cache_tokens, default n_ctx), so it does not send a
+    delta on blocks long evicted (which would come back ABORTED)."""
+    t = topology()
+    small = t.node("d1").model_copy(update={"prefix_cache_tokens": 4 * 64})
+    knowledge = Knowledge([small, t.node("d2")])
+    rubrics = [[bytes([r, b]) * 8 for b in range(2)] for r in range(3)]  # 2 blocks each
+    for blocks in rubrics:
+        knowledge.prefixes.learn("d1", blocks)
+        knowledge.prefixes.learn("d2", blocks)
+    assert knowledge.prefixes.held("d1") == (*rubrics[1], *rubrics[2])  # 4 blocks
+    assert len(knowledge.prefixes.held("d2")) == 6  # n_ctx 4,096: 64 blocks
+    assert t.node("d2").prefix_cache_capacity_tokens == 4096
 
 
 @pytest.mark.parametrize("via", ["decode", "prefill"])

@@ -6,6 +6,8 @@ The selection policy reads it; the chain and the migrations write it as requests
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from disagg_mesh.server.common.config.topology import Node
 from disagg_mesh.server.common.engines.prefix_keys import PREFIX_BLOCK_TOKENS
 from disagg_mesh.server.common.types import DecodeStats, KvTransferKind, PrefillResult
@@ -16,10 +18,12 @@ from disagg_mesh.server.router.summary import RouteMethod, RouteSummary
 
 
 class Knowledge:
-    def __init__(self) -> None:
+    def __init__(self, nodes: Sequence[Node] = ()) -> None:
         # Token block hashes each decode node holds (from prefill replies), and text block
-        # hashes of the prompts each node served (any method).
-        self.prefixes = PrefixTable()
+        # hashes of the prompts each node served (any method); no more than its prefix
+        # cache holds (a belief beyond that is stale: a delta sent on it comes back ABORTED).
+        capacity = {n.name: n.prefix_cache_capacity_tokens // PREFIX_BLOCK_TOKENS for n in nodes}
+        self.prefixes = PrefixTable(capacity=capacity)
         self.text_prefixes = PrefixTable()
         self.costs = Costs()
 

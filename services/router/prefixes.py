@@ -14,7 +14,7 @@ serves every model.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from disagg_mesh.server.common.engines.prefix_keys import chained_hashes, leading_blocks
 from disagg_mesh.server.common.types import Prompt
@@ -27,8 +27,14 @@ MAX_HASHES_PER_NODE = 1024
 
 
 class PrefixTable:
-    def __init__(self, max_per_node: int = MAX_HASHES_PER_NODE) -> None:
+    def __init__(
+        self, max_per_node: int = MAX_HASHES_PER_NODE, capacity: Mapping[str, int] | None = None
+    ) -> None:
+        """capacity: the blocks each node's cache holds at most (the router believes no more
+        of it, the least recently learnt out first, as the node lets its least recently used
+        blocks go)."""
         self._max = max_per_node
+        self._capacity = dict(capacity or {})
         self._held: dict[str, OrderedDict[bytes, None]] = {}
 
     def learn(self, node: str, hashes: Iterable[bytes]) -> None:
@@ -37,7 +43,8 @@ class PrefixTable:
         for h in hashes:
             held[h] = None
             held.move_to_end(h)
-        while len(held) > self._max:
+        most = min(self._max, self._capacity.get(node, self._max))
+        while len(held) > most:
             held.popitem(last=False)
 
     def forget(self, node: str) -> None:

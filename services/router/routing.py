@@ -66,7 +66,7 @@ class Router:
         in-process fakes)."""
         self.topology = topology
         self.health = health
-        self.knowledge = Knowledge()
+        self.knowledge = Knowledge([n for n in topology.nodes if n.role == "decode"])
         # Recent requests, for the dashboard (router/dashboard/).
         self.recent = Recent()
         self.selection = Selection(topology, health, self.knowledge)

@@ -208,6 +208,11 @@ class Node(_Strict):
         return f"{self.host}:{self.port}"
 
     @property
+    def prefix_cache_capacity_tokens(self) -> int:
+        """Prompt tokens its prefix cache may hold (prefix_cache_tokens, default n_ctx)."""
+        return self.n_ctx if self.prefix_cache_tokens is None else self.prefix_cache_tokens
+
+    @property
     def bind_address(self) -> str:
         return f"{self.listen_host or self.host}:{self.port}"
 

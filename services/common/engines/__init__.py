@@ -49,9 +49,7 @@ async def open_engine(topology: Topology, node: Node) -> Engine:
             type_k=node.type_k,
             type_v=node.type_v,
             swa_full=node.swa_full,
-            prefix_cache_tokens=node.n_ctx
-            if node.prefix_cache_tokens is None
-            else node.prefix_cache_tokens,
+            prefix_cache_tokens=node.prefix_cache_capacity_tokens,
             schema_limits=topology.mesh.schema_limits,
         )
         return await LlamaCppEngine.open(node.name, located.path, settings, located.sha256)
@@ -79,9 +77,7 @@ async def open_engine(topology: Topology, node: Node) -> Engine:
                 slots=node.slots or node.default_slots,
                 max_queue=node.max_queue,
                 speedup=topology.mesh.sim_speedup,
-                prefix_cache_tokens=node.n_ctx
-                if node.prefix_cache_tokens is None
-                else node.prefix_cache_tokens,
+                prefix_cache_tokens=node.prefix_cache_capacity_tokens,
                 host=node.sim_host or node.host,
                 compact_kv=topology.mesh.sim_compact_kv,
             ),
