@@ -248,7 +248,17 @@ class NodeHealth:
 
     async def watch(self) -> None:
         """Follow every node's health forever (run as a task)."""
-        await asyncio.gather(*(self._follow(node) for node in self._nodes))
+        await asyncio.gather(*(self._follow_always(node) for node in self._nodes))
+
+    async def _follow_always(self, node: Node) -> None:
+        """_follow, begun again after anything it did not expect (logged), so no node's
+        health freezes."""
+        while True:
+            try:
+                await self._follow(node)
+            except Exception:
+                log.exception("following a node's health failed", node=node.name)
+                await asyncio.sleep(self._every_s)
 
     async def _follow(self, node: Node) -> None:
         """The node's grpc.health.v1 Watch stream, on a channel of its own that pings the
