@@ -168,9 +168,7 @@ async def test_a_decode_node_that_lost_its_cache_gets_the_whole_state(
     proc = delta_mesh.procs[name]
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
-    delta_mesh.start_node(delta_mesh.topology.node(name))
-    await delta_mesh.wait_serving(120, names=[name])
-    await asyncio.sleep(6.0)  # the router's channel reconnects with back-off
+    await delta_mesh.restart_node(name)
     _, s = await grade(router, SUBMISSIONS[3])
     # The router still believed the restarted node held the rubric, so the prefill node sent
     # it only the delta; it said it no longer holds the prefix (ABORTED), the router forgot

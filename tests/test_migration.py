@@ -4,7 +4,6 @@ migrating a stream whose decode node was killed or hung."""
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import json
 import os
@@ -247,11 +246,7 @@ class MigrationMesh:
                 os.kill(proc.pid, signal.SIGCONT)
                 proc.kill()
                 proc.wait()
-            self.processes.start_node(self.processes.topology.node(name))
-        await self.processes.wait_serving(120, names=list(nodes))
-        # The router's view of a restarted node lags its health checks by a few seconds
-        # (its channel reconnects with back-off): wait until it can be chosen again.
-        await asyncio.sleep(6.0)
+            await self.processes.restart_node(name)
 
 
 @pytest.fixture(scope="module")

@@ -115,7 +115,7 @@ class MeshProcesses:
             skip = (after or {}).get(router.name, 0)
             while time.monotonic() < deadline:
                 seen = set()
-                for line in self._log_lines(router.name)[skip:]:
+                for line in self.log_lines(router.name)[skip:]:
                     if '"event": "node health"' in line and '"serving": true' in line:
                         seen.add(json.loads(line)["node"])
                 if engines <= seen:
@@ -125,17 +125,18 @@ class MeshProcesses:
     async def restart_node(self, name: str, timeout_s: float = 120.0) -> None:
         """Start a stopped or killed node again; return once it is SERVING and every router
         has found it so (its channel reconnected), as a node that never went away."""
-        marks = {router.name: len(self._log_lines(router.name)) for router in self.topology.routers}
+        marks = {router.name: len(self.log_lines(router.name)) for router in self.topology.routers}
         self.start_node(self.topology.node(name))
         await self.wait_serving(timeout_s, names=[name])
         await asyncio.to_thread(self.wait_routers_see_serving, 15.0, [name], marks)
 
-    def _log_lines(self, name: str) -> list[str]:
+    def log_lines(self, name: str) -> list[str]:
+        """Every line of the node's log so far."""
         path = self.log_dir / f"{name}.log"
         return path.read_text(errors="replace").splitlines() if path.exists() else []
 
     def log_tail(self, name: str, lines: int = 15) -> str:
-        return "\n".join(self._log_lines(name)[-lines:])
+        return "\n".join(self.log_lines(name)[-lines:])
 
     async def wait_serving(
         self,
