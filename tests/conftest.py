@@ -201,9 +201,9 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
 def reference_llm() -> llama_cpp.Llama:
     """Single-process llama-cpp-python with the same model file and settings as the nodes
     (the topology's defaults: flash attention on, 512-token batches), generating on one
-    thread: a node's numbers at any thread count are those (it gives a lone row company,
-    engines/llama_cpp/context.py), while llama-cpp-python on two threads splits a lone row's
-    attention over 512 cells or more between them and rounds otherwise."""
+    thread: a node's numbers at any thread count are those (a lone row runs on one thread or
+    in company, engines/llama_cpp/context.py), while llama-cpp-python on two threads splits
+    a lone row's attention over 512 cells or more between them and rounds otherwise."""
     path = resolve_model_path(MODEL, ROOT)
     return llama_cpp.Llama(
         model_path=str(path), n_ctx=N_CTX, n_threads=1, n_batch=512, flash_attn=True, verbose=False

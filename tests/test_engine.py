@@ -17,7 +17,13 @@ import pytest_asyncio
 
 from disagg_mesh.server.common.engines.base import Generation, PrefillOutput
 from disagg_mesh.server.common.engines.llama_cpp import EngineSettings, LlamaCppEngine
-from disagg_mesh.server.common.engines.llama_cpp.context import ContextSettings, Row, SlotContext
+from disagg_mesh.server.common.engines.llama_cpp.context import (
+    ONE_THREAD,
+    PAIRED,
+    ContextSettings,
+    Row,
+    SlotContext,
+)
 from disagg_mesh.server.common.engines.llama_cpp.engine import plan_slots
 from disagg_mesh.server.common.engines.llama_cpp.model import LlamaModel, ModelLoadError
 from disagg_mesh.server.common.engines.llama_cpp.sampling import SlotSampler
@@ -301,6 +307,55 @@ def test_greedy_picks_what_llama_cpps_greedy_chain_picks() -> None:
         for chain in chains:
             llama_cpp.llama_sampler_free(chain)
         context.close()
+        model.close()
+
+
+def test_a_lone_row_over_a_wide_view_has_its_numbers_in_company_either_way() -> None:
+    """Two threads, a ~700-token stream (its view past 512 cells, where llama.cpp would split
+    a lone row's attention between the threads): its lone steps on one thread, and with a
+    scratch row of company, give every logit it has beside another stream; the node times
+    both ways and takes the faster."""
+    model = LlamaModel(PATH)
+    settings = ContextSettings(slots=2, n_ctx=1024, n_batch=512, n_ubatch=512, n_threads=2)
+    tokens = model.tokenize(Prompt(text="Count: 1, 2, 3, 4, 5, 6, 7, 8, 9," * 24), 1024)
+    other = model.tokenize(Prompt(text="The capital of France is"), 64)
+
+    def steps(how: str, n: int = 12) -> list[np.ndarray]:
+        context = SlotContext(model, settings)
+        try:
+            for start in range(0, len(tokens) - 1, 512):
+                piece = tokens[start : min(start + 512, len(tokens) - 1)]
+                rows = [Row(t, start + p, 0, False) for p, t in enumerate(piece)]
+                assert context.decode(rows) == 0
+            if how == "company":
+                rows = [Row(t, p, 1, False) for p, t in enumerate(other[:-1])]
+                assert context.decode(rows) == 0
+            elif how != "chosen":
+                context.lone_rows.way = lambda threads: how  # type: ignore[method-assign]
+            token, out = tokens[-1], []
+            for k in range(n):
+                rows = [Row(token, len(tokens) - 1 + k, 0, True)]
+                if how == "company":
+                    rows.append(Row(other[-1], len(other) - 1 + k, 1, True))
+                assert context.decode(rows) == 0
+                logits = np.ctypeslib.as_array(
+                    llama_cpp.llama_get_logits_ith(context.ptr, 0), shape=(model.n_vocab,)
+                ).copy()
+                out.append(logits)
+                token = int(np.argmax(logits))
+            if how == "chosen":
+                timed = context.lone_rows._seconds
+                assert set(timed) == {(2, ONE_THREAD), (2, PAIRED)}, timed
+            return out
+        finally:
+            context.close()
+
+    try:
+        company = steps("company")
+        for how in (ONE_THREAD, PAIRED, "chosen"):
+            lone = steps(how)
+            assert all(np.array_equal(a, b) for a, b in zip(company, lone, strict=True)), how
+    finally:
         model.close()
 
 

@@ -14,7 +14,9 @@ import pytest
 from disagg_mesh.server.common.config.topology import Node, TopologyError, host_cores, load_topology
 from disagg_mesh.server.common.engines.llama_cpp.host_threads import (
     ENGINE_NICENESS,
+    LEAVE_CORE_AT,
     LOAD_SAMPLE_S,
+    RECENT_S,
     HostThreads,
     OtherLoad,
     yield_to_io,
@@ -288,6 +290,29 @@ def test_the_hosts_other_load_is_measured_without_the_engine_nodes() -> None:
     finally:
         spinner.kill()
         spinner.wait()
+
+
+@pytest.mark.skipif(not Path("/proc/stat").is_file(), reason="the host's load is read from /proc")
+def test_load_that_ended_before_a_long_window_closed_is_not_counted() -> None:
+    """A node idle for a while: a process that kept a core busy for most of its window but
+    has ended is not counted at the next step; one still running is."""
+    for still_running in (False, True):
+        load = OtherLoad()
+        assert load([os.getpid()].copy) == 0.0
+        spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        try:
+            time.sleep(RECENT_S + 0.5)
+            if not still_running:
+                spinner.kill()
+                spinner.wait()
+            measured = load([os.getpid()].copy)
+        finally:
+            spinner.kill()
+            spinner.wait()
+        if still_running:
+            assert measured >= 0.6, measured
+        else:
+            assert measured < LEAVE_CORE_AT, measured
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="per-thread niceness is Linux's")

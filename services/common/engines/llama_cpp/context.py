@@ -17,21 +17,26 @@ Why these settings (measured here with llama-cpp-python 0.3.36 on the CPU backen
   fills from the start of the cache, putting a running sequence's next tokens before its
   earlier ones; attention adds cells up in cache order, so that sequence's numbers would
   then round differently from the same sequence run alone.
-- A pass of one row is given a second one (`decode`) once the KV view may reach 512 cells:
-  llama.cpp's CPU flash attention splits a lone row's cells between the threads and merges
-  the parts (its split-KV path, for one row and a view of >= 512 cells), which rounds
-  differently from the one-row-at-a-time kernel of every pass of 2..63 rows. Without the
-  second row, a stream's numbers would depend on whether it ran alone at a step: measured
-  here, logits up to 5.1 apart within 12 steps, and a seeded stream resumed after a failover
-  parting from its uninterrupted text under load. The second row is a token of a scratch
-  sequence at position 0, removed after the pass; it costs a lone step about 1.5x (SmolLM2,
-  2 cores), and is left out while the view stays under 512 cells (short work on an idle
-  node), on one thread (one part: the same numbers) and where attention runs on a GPU.
+- A pass of one row must not take llama.cpp's split-KV path once the KV view may reach 512
+  cells: its CPU flash attention then splits a lone row's cells between the threads and
+  merges the parts, which rounds differently from the one-row-at-a-time kernel of every pass
+  of 2..63 rows. Otherwise a stream's numbers would depend on whether it ran alone at a step:
+  measured here, logits up to 5.1 apart within 12 steps, and a seeded stream resumed after a
+  failover parting from its uninterrupted text under load. Two ways keep a lone row's
+  numbers those it has in company (`decode`, `LoneRows`): run it on one thread (one part; a
+  pass of one token uses llama.cpp's `n_threads`, larger ones `n_threads_batch`), or give it
+  a second row, a token of a scratch sequence at position 0 removed after the pass. Every
+  logit is equal either way; the node times both and takes the faster (SmolLM2 on 2 cores:
+  one thread 7.3-12.9 ms a step over 150-1,500 cells, company 12.4-16.0 ms; a model big
+  enough to be memory-bound on many cores would pay little for company and much for one
+  thread). Neither is needed while the view stays under 512 cells (short work on an idle
+  node), on one thread, or where attention runs on a GPU.
 """
 
 from __future__ import annotations
 
 import ctypes
+import time
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -96,6 +101,43 @@ VIEW_ROUNDING = 256
 ALIKE_ROWS = 64
 
 
+# How a lone row over a view that may split runs (`LoneRows`).
+ONE_THREAD = "one thread"
+PAIRED = "paired"
+# The way not in use is timed again every this many lone steps (the faster may change as the
+# view grows or the threads change); the newest step's weight in a way's running average.
+RETIME_EVERY = 64
+LONE_WEIGHT = 0.2
+
+
+class LoneRows:
+    """Which way a lone row over a view that may split runs, by measurement: its step on one
+    thread, or with a scratch row of company on all of them (the same numbers either way).
+    Each way's step seconds are a running average per thread count; each is tried first,
+    then the faster is taken and the other timed again every RETIME_EVERY lone steps."""
+
+    def __init__(self) -> None:
+        self._seconds: dict[tuple[int, str], float] = {}
+        self._steps = 0
+
+    def way(self, threads: int) -> str:
+        one = self._seconds.get((threads, ONE_THREAD))
+        paired = self._seconds.get((threads, PAIRED))
+        if one is None:
+            return ONE_THREAD
+        if paired is None:
+            return PAIRED
+        self._steps += 1
+        faster, slower = (ONE_THREAD, PAIRED) if one <= paired else (PAIRED, ONE_THREAD)
+        return slower if self._steps % RETIME_EVERY == 0 else faster
+
+    def took(self, threads: int, way: str, seconds: float) -> None:
+        last = self._seconds.get((threads, way))
+        self._seconds[threads, way] = (
+            seconds if last is None else last + LONE_WEIGHT * (seconds - last)
+        )
+
+
 class SlotContext:
     def __init__(self, model: LlamaModel, settings: ContextSettings) -> None:
         # One sequence for the parked cells, one for the scratch row, and the prefix cache's.
@@ -145,9 +187,11 @@ class SlotContext:
         self._scratch = settings.slots + 1
         self._n_seq = int(params.n_seq_max)
         self.cache_seqs = range(settings.slots + 2, settings.slots + 2 + settings.prefix_cache_seqs)
-        # A bound on the highest KV cell in use (+1), and whether lone rows are paired.
+        # A bound on the highest KV cell in use (+1), and whether lone rows are kept off
+        # the split-KV path (one thread or company).
         self._cells_high = 0
-        self._pair_lone_rows = settings.flash_attn and settings.cpu_attention
+        self._guard_lone_rows = settings.flash_attn and settings.cpu_attention
+        self.lone_rows = LoneRows()
         self.n_ctx = settings.n_ctx
         self.n_batch = settings.n_batch
         # Rows of a pass shared by several prompts: under ALIKE_ROWS on the CPU with flash
@@ -175,16 +219,33 @@ class SlotContext:
             raise ValueError(f"a step holds 1..{self.n_batch} tokens, got {len(rows)}")
         for row in rows:
             self.check_slot(row.slot)
-        if not self._pair_lone_rows:
+        if not self._guard_lone_rows:
             return self._decode(rows)
         self._note_cells(len(rows) + 1)  # + the scratch row, if it joins
         if len(rows) == 1 and self._threads > 1 and self._view_may_split():
-            result = self._decode([*rows, Row(rows[0].token, 0, self._scratch, False)])
-            llama_cpp.llama_memory_seq_rm(self._mem, self._scratch, -1, -1)
-            if result != 1:
-                return result
-            # No cell for the scratch row: the row alone, rather than no room at all.
+            threads = self._threads
+            way = self.lone_rows.way(threads)
+            started = time.perf_counter()
+            if way == ONE_THREAD:
+                result = self._lone_on_one_thread(rows)
+            else:
+                result = self._decode([*rows, Row(rows[0].token, 0, self._scratch, False)])
+                llama_cpp.llama_memory_seq_rm(self._mem, self._scratch, -1, -1)
+                if result == 1:
+                    # No cell for the scratch row: on one thread, rather than no room at all.
+                    return self._lone_on_one_thread(rows)
+            if result == 0:
+                self.lone_rows.took(threads, way, time.perf_counter() - started)
+            return result
         return self._decode(rows)
+
+    def _lone_on_one_thread(self, rows: list[Row]) -> int:
+        """A pass of one token runs on llama.cpp's n_threads: one, for this pass."""
+        llama_cpp.llama_set_n_threads(self._ctx, 1, self._threads)
+        try:
+            return self._decode(rows)
+        finally:
+            llama_cpp.llama_set_n_threads(self._ctx, self._threads, self._threads)
 
     def _decode(self, rows: list[Row]) -> int:
         batch = self._batch
@@ -282,10 +343,10 @@ class SlotContext:
     def import_state(self, slot: int, state: memoryview) -> int:
         """Load a one-sequence state into the slot; the bytes llama.cpp read (0 if refused)."""
         self.check_slot(slot)
-        held = self._held() if self._pair_lone_rows else 0
+        held = self._held() if self._guard_lone_rows else 0
         buffer = (ctypes.c_uint8 * len(state)).from_buffer(state)
         read = int(llama_cpp.llama_state_seq_set_data(self._ctx, buffer, len(state), slot))
-        if self._pair_lone_rows:  # its cells were placed as a decode's are
+        if self._guard_lone_rows:  # its cells were placed as a decode's are
             self._note_cells(int(llama_cpp.llama_memory_seq_pos_max(self._mem, slot)) + 1, held)
         return read
 

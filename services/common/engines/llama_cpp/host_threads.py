@@ -74,6 +74,11 @@ STALE_S = 30.0
 # this many cores of it on the engine nodes leave it a core (two from 1.4, ...).
 LOAD_SAMPLE_S = 0.5
 LEAVE_CORE_AT = 0.4
+# A sample whose window reaches back further than this (the node was idle, or its last step
+# was long) may hold load that is already gone: the processes running at this moment bound it.
+RECENT_S = 2 * LOAD_SAMPLE_S
+NOW_READINGS = 5
+NOW_READING_S = 0.002
 
 
 class _Peer(NamedTuple):
@@ -86,7 +91,14 @@ class OtherLoad:
     """How many cores the host's processes other than its engine nodes keep busy: the busy
     time of Linux's /proc/stat (steal included: a vCPU the hypervisor took is no core
     either) less the engine processes' CPU time, over the last LOAD_SAMPLE_S or more. 0
-    where the machine cannot tell (no /proc)."""
+    where the machine cannot tell (no /proc).
+
+    A window longer than RECENT_S (the first step after the node was idle) that would leave
+    a core counts no more than the threads of other processes running now (`_running_now`,
+    ~10 ms, only then): load that ended before the
+    step began (a process that ran its own llama.cpp on every core until just now) would
+    otherwise cost the node a core for its whole first step (measured: a 1,000-token prompt
+    on one thread for its first 2 s of 3.2 s, after a 2.6 s run of such a process)."""
 
     def __init__(self) -> None:
         self._tick = float(os.sysconf("SC_CLK_TCK")) if hasattr(os, "sysconf") else 100.0
@@ -99,27 +111,47 @@ class OtherLoad:
         now = time.monotonic()
         if not self._readable or (self._last is not None and now - self._last[0] < LOAD_SAMPLE_S):
             return self._cores
-        busy = self._host_busy_s()
-        if busy is None:
+        host = self._host()
+        if host is None:
             return 0.0
+        busy, running = host
         mine = {pid: t for pid in pids() if (t := self._process_s(pid)) is not None}
         if self._last is not None and self._last[2].keys() == mine.keys():
             then, busy_then, mine_then = self._last
             engines = sum(mine.values()) - sum(mine_then.values())
             self._cores = max(0.0, (busy - busy_then - engines) / (now - then))
+            if now - then > RECENT_S and self._cores >= LEAVE_CORE_AT:
+                self._cores = min(self._cores, float(self._running_now(running, list(mine))))
         # (an engine node that came or went: a new baseline, the last figure stands)
         self._last = (now, busy, mine)
         return self._cores
 
-    def _host_busy_s(self) -> float | None:
+    def _running_now(self, running: int, engines: list[int]) -> int:
+        """Other processes' threads running at this moment: the fewest of a few readings
+        NOW_READING_S apart (a thread that happens to run at one, such as the router's
+        passing this request on, is not a load; a spinning process runs at all of them)."""
+        fewest = running - sum(_running_threads(pid) for pid in engines)
+        for _ in range(NOW_READINGS - 1):
+            if fewest <= 0:
+                break
+            time.sleep(NOW_READING_S)
+            host = self._host()
+            if host is None:
+                break
+            fewest = min(fewest, host[1] - sum(_running_threads(pid) for pid in engines))
+        return max(fewest, 0)
+
+    def _host(self) -> tuple[float, int] | None:
+        """The host's busy seconds, and the threads running (or ready to) at this moment."""
         try:
             with open("/proc/stat", "rb") as f:
-                fields = f.readline().split()
+                lines = f.read().splitlines()
         except OSError:
             return None
         # cpu user nice system idle iowait irq softirq steal (guest time is in user's)
-        user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, fields[1:9])
-        return (user + nice + system + irq + softirq + steal) / self._tick
+        user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, lines[0].split()[1:9])
+        running = next((int(ln.split()[1]) for ln in lines if ln.startswith(b"procs_running")), 0)
+        return (user + nice + system + irq + softirq + steal) / self._tick, running
 
     def _process_s(self, pid: int) -> float | None:
         try:
@@ -128,6 +160,23 @@ class OtherLoad:
         except OSError:
             return None
         return (int(fields[11]) + int(fields[12])) / self._tick  # utime, stime
+
+
+def _running_threads(pid: int) -> int:
+    """The process's threads running (or ready to) now: state R in /proc."""
+    running = 0
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return 0
+    for task in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{task}/stat", "rb") as f:
+                state = f.read().rpartition(b")")[2].split(maxsplit=1)[0]
+        except (OSError, IndexError):
+            continue
+        running += state == b"R"
+    return running
 
 
 class HostThreads:
