@@ -320,7 +320,7 @@ def test_a_lone_row_over_a_wide_view_has_its_numbers_in_company_either_way() -> 
     tokens = model.tokenize(Prompt(text="Count: 1, 2, 3, 4, 5, 6, 7, 8, 9," * 24), 1024)
     other = model.tokenize(Prompt(text="The capital of France is"), 64)
 
-    def steps(how: str, n: int = 12) -> list[np.ndarray]:
+    def steps(how: str, n: int = 12, tokens: list[int] = tokens) -> list[np.ndarray]:
         context = SlotContext(model, settings)
         try:
             for start in range(0, len(tokens) - 1, 512):
@@ -330,6 +330,8 @@ def test_a_lone_row_over_a_wide_view_has_its_numbers_in_company_either_way() -> 
             if how == "company":
                 rows = [Row(t, p, 1, False) for p, t in enumerate(other[:-1])]
                 assert context.decode(rows) == 0
+            elif how == "plain":
+                context.lone_rows.way = lambda threads: pytest.fail("a lone row was guarded")  # type: ignore[method-assign]
             elif how != "chosen":
                 context.lone_rows.way = lambda threads: how  # type: ignore[method-assign]
             token, out = tokens[-1], []
@@ -355,6 +357,12 @@ def test_a_lone_row_over_a_wide_view_has_its_numbers_in_company_either_way() -> 
         for how in (ONE_THREAD, PAIRED, "chosen"):
             lone = steps(how)
             assert all(np.array_equal(a, b) for a, b in zip(company, lone, strict=True)), how
+        # A ~150-token stream stays within a 256-cell view (llama.cpp's split path starts at
+        # 512): its lone rows need neither way, and have their numbers in company all the same.
+        short = tokens[:150]
+        company = steps("company", 60, short)
+        lone = steps("plain", 60, short)
+        assert all(np.array_equal(a, b) for a, b in zip(company, lone, strict=True))
     finally:
         model.close()
 

@@ -190,6 +190,7 @@ class SlotContext:
         # A bound on the highest KV cell in use (+1), and whether lone rows are kept off
         # the split-KV path (one thread or company).
         self._cells_high = 0
+        self._placed_high = 0
         self._guard_lone_rows = settings.flash_attn and settings.cpu_attention
         self.lone_rows = LoneRows()
         self.n_ctx = settings.n_ctx
@@ -221,7 +222,7 @@ class SlotContext:
             self.check_slot(row.slot)
         if not self._guard_lone_rows:
             return self._decode(rows)
-        self._note_cells(len(rows) + 1)  # + the scratch row, if it joins
+        self._note_cells(len(rows), passing=1)  # + the scratch row, if it joins
         if len(rows) == 1 and self._threads > 1 and self._view_may_split():
             threads = self._threads
             way = self.lone_rows.way(threads)
@@ -265,22 +266,42 @@ class SlotContext:
             held += int(llama_cpp.llama_memory_seq_pos_max(self._mem, seq)) + 1
         return held
 
-    def _note_cells(self, new: int, held: int | None = None) -> None:
-        """Keep `_cells_high` above the highest cell in use once `new` cells are placed
-        (`held`: the cells in use before, when already counted).
+    def _held_before_placing(self) -> int:
+        """`_held`, the cache cleared first when it holds nothing (its head back to cell 0,
+        which `_note_cells` counts on)."""
+        held = self._held()
+        if held == 0:
+            llama_cpp.llama_memory_clear(self._mem, False)
+        return held
 
-        llama.cpp places cells from its head, which it moves back to 0 when more than
-        2 * new cells below it are free, so no placed cell is beyond 2 * in use + 3 * new
-        (a decode's later micro-batches count the earlier ones as in use: 5 * new). A
-        bound, not a reading: llama.cpp does not say where its cells are. It drops back only
-        when the cache is empty."""
-        held = self._held() if held is None else held
+    def _note_cells(self, new: int, held: int | None = None, passing: int = 0) -> None:
+        """Keep two bounds above the highest cell in use once `new` cells are placed
+        (`held`: the cells in use before, when already counted by `_held_before_placing`;
+        `passing`: cells placed for one pass and removed after it, the scratch row). Bounds,
+        not readings: llama.cpp does not say where its cells are. Both drop back only when
+        the cache is empty.
+
+        - `_cells_high`: llama.cpp places cells from its head, which it moves back to 0 when
+          more than 2 * new cells below it are free, so no placed cell is beyond
+          2 * in use + 3 * new (a decode's later micro-batches count the earlier ones as in
+          use: 5 * new).
+        - `_placed_high`: the cells placed since the cache was empty. llama.cpp takes the
+          first free cells from its head, which is never above this bound (it moves to the
+          cell after the last placed, or back), so each placement raises it by the cells
+          placed; a scratch row's cell, removed after its pass, is taken again next. An
+          empty cache is cleared first, which puts the head at cell 0. Tight while a node's
+          work is short (a stream on an idle node), loose on a busy node."""
+        held = self._held_before_placing() if held is None else held
         if held == 0:
             self._cells_high = 0
-        self._cells_high = max(self._cells_high, 2 * held + 5 * new)
+            self._placed_high = new + passing
+        else:
+            self._placed_high += new
+        self._cells_high = max(self._cells_high, 2 * held + 5 * (new + passing))
 
     def _view_may_split(self) -> bool:
-        view = max(VIEW_ROUNDING, -(-self._cells_high // VIEW_ROUNDING) * VIEW_ROUNDING)
+        high = min(self._cells_high, self._placed_high)
+        view = max(VIEW_ROUNDING, -(-high // VIEW_ROUNDING) * VIEW_ROUNDING)
         return view >= SPLIT_KV_VIEW_CELLS
 
     def park(self, slot: int) -> None:
@@ -343,7 +364,7 @@ class SlotContext:
     def import_state(self, slot: int, state: memoryview) -> int:
         """Load a one-sequence state into the slot; the bytes llama.cpp read (0 if refused)."""
         self.check_slot(slot)
-        held = self._held() if self._guard_lone_rows else 0
+        held = self._held_before_placing() if self._guard_lone_rows else 0
         buffer = (ctypes.c_uint8 * len(state)).from_buffer(state)
         read = int(llama_cpp.llama_state_seq_set_data(self._ctx, buffer, len(state), slot))
         if self._guard_lone_rows:  # its cells were placed as a decode's are
