@@ -95,10 +95,10 @@ class OtherLoad:
 
     A window longer than RECENT_S (the first step after the node was idle) that would leave
     a core counts no more than the threads of other processes running now (`_running_now`,
-    ~10 ms, only then): load that ended before the
-    step began (a process that ran its own llama.cpp on every core until just now) would
-    otherwise cost the node a core for its whole first step (measured: a 1,000-token prompt
-    on one thread for its first 2 s of 3.2 s, after a 2.6 s run of such a process)."""
+    ~10 ms, only then): load that ended before the step began (a process that ran its own
+    llama.cpp on every core until just now) would otherwise cost the node a core for its
+    whole first step (measured: a 1,000-token prompt on one thread for its first 2 s of
+    3.2 s, after a 2.6 s run of such a process)."""
 
     def __init__(self) -> None:
         self._tick = float(os.sysconf("SC_CLK_TCK")) if hasattr(os, "sysconf") else 100.0
