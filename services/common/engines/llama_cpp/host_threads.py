@@ -154,29 +154,30 @@ class OtherLoad:
         return (user + nice + system + irq + softirq + steal) / self._tick, running
 
     def _process_s(self, pid: int) -> float | None:
-        try:
-            with open(f"/proc/{pid}/stat", "rb") as f:
-                fields = f.read().rpartition(b")")[2].split()
-        except OSError:
+        fields = _stat_fields(f"/proc/{pid}/stat")
+        if fields is None:
             return None
         return (int(fields[11]) + int(fields[12])) / self._tick  # utime, stime
 
 
+def _stat_fields(path: str) -> list[bytes] | None:
+    """A /proc stat file's fields after the command name (state first), or None when it is
+    gone."""
+    try:
+        with open(path, "rb") as f:
+            return f.read().rpartition(b")")[2].split()
+    except OSError:
+        return None
+
+
 def _running_threads(pid: int) -> int:
     """The process's threads running (or ready to) now: state R in /proc."""
-    running = 0
     try:
         tasks = os.listdir(f"/proc/{pid}/task")
     except OSError:
         return 0
-    for task in tasks:
-        try:
-            with open(f"/proc/{pid}/task/{task}/stat", "rb") as f:
-                state = f.read().rpartition(b")")[2].split(maxsplit=1)[0]
-        except (OSError, IndexError):
-            continue
-        running += state == b"R"
-    return running
+    states = (_stat_fields(f"/proc/{pid}/task/{task}/stat") for task in tasks)
+    return sum(1 for fields in states if fields and fields[0] == b"R")
 
 
 class HostThreads:
