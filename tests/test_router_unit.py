@@ -642,3 +642,79 @@ async def test_states_are_made_for_a_decode_node_only_while_it_has_room_for_them
             assert busy.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
     await second
     assert order == ["first", "second"]
+
+
+def request_for(router: Router, **route: Any) -> Request:
+    model = router.topology.models[0].model_copy(update=route)
+    return Request(model, PROMPT, Sampling(max_tokens=4), Clock(None), 0, [])
+
+
+async def test_a_state_made_waits_for_its_decode_slot_and_is_never_refused_at_once() -> None:
+    """Once a state was made for a decode node, the decode call waits in turn for a slot
+    as long as the prefill node keeps the state (held_s), past the queue budget and
+    whatever the node's pace says: refusing it would throw the prefill away. Before any
+    work was done, the same wait is refused at once."""
+    router, _ = build()
+    health, node = router.health, router.topology.node("d1")
+    health._slots["d1"] = 1
+    health._drain_s["d1"] = 10.0  # the pace says: about 10 s to a slot
+    request = request_for(router, queue_budget_s=0.1)
+    with health.busy(node):
+        with pytest.raises(Overloaded):
+            await failures.free_slot(health, request, node)
+        request.work_done, request.held_s = True, 5.0  # a state was made for it
+        waiter = asyncio.create_task(failures.free_slot(health, request, node))
+        await asyncio.sleep(0.3)  # three times its queue budget
+        assert not waiter.done()
+    await asyncio.wait_for(waiter, 1.0)  # the slot freed: its turn
+
+
+async def test_a_decode_node_keeps_room_for_as_many_states_as_free_within_the_budget() -> None:
+    """Beyond its slots, a decode node takes as many states as its slots free within the
+    route's queue budget at their measured pace (at most its slots), so a state made does
+    not wait for a slot longer than a request may wait for admission."""
+    router, _ = build()
+    health, node = router.health, router.topology.node("d1")
+    health._slots["d1"] = 4
+    assert health._waiting_room("d1", 4) == 4  # nothing measured: a slot's worth each
+    health._drain_s["d1"] = 1.0
+    for budget_s, extra in ((2.0, 2), (0.5, 0), (600.0, 4)):
+        await health.wait_for_room(node, 1.0, budget_s)
+        health.leave_room(node)
+        assert health._waiting_room("d1", 4) == extra
+    for _ in range(4):
+        health._in_flight["d1"] += 1  # its four slots busy
+    await health.wait_for_room(node, 0.01, 2.0)
+    await health.wait_for_room(node, 0.01, 2.0)
+    with pytest.raises(MeshError) as full:
+        await health.wait_for_room(node, 0.01, 2.0)
+    assert full.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+async def test_a_prefill_node_gets_no_more_calls_than_it_ends_within_the_budget() -> None:
+    """A prefill node evaluates long prompts in turn: the router lets it have no more
+    calls at once than end within the route's queue budget at their measured pace, so a
+    prompt does not wait inside the node longer than it may wait for admission; the
+    others wait at the router, in turn."""
+    router, _ = build()
+    health, node = router.health, router.topology.node("p1")
+    health._slots["p1"] = 8
+    health._drain_s["p1"] = 1.0
+    held = []
+    for _ in range(3):
+        await health.free_slot(node, 1.0, queue_budget_s=3.0)
+        held.append(health.busy(node))
+        held[-1].__enter__()
+    assert not health.has_free_slot(node)
+    with pytest.raises(Overloaded):  # its turn: after ~1 s, over a 0.5 s budget
+        await health.free_slot(node, 0.5, queue_budget_s=3.0)
+    fourth = asyncio.create_task(health.free_slot(node, 5.0, queue_budget_s=3.0))
+    await asyncio.sleep(0.05)
+    assert not fourth.done()
+    held.pop().__exit__(None, None, None)
+    await asyncio.wait_for(fourth, 1.0)
+    for busy in held:
+        busy.__exit__(None, None, None)
+    health._slots["d1"], health._drain_s["d1"], health._slot_wait_s["d1"] = 8, 1.0, 3.0
+    assert health._open("d1") == 8  # a decode node: its slots (its room bounds its queue)
+

@@ -109,6 +109,7 @@ class Chain:
                     result = await self._prefill.run(request, attempt, candidates)
                 request.work_done = True  # a state was made for it
                 assert attempt.prefill is not None
+                request.held_s = attempt.prefill.kv_ttl_s
                 attempt.decode = self._selection.decode_after_prefill(
                     request.route, attempt.decode, result.kv_prefix_node
                 )

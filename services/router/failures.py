@@ -122,7 +122,9 @@ def stage_error(
 async def free_slot(health: NodeHealth, request: Request, node: Node) -> None:
     """Wait, within the request's queue budget and the caller's deadline, until the node has
     a free slot: the stage deadline then covers the node's work only. RESOURCE_EXHAUSTED
-    past the budget (retried elsewhere, no blame); the caller's deadline is final."""
+    past the budget (retried elsewhere, no blame), or at once where the node's pace says it
+    would pass (not once work was done for the request: see Request.queued_s); the caller's
+    deadline is final."""
     remaining = request.clock.remaining()
     budget = request.queue_left()
     with _queued(request):
@@ -137,7 +139,12 @@ async def free_slot(health: NodeHealth, request: Request, node: Node) -> None:
                     f"{node.name} ({remaining:.3f} s were left)"
                 ) from None
             return
-        await health.free_slot(node, budget)
+        await health.free_slot(
+            node,
+            budget,
+            refuse_early=not request.work_done,
+            queue_budget_s=request.route.queue_budget_s,
+        )
 
 
 @asynccontextmanager
@@ -147,7 +154,7 @@ async def decode_room(health: NodeHealth, request: Request, node: Node) -> Async
     remaining = request.clock.remaining()
     budget = request.queue_left() if remaining is None else min(request.queue_left(), remaining)
     with _queued(request):
-        await health.wait_for_room(node, budget)
+        await health.wait_for_room(node, budget, request.route.queue_budget_s)
     try:
         yield
     finally:

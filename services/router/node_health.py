@@ -78,6 +78,11 @@ class NodeHealth:
         # callers waiting for room to make one (wait_for_room).
         self._promised: dict[str, int] = {}
         self._room_waiting: dict[str, deque[asyncio.Future[None]]] = {}
+        # The queue budget of the route that last asked each decode node for room, and
+        # each node for a slot (`_open`: prefill nodes).
+        self._room_wait_s: dict[str, float] = {}
+        self._slot_wait_s: dict[str, float] = {}
+        self._prefill_nodes = {n.name for n in nodes if n.role == "prefill"}
 
     def available(self, node: Node) -> bool:
         """Serving (or not checked yet) and not cooling down."""
@@ -106,27 +111,48 @@ class NodeHealth:
         flight per slot."""
         slots = self._slots.get(node.name, 0)
         in_flight = self._in_flight.get(node.name, 0)
-        if slots <= 0 or in_flight < slots:
+        if slots <= 0 or in_flight < self._open(node.name):
             return 0.0
         return in_flight / slots
 
-    async def free_slot(self, node: Node, budget_s: float, and_serve: bool = False) -> None:
+    def _open(self, name: str) -> int:
+        """The calls the router lets a node have at once: its slots; a prefill node's (it
+        evaluates long prompts in turn) no more than it finishes within the last caller's
+        queue budget at the pace its calls have been ending (at least one), so a prompt
+        does not wait inside the node longer than a request may wait for admission."""
+        slots = self._slots.get(name, 0)
+        drain_s = self._drain_s.get(name)
+        if name not in self._prefill_nodes or not drain_s or name not in self._slot_wait_s:
+            return slots
+        return max(1, min(slots, int(self._slot_wait_s[name] / drain_s)))
+
+    async def free_slot(
+        self,
+        node: Node,
+        budget_s: float,
+        and_serve: bool = False,
+        refuse_early: bool = True,
+        queue_budget_s: float | None = None,
+    ) -> None:
         """Wait until the node has a slot free of this router's calls, in turn with the
         other callers waiting for it (oldest first). Slots not known yet: no wait.
         ResourceExhausted after budget_s (the node is busy, not failing), or at once
-        (`Overloaded`) when the callers ahead would take longer than budget_s at the rate
-        the node's slots have been freeing. The slot is the caller's when its busy() begins,
-        at once after this. and_serve: budget_s must cover the call too (a caller's
-        deadline), taken as long as the node's calls last lately (slots x that rate)."""
+        (`Overloaded`, unless not refuse_early) when the callers ahead would take longer
+        than budget_s at the rate the node's slots have been freeing. The slot is the
+        caller's when its busy() begins, at once after this. and_serve: budget_s must cover
+        the call too (a caller's deadline), taken as long as the node's calls last lately
+        (slots x that rate). queue_budget_s: the request's route's (`_open`)."""
+        if queue_budget_s is not None:
+            self._slot_wait_s[node.name] = queue_budget_s
         slots = self._slots.get(node.name, 0)
         waiting = self._waiting.setdefault(node.name, deque())
         taken = self._in_flight.get(node.name, 0) + self._reserved.get(node.name, 0)
-        if slots <= 0 or (taken < slots and not waiting):
+        if slots <= 0 or (taken < self._open(node.name) and not waiting):
             return
         expected_s = self.expected_wait(node)
         if expected_s is not None and and_serve:
             expected_s += slots * self._drain_s[node.name]
-        if expected_s is not None and expected_s > budget_s:
+        if expected_s is not None and expected_s > budget_s and (refuse_early or and_serve):
             why = "the caller's deadline" if and_serve else "the request's queue_budget_s left"
             raise Overloaded(
                 f"node {node.name} is over-full: {len(waiting)} calls already wait for its "
@@ -160,13 +186,13 @@ class NodeHealth:
         return max(0.0, (len(waiting) + 1) * drain_s - since)
 
     def _freed(self, name: str) -> None:
-        """A call on the node ended: while callers wait, time how long the slot took."""
+        """A call on the node ended: while callers wait (for a slot or room), time how long
+        the slot took to free (since the last one did, or since they were all taken)."""
         now = time.monotonic()
-        if not self._waiting.get(name):
-            self._drain_mark.pop(name, None)
+        mark = self._drain_mark.pop(name, None)
+        if not (self._waiting.get(name) or self._room_waiting.get(name)):
             return
-        took = now - self._drain_mark.get(name, now)
-        last = self._drain_s.get(name)
+        took, last = now - (mark or now), self._drain_s.get(name)
         self._drain_s[name] = took if last is None else last + DRAIN_WEIGHT * (took - last)
         self._drain_mark[name] = now
 
@@ -174,34 +200,39 @@ class NodeHealth:
         """Give a freed slot to the oldest caller waiting for one (every: let every caller
         go, the node's slots being unknown now)."""
         waiting = self._waiting.get(name, deque())
-        slots = self._slots.get(name, 0)
+        open_ = self._open(name)
         while waiting and (
-            every or self._in_flight.get(name, 0) + self._reserved.get(name, 0) < slots
+            every or self._in_flight.get(name, 0) + self._reserved.get(name, 0) < open_
         ):
             turn = waiting.popleft()
             self._reserved[name] = self._reserved.get(name, 0) + 1
             turn.set_result(None)
 
-    async def wait_for_room(self, node: Node, budget_s: float) -> None:
+    async def wait_for_room(self, node: Node, budget_s: float, queue_budget_s: float) -> None:
         """Room on a decode node for one more state, the caller's until leave_room (held
         while the state is made: the prefill stage): the node's calls, the callers waiting
-        for its slots and the states being made for it stay under twice its slots. So no
-        more states are made than its streams take in about one round (more would wait,
-        hold the prefill nodes' KV memory and expire, or overflow its queue: work thrown
-        away). Waits in turn; ResourceExhausted after budget_s. Slots not known: no wait."""
+        for its slots and the states being made for it stay under its slots and as many
+        more as its slots free within the route's queue_budget_s at their pace (at most
+        twice its slots; `_waiting_room`). So no more states are made than its streams take
+        in about one round, nor than would wait for a slot longer than a request may wait
+        for admission (more would wait, hold the prefill nodes' KV memory and expire, or
+        overflow its queue: work thrown away, or first tokens late). Waits in turn;
+        ResourceExhausted after budget_s. Slots not known: no wait."""
         name = node.name
+        self._room_wait_s[name] = queue_budget_s
         waiting = self._room_waiting.setdefault(name, deque())
         if not waiting and self._has_room(name):
             self._promised[name] = self._promised.get(name, 0) + 1
             return
+        self._drain_mark.setdefault(name, time.monotonic())
 
         def pass_on() -> None:
             self.leave_room(node)
 
         if not await _turn(waiting, budget_s, pass_on):
             raise ResourceExhausted(
-                f"decode node {name}: its {self._slots.get(name, 0)} slots, and as many "
-                f"states waiting for them, taken by this router's calls for {budget_s:g} s "
+                f"decode node {name}: its {self._slots.get(name, 0)} slots, and the states "
+                f"that may wait for them, taken by this router's calls for {budget_s:g} s "
                 "(the request's queue_budget_s left); try later or add decode nodes"
             )
 
@@ -217,7 +248,19 @@ class NodeHealth:
             + len(self._waiting.get(name, ()))
             + self._promised.get(name, 0)
         )
-        return slots <= 0 or used < 2 * slots
+        return slots <= 0 or used < slots + self._waiting_room(name, slots)
+
+    def _waiting_room(self, name: str, slots: int) -> int:
+        """How many calls beyond its slots a decode node takes (wait_for_room): as many as
+        its slots free within the queue budget, at most its slots. Before a slot has freed
+        while they were all taken, the time they have been taken stands for the pace."""
+        drain_s = self._drain_s.get(name)
+        mark = self._drain_mark.get(name)
+        if drain_s is None and mark is not None:
+            drain_s = time.monotonic() - mark
+        if not drain_s:
+            return slots
+        return min(slots, int(self._room_wait_s.get(name, 0.0) / drain_s))
 
     def _wake_room(self, name: str) -> None:
         waiting = self._room_waiting.get(name, deque())
@@ -228,8 +271,12 @@ class NodeHealth:
 
     @contextmanager
     def busy(self, node: Node, request_id: int = 0) -> Iterator[None]:
-        """Count a call on the node while it lasts (for the request `request_id`)."""
+        """Count a call on the node while it lasts (for the request `request_id`); the one
+        that takes its last free slot starts the clock of how fast its slots free
+        (`_freed`, `_waiting_room`)."""
         self._in_flight[node.name] = self._in_flight.get(node.name, 0) + 1
+        if 0 < self._open(node.name) <= self._in_flight[node.name]:
+            self._drain_mark.setdefault(node.name, time.monotonic())
         try:
             with self.deaths.holding(node.name, request_id):
                 yield

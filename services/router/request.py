@@ -54,15 +54,18 @@ class Request:
     ident: int = field(default_factory=Deaths.new_id)
     # Seconds it waited for admission (decode room, free slots) before any work was done for
     # it, on every node tried: the route's queue_budget_s bounds their sum. Once a state was
-    # made or text delivered for it (work_done), each wait may take the whole budget again
-    # (room was kept for it: refusing it then would throw that work away).
+    # made or text delivered for it (work_done), each wait may take the whole budget again,
+    # or as long as the prefill node keeps the state made for it (held_s, its kv_ttl_s),
+    # and is never refused at once: room was kept for it, and refusing it then would throw
+    # that work away.
     queued_s: float = 0.0
     work_done: bool = False
+    held_s: float = 0.0
 
     def queue_left(self) -> float:
         """What is left of the route's queue budget for this request's next wait."""
         if self.work_done:
-            return self.route.queue_budget_s
+            return max(self.route.queue_budget_s, self.held_s)
         return max(0.0, self.route.queue_budget_s - self.queued_s)
 
 

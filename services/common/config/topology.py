@@ -280,6 +280,8 @@ class ModelRoute(_Strict):
     # at once where the nodes' measured pace says it would pass; never a cool-down: a busy
     # node is not a failing one. Set below a time-to-first-token goal, the requests that
     # would miss it by waiting are refused at once instead of served late (README: goodput).
+    # It also bounds the states made for a decode node beyond its slots, and the calls a
+    # prefill node gets at once, to what they serve within it at their measured pace.
     queue_budget_s: PositiveSeconds = 600.0
     # A decode node that fails after text was delivered hands the generation over to
     # another decode node of this model (from the prompt and the tokens delivered), at most
