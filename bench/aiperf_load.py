@@ -51,7 +51,10 @@ AIPERF = "aiperf==0.13.0"
 LEVELS = (1, 8, 32, 128)
 SYSTEM_TOKENS, USER_TOKENS, NEW_TOKENS = 1024, 128, 32
 SLO_TTFT_MS, SLO_ITL_MS = 10_000, 300
-QUEUE_BUDGET_S = 5.0
+# A quarter of the TTFT goal: a request may wait about this long at the router, then as
+# long again for its turn in a prefill node and for a decode slot (the budget bounds the
+# calls a prefill node gets at once and the states made for a decode node beyond its slots).
+QUEUE_BUDGET_S = SLO_TTFT_MS / 1000 / 4
 GRACE_S = 30
 GOAL_GOODPUT, GOAL_THROUGHPUT = 0.9, 1.0
 # A text with digits, spaces, tabs, code and non-ASCII: the tokenizer folder must count it

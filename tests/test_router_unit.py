@@ -717,3 +717,41 @@ async def test_a_prefill_node_gets_no_more_calls_than_it_ends_within_the_budget(
         busy.__exit__(None, None, None)
     health._slots["d1"], health._drain_s["d1"], health._slot_wait_s["d1"] = 8, 1.0, 3.0
     assert health._open("d1") == 8  # a decode node: its slots (its room bounds its queue)
+
+
+async def test_after_a_state_was_let_go_the_retry_waits_only_its_queue_budget() -> None:
+    """A decode node answering ABORTED (it let the prefix go) has the prompt prefilled
+    again; that retry's wait for room is the queue budget's again, not the life of the
+    state it no longer waits for: with no room left on that node it moves on at once."""
+    router, nodes = build(queue_budget_s=0.1)
+    health = router.health
+    nodes.scripts["d1"] = Script([fail(grpc.StatusCode.ABORTED)])
+    decode = nodes.decode
+
+    def full_after_the_call(address: str) -> DecodeCalls:
+        if nodes.names[address] == "d1":
+            health._slots["d1"], health._promised["d1"] = 1, 2  # no room from now on
+        return decode(address)
+
+    nodes.decode = full_after_the_call  # type: ignore[method-assign]
+    began = time.perf_counter()
+    text, summary = await asyncio.wait_for(run(router), 5.0)
+    assert text == answer(8) and summary.decode_node == "d2"
+    assert time.perf_counter() - began < 1.0
+    first = summary.failed_attempts[0]
+    assert (first.node, first.code) == ("d1", "ABORTED")
+
+
+async def test_before_callers_wait_a_prefill_nodes_pace_is_its_calls_time_alone() -> None:
+    """Before callers have waited for a prefill node (nothing timed between two calls
+    ending), the calls it gets at once are bounded by how long a call took that had the
+    node to itself: a burst's first prompts do not all queue inside it."""
+    router, _ = build()
+    health, node = router.health, router.topology.node("p1")
+    health._slots["p1"] = 8
+    await health.free_slot(node, 1.0, queue_budget_s=1.0)
+    assert health._open("p1") == 8  # nothing known yet
+    with health.busy(node):
+        await asyncio.sleep(0.2)
+    alone_s = health._alone_s["p1"]
+    assert alone_s >= 0.2 and health._open("p1") == int(1.0 / alone_s)  # 5 on an idle machine

@@ -138,6 +138,7 @@ class Chain:
                 self._knowledge.forget(decode)
                 attempt_failed(self._health, request, attempt, exc)
                 attempt.started = time.perf_counter()
+                request.held_s = 0.0  # that state is not waited for any more
                 continue
             stats = required(stats, decode)
             attempt.summary.add_decode_stats(stats)

@@ -83,6 +83,8 @@ class NodeHealth:
         self._room_wait_s: dict[str, float] = {}
         self._slot_wait_s: dict[str, float] = {}
         self._prefill_nodes = {n.name for n in nodes if n.role == "prefill"}
+        # How long each prefill node's calls took that had it to themselves (`_open`).
+        self._alone_s: dict[str, float] = {}
 
     def available(self, node: Node) -> bool:
         """Serving (or not checked yet) and not cooling down."""
@@ -119,9 +121,10 @@ class NodeHealth:
         """The calls the router lets a node have at once: its slots; a prefill node's (it
         evaluates long prompts in turn) no more than it finishes within the last caller's
         queue budget at the pace its calls have been ending (at least one), so a prompt
-        does not wait inside the node longer than a request may wait for admission."""
+        does not wait inside the node longer than a request may wait for admission. Before
+        callers have waited for it, the pace is how long its calls took alone."""
         slots = self._slots.get(name, 0)
-        drain_s = self._drain_s.get(name)
+        drain_s = self._drain_s.get(name) or self._alone_s.get(name)
         if name not in self._prefill_nodes or not drain_s or name not in self._slot_wait_s:
             return slots
         return max(1, min(slots, int(self._slot_wait_s[name] / drain_s)))
@@ -274,12 +277,17 @@ class NodeHealth:
         """Count a call on the node while it lasts (for the request `request_id`); the one
         that takes its last free slot starts the clock of how fast its slots free
         (`_freed`, `_waiting_room`)."""
-        self._in_flight[node.name] = self._in_flight.get(node.name, 0) + 1
-        if 0 < self._open(node.name) <= self._in_flight[node.name]:
-            self._drain_mark.setdefault(node.name, time.monotonic())
+        name = node.name
+        self._in_flight[name] = self._in_flight.get(name, 0) + 1
+        began, alone = time.monotonic(), self._in_flight[name] == 1
+        if 0 < self._open(name) <= self._in_flight[name]:
+            self._drain_mark.setdefault(name, began)
         try:
-            with self.deaths.holding(node.name, request_id):
+            with self.deaths.holding(name, request_id):
                 yield
+            if alone and name in self._prefill_nodes:  # its own time: a prompt's pace
+                took, last = time.monotonic() - began, self._alone_s.get(name)
+                self._alone_s[name] = took if last is None else last + DRAIN_WEIGHT * (took - last)
         finally:
             self._in_flight[node.name] -= 1
             self._freed(node.name)
