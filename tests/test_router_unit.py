@@ -715,7 +715,7 @@ async def test_a_prefill_node_gets_no_more_calls_than_it_ends_within_the_budget(
     await asyncio.wait_for(fourth, 1.0)
     for busy in held:
         busy.__exit__(None, None, None)
-    health._slots["d1"], health._drain_s["d1"], health._slot_wait_s["d1"] = 8, 1.0, 3.0
+    health._slots["d1"], health._drain_s["d1"], health._budget_s["d1"] = 8, 1.0, 3.0
     assert health._open("d1") == 8  # a decode node: its slots (its room bounds its queue)
 
 

@@ -35,7 +35,8 @@ from disagg_mesh.server.router.deaths import Deaths
 
 log = structlog.get_logger("node_health")
 CHECK_TIMEOUT_S = 1.0
-# The running average of a node's drain rate: the weight of the newest interval.
+# A node's running averages of its pace (seconds between its slots freeing, a prefill
+# call's time alone): the weight of the newest sample.
 DRAIN_WEIGHT = 0.3
 
 
@@ -78,10 +79,9 @@ class NodeHealth:
         # callers waiting for room to make one (wait_for_room).
         self._promised: dict[str, int] = {}
         self._room_waiting: dict[str, deque[asyncio.Future[None]]] = {}
-        # The queue budget of the route that last asked each decode node for room, and
-        # each node for a slot (`_open`: prefill nodes).
-        self._room_wait_s: dict[str, float] = {}
-        self._slot_wait_s: dict[str, float] = {}
+        # The queue budget of the route that last asked each node for a slot or for room
+        # (`_open`: prefill nodes; `_waiting_room`: decode nodes).
+        self._budget_s: dict[str, float] = {}
         self._prefill_nodes = {n.name for n in nodes if n.role == "prefill"}
         # How long each prefill node's calls took that had it to themselves (`_open`).
         self._alone_s: dict[str, float] = {}
@@ -125,9 +125,9 @@ class NodeHealth:
         callers have waited for it, the pace is how long its calls took alone."""
         slots = self._slots.get(name, 0)
         drain_s = self._drain_s.get(name) or self._alone_s.get(name)
-        if name not in self._prefill_nodes or not drain_s or name not in self._slot_wait_s:
+        if name not in self._prefill_nodes or not drain_s or name not in self._budget_s:
             return slots
-        return max(1, min(slots, int(self._slot_wait_s[name] / drain_s)))
+        return max(1, min(slots, int(self._budget_s[name] / drain_s)))
 
     async def free_slot(
         self,
@@ -146,7 +146,7 @@ class NodeHealth:
         the call too (a caller's deadline), taken as long as the node's calls last lately
         (slots x that rate). queue_budget_s: the request's route's (`_open`)."""
         if queue_budget_s is not None:
-            self._slot_wait_s[node.name] = queue_budget_s
+            self._budget_s[node.name] = queue_budget_s
         slots = self._slots.get(node.name, 0)
         waiting = self._waiting.setdefault(node.name, deque())
         taken = self._in_flight.get(node.name, 0) + self._reserved.get(node.name, 0)
@@ -195,8 +195,7 @@ class NodeHealth:
         mark = self._drain_mark.pop(name, None)
         if not (self._waiting.get(name) or self._room_waiting.get(name)):
             return
-        took, last = now - (mark or now), self._drain_s.get(name)
-        self._drain_s[name] = took if last is None else last + DRAIN_WEIGHT * (took - last)
+        _average(self._drain_s, name, now - (mark or now))
         self._drain_mark[name] = now
 
     def _wake(self, name: str, every: bool = False) -> None:
@@ -222,7 +221,7 @@ class NodeHealth:
         overflow its queue: work thrown away, or first tokens late). Waits in turn;
         ResourceExhausted after budget_s. Slots not known: no wait."""
         name = node.name
-        self._room_wait_s[name] = queue_budget_s
+        self._budget_s[name] = queue_budget_s
         waiting = self._room_waiting.setdefault(name, deque())
         if not waiting and self._has_room(name):
             self._promised[name] = self._promised.get(name, 0) + 1
@@ -263,7 +262,7 @@ class NodeHealth:
             drain_s = time.monotonic() - mark
         if not drain_s:
             return slots
-        return min(slots, int(self._room_wait_s.get(name, 0.0) / drain_s))
+        return min(slots, int(self._budget_s.get(name, 0.0) / drain_s))
 
     def _wake_room(self, name: str) -> None:
         waiting = self._room_waiting.get(name, deque())
@@ -286,13 +285,12 @@ class NodeHealth:
             with self.deaths.holding(name, request_id):
                 yield
             if alone and name in self._prefill_nodes:  # its own time: a prompt's pace
-                took, last = time.monotonic() - began, self._alone_s.get(name)
-                self._alone_s[name] = took if last is None else last + DRAIN_WEIGHT * (took - last)
+                _average(self._alone_s, name, time.monotonic() - began)
         finally:
-            self._in_flight[node.name] -= 1
-            self._freed(node.name)
-            self._wake(node.name)
-            self._wake_room(node.name)
+            self._in_flight[name] -= 1
+            self._freed(name)
+            self._wake(name)
+            self._wake_room(name)
 
     def failed(self, node: Node) -> None:
         self._cool_until[node.name] = time.monotonic() + self._cooldown_s
@@ -354,6 +352,12 @@ class NodeHealth:
         if serving != self._serving[node.name]:
             log.info("node health", node=node.name, serving=serving)
             self._serving[node.name] = serving
+
+
+def _average(averages: dict[str, float], name: str, sample: float) -> None:
+    """Fold a node's new sample into its running average (DRAIN_WEIGHT: the newest's)."""
+    last = averages.get(name)
+    averages[name] = sample if last is None else last + DRAIN_WEIGHT * (sample - last)
 
 
 async def _turn(
