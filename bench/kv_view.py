@@ -1,0 +1,103 @@
+"""How a decode step's time grows with KV cells that are not its streams' own.
+
+    python -m bench.kv_view [--streams 16 1] [--other 0 4096 16384] [--repeats 2]
+
+Raw llama.cpp in this process, in the node's unified context (bench/batching.py's
+RawBatched): `--other` cells of another sequence are evaluated first, then the streams'
+prompts, so every step's attention and mask span those cells too (as a node's prefix cache
+and parked cells do); then greedy steps of one token a stream. Reported per step: its time,
+the time llama_decode took to return (on a GPU: the graph built and queued, the mask
+included), and the wait for the first row's logits (on a GPU: the rest of the pass).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+# isort: off
+# llama.cpp's libraries load before grpc's (services/node.py says why).
+import llama_cpp
+# isort: on
+
+from bench.batching import SLOTS, RawBatched, counting
+from bench.common import MODEL, ROOT, median, say
+from disagg_mesh.server.common.engines.llama_cpp.sampling import SlotSampler
+from disagg_mesh.server.common.models import resolve_model_path
+from disagg_mesh.server.common.types import Sampling
+
+OTHER_SEQ = SLOTS  # RawBatched's context has SLOTS + 1 sequences
+
+
+def step_times(
+    raw: RawBatched, streams: int, new_tokens: int, other: int
+) -> tuple[float, float, float]:
+    """Seconds a step: whole, llama_decode's return, the first row's logits after it."""
+    llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(raw._ctx), True)
+    for start in range(0, other, 512):
+        raw._decode(
+            [(100 + p % 1000, p, OTHER_SEQ, False) for p in range(start, min(other, start + 512))]
+        )
+    greedy = Sampling(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    samplers = [SlotSampler(greedy, 0, raw.ends, raw.llm.n_vocab()) for _ in range(streams)]
+    prompts = [
+        raw.llm.tokenize(counting(i).encode(), add_bos=True, special=True) for i in range(streams)
+    ]
+    last = []
+    for s, tokens in enumerate(prompts):
+        raw._decode([(t, p, s, p == len(tokens) - 1) for p, t in enumerate(tokens)])
+        last.append(samplers[s].sample(raw._ctx, len(tokens) - 1))
+    positions = [len(t) for t in prompts]
+    returned = waited = 0.0
+    started = time.perf_counter()
+    for _ in range(new_tokens - 1):
+        t0 = time.perf_counter()
+        raw._decode([(last[s], positions[s], s, True) for s in range(streams)])
+        t1 = time.perf_counter()
+        last[0] = samplers[0].sample(raw._ctx, 0)
+        waited += time.perf_counter() - t1
+        returned += t1 - t0
+        for s in range(1, streams):
+            last[s] = samplers[s].sample(raw._ctx, s)
+        positions = [p + 1 for p in positions]
+    steps = new_tokens - 1
+    for sampler in samplers:
+        sampler.close()
+    return (time.perf_counter() - started) / steps, returned / steps, waited / steps
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--streams", type=int, nargs="+", default=[16, 1])
+    parser.add_argument("--other", type=int, nargs="+", default=[0, 4096, 16384])
+    parser.add_argument("--new-tokens", type=int, default=160)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args()
+    threads = args.threads or os.cpu_count() or 1
+    raw = RawBatched(resolve_model_path(MODEL, ROOT), threads)
+    try:
+        for streams in args.streams:
+            base = 0.0
+            for other in args.other:
+                runs = [
+                    step_times(raw, streams, args.new_tokens, other) for _ in range(args.repeats)
+                ]
+                step, returned, waited = (median([r[k] for r in runs]) for k in range(3))
+                base = base or step
+                say(
+                    f"{streams:>2} streams, {other:>5} other cells: step {step * 1e3:.2f} ms "
+                    f"({step / base:.2f}x), llama_decode returned after {returned * 1e3:.2f} ms, "
+                    f"first logits {waited * 1e3:.2f} ms after that"
+                )
+    finally:
+        raw.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
