@@ -97,6 +97,11 @@ async def test_the_clients_try_again_when_told_and_finish(mesh: MeshProcesses) -
         await holder
 
 
+WORDS = "rubric essay student answer function test grade style clear loop value list".split()
+PREFILL_LIMIT_S = 1.5
+PROBE_WORDS = 100
+
+
 @pytest.fixture(scope="module")
 def one_prefill_slot(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MeshProcesses]:
     """One prefill slot, a 1.5 s prefill stage limit: five prompts at once take longer
@@ -106,13 +111,10 @@ def one_prefill_slot(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MeshP
         router_node(),
         engine_node("p", "prefill", slots=1),
         engine_node("d", "decode"),
-        route(MODEL, ["p"], ["d"], prefill_deadline_s=1.5),
+        route(MODEL, ["p"], ["d"], prefill_deadline_s=PREFILL_LIMIT_S),
     ]
     with running_mesh(tmp_path_factory.mktemp("one-slot"), parts) as processes:
         yield processes
-
-
-WORDS = "rubric essay student answer function test grade style clear loop value list".split()
 
 
 async def test_a_stage_deadline_counts_the_nodes_work_not_the_wait_for_a_slot(
@@ -121,15 +123,26 @@ async def test_a_stage_deadline_counts_the_nodes_work_not_the_wait_for_a_slot(
     """The router sends a prompt to a node only once it has a free slot: the prefill
     stage's 1.5 s limit then covers the node's work alone, so five prompts at once all go
     disaggregated, none killed by the deadline while it waited, no node cooled down."""
-    prompts = [" ".join(random.Random(i).choices(WORDS, k=380)) for i in range(5)]
+
+    def words(seed: int, k: int) -> str:
+        return " ".join(random.Random(seed).choices(WORDS, k=k))
+
     async with grpc.aio.insecure_channel(one_prefill_slot.topology.router.address) as channel:
         stub: Any = router_pb2_grpc.RouterServiceStub(channel)
+        # Prompts of 0.4 of the limit each on this machine, as a probe of 100 words says
+        # (at most 380 words, ~0.3 s on a 2-core EPYC that evaluates ~400 prompt tokens a
+        # second; fewer on a slower one, where 380 words alone outlast the limit).
+        probe = await collect(stub.Generate(request(MODEL, words(100, PROBE_WORDS), 2)))
+        probe_s = probe.summary.prefill_duration.ToTimedelta().total_seconds()
+        k = max(40, min(380, int(PROBE_WORDS * 0.4 * PREFILL_LIMIT_S / probe_s)))
+        prompts = [words(i, k) for i in range(5)]
         alone = await collect(stub.Generate(request(MODEL, prompts[0], 2)))
-        assert alone.summary.prefill_duration.ToTimedelta().total_seconds() < 1.0
+        assert alone.summary.prefill_duration.ToTimedelta().total_seconds() < PREFILL_LIMIT_S
+        assert alone.summary.failed_attempts == []
         started = time.perf_counter()
         got = await asyncio.gather(*(collect(stub.Generate(request(MODEL, p, 2))) for p in prompts))
         took = time.perf_counter() - started
-    assert took > 1.5  # in all, longer than one stage's limit
+    assert took > PREFILL_LIMIT_S  # in all, longer than one stage's limit
     assert [g.summary.failed_attempts for g in got] == [[]] * 5
     assert {g.summary.prefill_node for g in got} == {"p"}
     assert "node cooling down" not in one_prefill_slot.log_tail("router", 10_000)
