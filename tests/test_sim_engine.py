@@ -1,11 +1,13 @@
 """The simulated engine (`engine = "sim"`) behind the real router: a DGX Spark prefill node
 and a Mac Studio decode node of qwen3-coder:30b, timed by the shipped profiles. Generation,
 the KV handoff at its real size, decode_only, continuous batching, a cancelled stream, a
-caller's deadline, a migration and a router killed mid-answer give what real nodes give."""
+caller's deadline, a migration, a router killed mid-answer, structured output, tool calls
+and stop strings (through the OpenAI door) give what real nodes give."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import time
@@ -13,12 +15,14 @@ from collections.abc import Iterator
 from typing import Any
 
 import grpc
+import jsonschema
+import openai
 import pytest
 
 from disagg_mesh.proto.v1 import node_pb2, node_pb2_grpc, router_pb2, router_pb2_grpc, types_pb2
 from disagg_mesh.server.common.engines.sim.engine import prompt_tokens
 from disagg_mesh.server.common.engines.sim.profile import load_profile
-from disagg_mesh.server.common.runtime.processes import MeshProcesses
+from disagg_mesh.server.common.runtime.processes import MeshProcesses, free_port
 from disagg_mesh.server.common.types import Prompt
 from tests.conftest import node_entry, route, router_node, running_mesh
 from tests.streams import collect
@@ -36,7 +40,7 @@ def sim_node(name: str, role: str, hardware: str, **extra: object) -> str:
 def sim_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MeshProcesses]:
     parts = [
         "[mesh]\ncooldown_s = 0.5\nhealth_check_every_s = 0.5\n",
-        router_node(),
+        router_node(http_port=free_port()),
         sim_node("spark", "prefill", "dgx-spark"),
         sim_node("mac-1", "decode", "m3-ultra", slots=4, max_queue=0),
         sim_node("mac-2", "decode", "m3-ultra", slots=4, max_queue=0),
@@ -239,3 +243,120 @@ def test_a_router_killed_mid_answer_costs_nothing_over_sim_nodes(
         killed = mesh.procs["router-a"].poll() is not None
     assert killed  # the client's first router died under it
     assert text == whole and metrics is not None and metrics.completion_tokens == 150
+
+
+GRADE = {
+    "type": "object",
+    "properties": {
+        "score": {"type": "integer", "minimum": 0, "maximum": 4},
+        "feedback": {"type": "string"},
+        "issues": {"type": "array", "items": {"type": "string", "enum": ["naming", "tests"]}},
+    },
+    "required": ["score", "feedback", "issues"],
+}
+RUN_TESTS = {
+    "type": "function",
+    "function": {
+        "name": "run_tests",
+        "description": "Run the submission's tests",
+        "parameters": {
+            "type": "object",
+            "properties": {"path": {"type": "string"}, "timeout_s": {"type": "integer"}},
+            "required": ["path"],
+        },
+    },
+}
+
+
+def openai_client(mesh: MeshProcesses) -> Any:
+    url = f"http://127.0.0.1:{mesh.topology.router.http_port}/v1"
+    return openai.AsyncOpenAI(base_url=url, api_key="x", max_retries=0)
+
+
+async def streamed_text(client: Any, **request: Any) -> str:
+    chunks = await client.chat.completions.create(stream=True, **request)
+    return "".join([c.choices[0].delta.content or "" async for c in chunks if c.choices])
+
+
+async def test_structured_output_is_json_its_schema_allows_on_every_path(
+    sim_mesh: MeshProcesses,
+) -> None:
+    """response_format through the OpenAI door: a value the schema allows, the same whole
+    and streamed, disaggregated (prefill node's first token, decode node's rest) and
+    decode_only."""
+    client = openai_client(sim_mesh)
+    messages = [{"role": "user", "content": PROMPT}]
+    fmt = {"type": "json_schema", "json_schema": {"name": "grade", "schema": GRADE}}
+    answers = []
+    for model in (MODEL, ALONE):
+        whole = await client.chat.completions.create(
+            model=model, messages=messages, response_format=fmt, max_tokens=400
+        )
+        assert whole.choices[0].finish_reason == "stop"
+        answers.append(whole.choices[0].message.content)
+        answers.append(
+            await streamed_text(
+                client, model=model, messages=messages, response_format=fmt, max_tokens=400
+            )
+        )
+    assert len(set(answers)) == 1, answers
+    jsonschema.validate(json.loads(answers[0]), GRADE)
+    anything = await client.chat.completions.create(
+        model=MODEL, messages=messages, response_format={"type": "json_object"}, max_tokens=600
+    )
+    assert isinstance(json.loads(anything.choices[0].message.content), dict)
+
+
+async def test_tools_are_called_with_arguments_their_parameters_allow(
+    sim_mesh: MeshProcesses,
+) -> None:
+    """tool_choice required and named: one call of the tool, its arguments JSON the
+    function's parameters allow, finish_reason tool_calls; streamed, the same call."""
+    client = openai_client(sim_mesh)
+    messages = [{"role": "user", "content": f"Run the tests of this: {PROMPT}"}]
+    named = {"type": "function", "function": {"name": "run_tests"}}
+    for model, choice in ((MODEL, "required"), (ALONE, named)):
+        whole = await client.chat.completions.create(
+            model=model, messages=messages, tools=[RUN_TESTS], tool_choice=choice, max_tokens=300
+        )
+        (call,) = whole.choices[0].message.tool_calls
+        assert whole.choices[0].finish_reason == "tool_calls"
+        assert call.function.name == "run_tests"
+        arguments = json.loads(call.function.arguments)
+        jsonschema.validate(arguments, RUN_TESTS["function"]["parameters"])  # type: ignore[index]
+        chunks = await client.chat.completions.create(
+            model=model,
+            messages=messages,
+            tools=[RUN_TESTS],
+            tool_choice=choice,
+            max_tokens=300,
+            stream=True,
+        )
+        pieces = [
+            c.choices[0].delta.tool_calls
+            async for c in chunks
+            if c.choices and c.choices[0].delta.tool_calls
+        ]
+        streamed = "".join(p[0].function.arguments or "" for p in pieces)
+        assert json.loads(streamed) == arguments
+
+
+async def test_an_answer_ends_at_its_first_stop_string(sim_mesh: MeshProcesses) -> None:
+    """The text before the first stop string, finish_reason stop, the tokens up to the one
+    that completed it: fewer than the answer without it."""
+    client = openai_client(sim_mesh)
+    messages = [{"role": "user", "content": PROMPT}]
+    free = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=60)
+    text = free.choices[0].message.content
+    stop = " ".join(text.split()[10:12])
+    for model in (MODEL, ALONE):
+        cut = await client.chat.completions.create(
+            model=model, messages=messages, max_tokens=60, stop=[stop, "never said"]
+        )
+        assert cut.choices[0].message.content == text[: text.index(stop)]
+        assert cut.choices[0].finish_reason == "stop"
+        assert cut.usage.completion_tokens < free.usage.completion_tokens
+        streamed = await streamed_text(
+            client, model=model, messages=messages, max_tokens=60, stop=[stop]
+        )
+        assert streamed == text[: text.index(stop)]

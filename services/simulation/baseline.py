@@ -90,6 +90,7 @@ async def _run(
                     max_queue=serving.max_queue,
                     prefix_cache="per-slot",
                     host=node.sim_host or node.host,
+                    schema_limits=topology.mesh.schema_limits,
                 ),
             )
         return servers[node.name]

@@ -80,6 +80,7 @@ async def open_engine(topology: Topology, node: Node) -> Engine:
                 prefix_cache_tokens=node.prefix_cache_capacity_tokens,
                 host=node.sim_host or node.host,
                 compact_kv=topology.mesh.sim_compact_kv,
+                schema_limits=topology.mesh.schema_limits,
             ),
         )
     raise EngineUnavailable(f"node {node.name}: unknown engine {node.engine!r}")

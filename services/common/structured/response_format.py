@@ -123,6 +123,20 @@ def grammar(fmt: ResponseFormat, field: str = FIELD, limits: SchemaLimits = DEFA
         raise InvalidArgument(field, str(exc)) from None
 
 
+def enforced_schema(text: str, limits: SchemaLimits = DEFAULT_LIMITS) -> dict[str, Any]:
+    """The schema as its grammar enforces it (an integer range as the enum of its values),
+    for an engine that writes a value of it without a grammar (the simulated one);
+    InvalidArgument naming the response format as grammar() does."""
+    grammar(ResponseFormat(text), FIELD, limits)  # checked, and cached
+    return _enforced(text, limits)
+
+
+@functools.lru_cache(maxsize=64)
+def _enforced(text: str, limits: SchemaLimits) -> dict[str, Any]:
+    schema: dict[str, Any] = _Walk(limits).checked(json.loads(text), "", 0)
+    return schema
+
+
 @functools.lru_cache(maxsize=64)
 def _grammar_for_schema(text: str, limits: SchemaLimits) -> str:
     """Converted once per schema, limits and process (the door, the router's checks and each

@@ -4,10 +4,12 @@ size. It serves the same RPCs as a real node, so the real router, its chain, mig
 the clients run over it unchanged.
 
 - **Tokens.** A prompt is one token per 4 bytes of its text (or the profile's
-  `bytes_per_token`; chat turns as `role: content` lines); generated tokens are words
-  picked from the prompt's hash, so the same request gets the same answer on any node. An
-  answer ends by itself after 64-511 tokens (from the same hash), or at max_tokens;
-  `ignore_eos` runs it to max_tokens.
+  `bytes_per_token`; chat turns as `role: content` lines, tools and calls written as the
+  generic format writes them); the answer is picked from the prompt's hash (answers.py), so
+  the same request gets the same answer on any node: free text of words that ends by
+  itself after 64-511 tokens or at max_tokens; with a response format or tools, a JSON
+  value its schema allows (tools as the generic format, their calls read out as the
+  embedded engine reads them); cut at the first stop string.
 - **Time.** One compute a machine (shared by the sim nodes of one host in one process): a
   prompt's evaluation (`prefill_seconds` of the profile for its uncached tokens, at the
   depth they start from) and the decode steps take turns; streams decode together in
@@ -30,13 +32,12 @@ the clients run over it unchanged.
   attends to), so only `kv_bytes(the rest)` moves; a decode node that let them go answers
   ABORTED and gets the whole state.
 - **Slots.** `slots` sequences at once, `max_queue` waiting; more is RESOURCE_EXHAUSTED.
-- Not simulated (yet): grammars (response_format and tools are answered as free text), stop
-  strings.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import math
 import weakref
@@ -46,6 +47,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Literal
 
+from disagg_mesh.server.common.config.topology import SchemaLimits
 from disagg_mesh.server.common.engines.base import (
     EngineLoad,
     Generation,
@@ -54,6 +56,7 @@ from disagg_mesh.server.common.engines.base import (
     TokenRates,
 )
 from disagg_mesh.server.common.engines.prefix_keys import leading_blocks
+from disagg_mesh.server.common.engines.sim.answers import Answer, answer
 from disagg_mesh.server.common.engines.sim.prefix import (
     BLOCK_HASH_BYTES,
     BLOCK_TOKENS,
@@ -65,11 +68,13 @@ from disagg_mesh.server.common.engines.sim.prefix import (
 )
 from disagg_mesh.server.common.engines.sim.profile import HardwareProfile, ModelSpeed
 from disagg_mesh.server.common.errors import Aborted, InvalidArgument, ResourceExhausted
+from disagg_mesh.server.common.tools import formats
+from disagg_mesh.server.common.tools.requests import ToolRequest
+from disagg_mesh.server.common.tools.stream import with_tool_calls
 from disagg_mesh.server.common.types import (
     Continuation,
     DecodeCandidate,
     Fingerprint,
-    FinishReason,
     GenerationEnd,
     KvReference,
     KvTransferKind,
@@ -79,13 +84,6 @@ from disagg_mesh.server.common.types import (
 )
 
 SIM_VERSION = "disagg-sim/1"
-VOCAB = 50_000
-WORDS = (
-    "the function returns a value for every input and the tests cover the edge cases "
-    "style is clear names are good a docstring says what it takes and returns correctness "
-    "points total fix first loop list empty negative large"
-).split()
-SHORTEST_ANSWER, LONGEST_ANSWER = 64, 511
 # Real seconds: decode steps shorter than this are taken together.
 MIN_TICK_S = 0.02
 # A state's header (_Header): seed, real size, host, block count; then the blocks.
@@ -112,32 +110,30 @@ def _host_compute(host: str) -> asyncio.Lock:
     return locks[host]
 
 
-def _prompt_bytes(prompt: Prompt) -> bytes:
-    """A prompt's text: raw, or its chat turns as `role: content` lines."""
-    text = prompt.text or "".join(f"{m.role}: {m.content}\n" for m in prompt.messages)
-    return text.encode()
+def _prompt_bytes(prompt: Prompt, tools: ToolRequest | None = None) -> bytes:
+    """A prompt's text: raw, or its chat turns as `role: content` lines, rendered as the
+    generic tool format renders them for a template (the tools in the system turn, calls
+    and results as JSON)."""
+    if prompt.text:
+        return prompt.text.encode()
+    turns = formats.turns(prompt.messages, formats.ToolFormat.GENERIC, tools)
+    return "".join(f"{t['role']}: {t['content']}\n" for t in turns).encode()
 
 
-def prompt_tokens(prompt: Prompt, bytes_per_token: float = BYTES_PER_TOKEN) -> int:
+def prompt_tokens(
+    prompt: Prompt, bytes_per_token: float = BYTES_PER_TOKEN, tools: ToolRequest | None = None
+) -> int:
     """Tokens a prompt counts as: one per bytes_per_token bytes of its text (the profile's
     figure for its model; 4 by default)."""
-    return max(1, math.ceil(len(_prompt_bytes(prompt)) / bytes_per_token))
+    return _tokens(_prompt_bytes(prompt, tools), bytes_per_token)
 
 
-def prompt_seed(prompt: Prompt) -> int:
-    return int.from_bytes(hashlib.sha256(_prompt_bytes(prompt)).digest()[:8], "big")
+def _tokens(text: bytes, bytes_per_token: float) -> int:
+    return max(1, math.ceil(len(text) / bytes_per_token))
 
 
-def token(seed: int, position: int) -> tuple[int, str]:
-    """The generated token at this position of the answer to a prompt of this seed."""
-    mixed = (seed ^ (position * 0x9E3779B97F4A7C15)) & 0xFFFFFFFFFFFFFFFF
-    word = WORDS[mixed % len(WORDS)]
-    return mixed % VOCAB, f" {word}"
-
-
-def answer_tokens(seed: int) -> int:
-    """How long the answer to this prompt runs before it ends by itself."""
-    return SHORTEST_ANSWER + seed % (LONGEST_ANSWER - SHORTEST_ANSWER + 1)
+def _seed(text: bytes) -> int:
+    return int.from_bytes(hashlib.sha256(text).digest()[:8], "big")
 
 
 @dataclass
@@ -196,6 +192,8 @@ class SimSettings:
     # The machine this node stands for (states from another one pay the link).
     host: str = ""
     compact_kv: bool = False
+    # A response format's schema is read within these (as the router and node checked it).
+    schema_limits: SchemaLimits = field(default_factory=SchemaLimits)
 
 
 class SimEngine:
@@ -243,16 +241,19 @@ class SimEngine:
         candidates: Sequence[DecodeCandidate] = (),
         continuation: Continuation | None = None,
     ) -> PrefillOutput:
-        n = self._checked(prompt, continuation)
+        sampling = self._with_tools(sampling)
+        text = _prompt_bytes(prompt, sampling.tools)
+        n = self._checked(text, continuation)
         # A continuation's tokens but the last (the decode node's first) go into the state.
         replayed = max(len(continuation.generated_token_ids) - 1, 0) if continuation else 0
-        blocks = prompt_blocks(_prompt_bytes(prompt), self._speed.bytes_per_token)
+        blocks = prompt_blocks(text, self._speed.bytes_per_token)
+        seed = _seed(text)
+        reply = self._answer(seed, sampling)
         async with self._slot(blocks) as slot:
             cached = self._cached(slot, blocks, n)
             seconds = await self._evaluate(n + replayed - cached, cached)
             self._keep(slot, blocks)
-        seed = prompt_seed(prompt)
-        first_id, first_text = token(seed, 0)
+        first_id, first_text = reply.token_ids[0], reply.texts[0]
         if continuation is not None and continuation.generated_token_ids:
             first_id, first_text = continuation.generated_token_ids[-1], ""
         holder, prefix = self._best_holder(blocks, n + replayed, candidates)
@@ -280,7 +281,16 @@ class SimEngine:
         continuation: Continuation | None = None,
     ) -> Generation:
         header = _Header.decode(kv_state)
+        sampling = self._with_tools(sampling)
+        reply = self._answer(header.seed, sampling)
         done = len(continuation.generated_token_ids) if continuation is not None else 0
+        events = self._continued(header, reference, reply, done)
+        async for event in self._tool_calls(events, sampling, reply.text(done)):
+            yield event
+
+    async def _continued(
+        self, header: _Header, reference: KvReference, reply: Answer, done: int
+    ) -> Generation:
         depth = reference.prompt_tokens + max(done - 1, 0)
         prefix = reference.kv_prefix_tokens
         async with self._slot(header.blocks):
@@ -295,26 +305,32 @@ class SimEngine:
             self._blocks.keep(header.blocks)
             kept = min(self._blocks.cached_tokens(header.blocks), reference.prompt_tokens - 1)
             if not done:  # the prefill node's first token goes out first
-                yield TextChunk(reference.first_token_text, [reference.first_token_id])
+                yield reply.chunk(0, 1)
                 done = 1
-            events = self._decode(header.seed, depth + 1, done, sampling, 0.0, prefix, kept)
-            async for event in events:
+            async for event in self._decode(reply, depth + 1, done, 0.0, prefix, kept):
                 yield event
 
     async def generate(
         self, prompt: Prompt, sampling: Sampling, continuation: Continuation | None = None
     ) -> Generation:
-        n = self._checked(prompt, continuation)
+        sampling = self._with_tools(sampling)
+        text = _prompt_bytes(prompt, sampling.tools)
+        n = self._checked(text, continuation)
         done = len(continuation.generated_token_ids) if continuation is not None else 0
         if continuation is not None and not done:
             done = continuation.generated_tokens
-        seed = prompt_seed(prompt)
-        blocks = prompt_blocks(_prompt_bytes(prompt), self._speed.bytes_per_token)
+        reply = self._answer(_seed(text), sampling)
+        events = self._generated(text, n, reply, done)
+        async for event in self._tool_calls(events, sampling, reply.text(done)):
+            yield event
+
+    async def _generated(self, text: bytes, n: int, reply: Answer, done: int) -> Generation:
+        blocks = prompt_blocks(text, self._speed.bytes_per_token)
         async with self._slot(blocks) as slot:
             cached = self._cached(slot, blocks, n)
             seconds = await self._evaluate(n + done - cached, cached)
             self._keep(slot, blocks)
-            async for event in self._decode(seed, n + done, done, sampling, seconds, cached):
+            async for event in self._decode(reply, n + done, done, seconds, cached):
                 yield event
 
     async def problem(self) -> str | None:
@@ -341,8 +357,24 @@ class SimEngine:
 
     # -- time ----------------------------------------------------------------------------
 
-    def _checked(self, prompt: Prompt, continuation: Continuation | None) -> int:
-        n = prompt_tokens(prompt, self._speed.bytes_per_token)
+    # -- answers -------------------------------------------------------------------------
+
+    def _with_tools(self, sampling: Sampling) -> Sampling:
+        """Tools as the generic format holds the answer to them (a call, or a reply)."""
+        fmt = formats.response_format(formats.ToolFormat.GENERIC, sampling.tools)
+        # validate_sampling refused tools beside a response_format of the request's own.
+        return sampling if fmt is None else dataclasses.replace(sampling, response_format=fmt)
+
+    def _answer(self, seed: int, sampling: Sampling) -> Answer:
+        return answer(seed, sampling, self._speed.bytes_per_token, self._settings.schema_limits)
+
+    def _tool_calls(self, events: Generation, sampling: Sampling, delivered: str) -> Generation:
+        """The events with the calls read out of the text (delivered: text sent before)."""
+        parser = formats.parser(formats.ToolFormat.GENERIC, sampling.tools)
+        return events if parser is None else with_tool_calls(events, parser, delivered)
+
+    def _checked(self, text: bytes, continuation: Continuation | None) -> int:
+        n = _tokens(text, self._speed.bytes_per_token)
         done = len(continuation.generated_token_ids) if continuation is not None else 0
         if n + done >= self._n_ctx:
             raise InvalidArgument(
@@ -396,17 +428,15 @@ class SimEngine:
 
     async def _decode(
         self,
-        seed: int,
+        reply: Answer,
         depth: int,
         done: int,
-        sampling: Sampling,
         prompt_seconds: float,
         cached: int = 0,
         kept: int = 0,
     ) -> AsyncGenerator[TextChunk | GenerationEnd, None]:
         """Tokens from position `done` on, in the shared steps, to the answer's end."""
-        natural = sampling.max_tokens if sampling.ignore_eos else answer_tokens(seed)
-        last = min(sampling.max_tokens, natural)
+        last = len(reply)
         loop = asyncio.get_running_loop()
         started = loop.time()
         if done < last:
@@ -417,16 +447,14 @@ class SimEngine:
             try:
                 while done < last:
                     steps = min(await stream.steps.get(), last - done)
-                    tokens = [token(seed, done + i) for i in range(steps)]
+                    yield reply.chunk(done, done + steps)
                     done += steps
-                    yield TextChunk("".join(t for _, t in tokens), [i for i, _ in tokens])
             finally:
                 if stream in self._streams:
                     self._streams.remove(stream)
-        finish = FinishReason.LENGTH if last == sampling.max_tokens else FinishReason.STOP
         yield GenerationEnd(
             completion_tokens=done,
-            finish_reason=finish,
+            finish_reason=reply.finish,
             prompt_tokens=depth,
             cached_prompt_tokens=cached,
             kept_prefix_tokens=kept,
