@@ -43,7 +43,7 @@ import math
 import weakref
 from collections import deque
 from collections.abc import AsyncGenerator, Sequence
-from contextlib import asynccontextmanager
+from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -285,8 +285,9 @@ class SimEngine:
         reply = self._answer(header.seed, sampling)
         done = len(continuation.generated_token_ids) if continuation is not None else 0
         events = self._continued(header, reference, reply, done)
-        async for event in self._tool_calls(events, sampling, reply.text(done)):
-            yield event
+        async with aclosing(self._tool_calls(events, sampling, reply.text(done))) as stream:
+            async for event in stream:
+                yield event
 
     async def _continued(
         self, header: _Header, reference: KvReference, reply: Answer, done: int
@@ -321,8 +322,9 @@ class SimEngine:
             done = continuation.generated_tokens
         reply = self._answer(_seed(text), sampling)
         events = self._generated(text, n, reply, done)
-        async for event in self._tool_calls(events, sampling, reply.text(done)):
-            yield event
+        async with aclosing(self._tool_calls(events, sampling, reply.text(done))) as stream:
+            async for event in stream:
+                yield event
 
     async def _generated(self, text: bytes, n: int, reply: Answer, done: int) -> Generation:
         blocks = prompt_blocks(text, self._speed.bytes_per_token)
@@ -355,8 +357,6 @@ class SimEngine:
         if self._stepper is not None:
             self._stepper.cancel()
 
-    # -- time ----------------------------------------------------------------------------
-
     # -- answers -------------------------------------------------------------------------
 
     def _with_tools(self, sampling: Sampling) -> Sampling:
@@ -368,10 +368,19 @@ class SimEngine:
     def _answer(self, seed: int, sampling: Sampling) -> Answer:
         return answer(seed, sampling, self._speed.bytes_per_token, self._settings.schema_limits)
 
-    def _tool_calls(self, events: Generation, sampling: Sampling, delivered: str) -> Generation:
-        """The events with the calls read out of the text (delivered: text sent before)."""
+    async def _tool_calls(
+        self, events: Generation, sampling: Sampling, delivered: str
+    ) -> Generation:
+        """The events with the calls read out of the text where tools were offered
+        (delivered: the text sent before); `events` closed with it."""
         parser = formats.parser(formats.ToolFormat.GENERIC, sampling.tools)
-        return events if parser is None else with_tool_calls(events, parser, delivered)
+        async with aclosing(events):
+            if parser is not None:
+                events = with_tool_calls(events, parser, delivered)
+            async for event in events:
+                yield event
+
+    # -- time ----------------------------------------------------------------------------
 
     def _checked(self, text: bytes, continuation: Continuation | None) -> int:
         n = _tokens(text, self._speed.bytes_per_token)
