@@ -443,7 +443,8 @@ class Bench:
 
 
 class SingleProcess:
-    """llama-cpp-python in this process with the node's settings: Llama.eval evaluates the
+    """llama-cpp-python in this process with the node's settings (its KV cache types too):
+    Llama.eval evaluates the
     prompt (in n_batch pieces, after the positions its context keeps), then one token at a
     time, each sampled by llama.cpp's greedy sampler behind the same end-token bias as the
     node's (ignore_eos) and detokenized as a stream would be."""
@@ -451,7 +452,11 @@ class SingleProcess:
     def __init__(self, model_path: Path, node: Node, threads: int) -> None:
         import llama_cpp
 
-        from disagg_mesh.server.common.engines.llama_cpp.model import gpu_backend, layers_on_gpu
+        from disagg_mesh.server.common.engines.llama_cpp.model import (
+            KV_CACHE_TYPES,
+            gpu_backend,
+            layers_on_gpu,
+        )
         from disagg_mesh.server.common.engines.llama_cpp.sampling import SlotSampler, end_tokens
 
         # Layers where the node puts them: all on the GPU of a GPU build unless the topology
@@ -466,6 +471,8 @@ class SingleProcess:
             n_batch=node.n_batch,
             n_ubatch=node.n_ubatch,
             flash_attn=node.flash_attn,
+            type_k=KV_CACHE_TYPES[node.type_k].ggml_type,
+            type_v=KV_CACHE_TYPES[node.type_v].ggml_type,
             verbose=False,
         )
         # The node's own chain for a greedy ignore_eos request: end tokens at -inf, greedy.

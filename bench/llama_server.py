@@ -156,7 +156,13 @@ class CannotBuild(Exception):
 class LlamaServer:
     """llama-server on a free port, stopped on exit."""
 
-    def __init__(self, binary: Path, threads: int, slots: int = 16) -> None:
+    def __init__(
+        self,
+        binary: Path,
+        threads: int,
+        slots: int = 16,
+        cache_types: tuple[str, str] = ("f16", "f16"),
+    ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = Path(tempfile.mkstemp(prefix="llama-server-", suffix=".log")[1])
@@ -167,6 +173,7 @@ class LlamaServer:
             *("-np", str(slots), "-kvu", "-c", str(slots * 4096)),
             *("-t", str(threads), "-tb", str(threads)),
             *("-fa", "on", "-b", "512", "-ub", "512"),
+            *("-ctk", cache_types[0], "-ctv", cache_types[1]),
         ]
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -292,10 +299,14 @@ Targets = dict[str, tuple[str, tuple[str, ...]]]
 async def side_by_side(
     binary: Path, threads: int, slots: int, prefix: str, topology: str | None = None
 ) -> AsyncIterator[tuple[MeshProcesses, Targets]]:
-    """make run's mesh (or `topology`) and llama-server (-np slots -kvu), both serving: each
-    side's OpenAI URL and the models to ask it for (llama-server has one)."""
-    server = LlamaServer(binary, threads, slots)
+    """make run's mesh (or `topology`) and llama-server (-np slots -kvu, the KV cache types
+    of the mesh's engine nodes), both serving: each side's OpenAI URL and the models to ask
+    it for (llama-server has one)."""
     async with serving_mesh(topology or local_topology(), prefix) as mesh:
+        engines = [n for n in mesh.topology.nodes if n.engine == "llama_cpp"]
+        types = {(n.type_k, n.type_v) for n in engines} or {("f16", "f16")}
+        assert len(types) == 1, f"the mesh's engine nodes differ in KV cache types: {types}"
+        server = LlamaServer(binary, threads, slots, types.pop())
         server.start()
         try:
             await server.ready()

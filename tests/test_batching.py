@@ -202,14 +202,19 @@ async def test_seeded_sampling_gives_the_same_text_alone_and_in_a_batch(
     assert other.token_ids != alone[0].token_ids
 
 
-@pytest.fixture(scope="module")
-def two_threads(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
-    """A pipeline whose engines run two threads each: llama.cpp then splits a lone row's
-    attention between them once the KV view reaches 512 cells (context.py)."""
+@pytest.fixture(scope="module", params=["f16", "q8_0"])
+def two_threads(
+    tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> Iterator[Mesh]:
+    """A pipeline whose engines run two threads each: with an f16 K cache llama.cpp then
+    splits a lone row's attention between them once the KV view reaches 512 cells
+    (context.py); with a q8_0 K cache (topology/local.toml's) it has no split path, and the
+    node runs a lone row on both threads as it is."""
+    kv = {"type_k": request.param}
     parts = [
         router_node(),
-        engine_node("prefill-wide", "prefill", n_threads=2),
-        engine_node("decode-wide", "decode", n_threads=2),
+        engine_node("prefill-wide", "prefill", n_threads=2, **kv),
+        engine_node("decode-wide", "decode", n_threads=2, **kv),
         route("wide", ["prefill-wide"], ["decode-wide"]),
     ]
     with running_mesh(tmp_path_factory.mktemp("two-threads"), parts) as processes:

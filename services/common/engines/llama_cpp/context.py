@@ -30,7 +30,9 @@ Why these settings (measured here with llama-cpp-python 0.3.36 on the CPU backen
   one thread 7.3-12.9 ms a step over 150-1,500 cells, company 12.4-16.0 ms; a model big
   enough to be memory-bound on many cores would pay little for company and much for one
   thread). Neither is needed while the view stays under 512 cells (short work on an idle
-  node), on one thread, or where attention runs on a GPU.
+  node), on one thread, where attention runs on a GPU, or with a quantized K cache
+  (`type_k = "q8_0"`, V f16: llama.cpp has a split path only for K and V both f16 or both
+  f32), where a lone row runs on all the node's threads with its numbers in company.
 """
 
 from __future__ import annotations
@@ -94,11 +96,20 @@ class Row(NamedTuple):
 # cells on, its CPU flash attention takes a lone row through the split-KV path.
 SPLIT_KV_VIEW_CELLS = 512
 VIEW_ROUNDING = 256
+# ...and only when K and V are both of one of these types (ggml-cpu's `kv_is_f32_or_f16`
+# and `k->type == v->type`): with a quantized K (type_k = "q8_0", V f16) a lone row runs
+# through the kernel every pass of 2..63 rows takes, on all the node's threads.
+SPLIT_KV_TYPES = frozenset({"f16", "f32"})
 # llama.cpp's CPU flash attention takes a pass of fewer query rows than this one row at a
 # time (its tiled kernel from GGML_FA_TILE_Q = 64 rows on), and the CPU matrix products
 # compute every row alike: in such a pass, each row's numbers are those it has in a pass of
 # its own, so several short prompts may share one.
 ALIKE_ROWS = 64
+
+
+def lone_row_may_split(settings: ContextSettings) -> bool:
+    """Whether llama.cpp's CPU flash attention has a split-KV path for these KV types."""
+    return settings.type_k == settings.type_v and settings.type_k in SPLIT_KV_TYPES
 
 
 # How a lone row over a view that may split runs (`LoneRows`).
@@ -191,7 +202,9 @@ class SlotContext:
         # the split-KV path (one thread or company).
         self._cells_high = 0
         self._placed_high = 0
-        self._guard_lone_rows = settings.flash_attn and settings.cpu_attention
+        self._guard_lone_rows = (
+            settings.flash_attn and settings.cpu_attention and lone_row_may_split(settings)
+        )
         self.lone_rows = LoneRows()
         self.n_ctx = settings.n_ctx
         self.n_batch = settings.n_batch
