@@ -139,3 +139,17 @@ def test_tools_are_answered_as_a_call_of_one_of_them() -> None:
         call = written["tool_call"]
         assert call["name"] == "run_tests"
         jsonschema.validate(call["arguments"], parameters)
+
+
+def test_a_sampled_answer_is_its_seeds() -> None:
+    """Greedy: the prompt's answer whatever the seed; sampled with a seed: that seed's, the
+    same each time, another for another seed."""
+    greedy = [
+        answer(42, Sampling(max_tokens=40, temperature=0.0, seed=s), 4.0, LIMITS) for s in (1, 2)
+    ]
+    seeded = [
+        answer(42, Sampling(max_tokens=40, temperature=0.8, seed=s), 4.0, LIMITS) for s in (1, 1, 2)
+    ]
+    unseeded = answer(42, Sampling(max_tokens=40, temperature=0.8), 4.0, LIMITS)
+    assert greedy[0] == greedy[1] == unseeded
+    assert seeded[0] == seeded[1] != seeded[2] and seeded[0] != greedy[0]

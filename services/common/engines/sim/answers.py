@@ -1,6 +1,8 @@
 """What a simulated node answers: text a real node could give for the same request, the same
 on every node (picked from the prompt's hash), so tests and simulations can compare texts.
 
+- **Seeds**: greedy, the answer is the prompt's; sampled with a request's `seed`, that
+  seed's too (sampled without one, still the prompt's: a simulation stays repeatable).
 - **Free text**: words, one a token, ending by itself after 64-511 tokens (from the hash),
   or at max_tokens; `ignore_eos` runs it to max_tokens.
 - **Held to a response format or to tools**: one JSON value its schema allows, as a grammar
@@ -95,7 +97,11 @@ class Answer:
 
 def answer(seed: int, sampling: Sampling, bytes_per_token: float, limits: SchemaLimits) -> Answer:
     """The answer to a prompt of this seed under these sampling settings (the node's tools
-    already turned into its response format)."""
+    already turned into its response format). Sampled with a seed of the request's own, the
+    answer is that seed's: another seed, another answer (greedy, or sampled without one:
+    the prompt's)."""
+    if sampling.temperature > 0 and sampling.seed is not None:
+        seed = _Writer(seed ^ (sampling.seed * _GOLDEN)).below(1 << 63)
     fmt = sampling.response_format
     if fmt is None:
         natural = sampling.max_tokens if sampling.ignore_eos else answer_tokens(seed)
