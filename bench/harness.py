@@ -444,10 +444,9 @@ class Bench:
 
 class SingleProcess:
     """llama-cpp-python in this process with the node's settings (its KV cache types too):
-    Llama.eval evaluates the
-    prompt (in n_batch pieces, after the positions its context keeps), then one token at a
-    time, each sampled by llama.cpp's greedy sampler behind the same end-token bias as the
-    node's (ignore_eos) and detokenized as a stream would be."""
+    Llama.eval evaluates the prompt (in n_batch pieces, after the positions its context
+    keeps), then one token at a time, each sampled by llama.cpp's greedy sampler behind the
+    same end-token bias as the node's (ignore_eos) and detokenized as a stream would be."""
 
     def __init__(self, model_path: Path, node: Node, threads: int) -> None:
         import llama_cpp

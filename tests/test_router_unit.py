@@ -745,13 +745,31 @@ async def test_after_a_state_was_let_go_the_retry_waits_only_its_queue_budget() 
 async def test_before_callers_wait_a_prefill_nodes_pace_is_its_calls_time_alone() -> None:
     """Before callers have waited for a prefill node (nothing timed between two calls
     ending), the calls it gets at once are bounded by how long a call took that had the
-    node to itself: a burst's first prompts do not all queue inside it."""
+    node to itself, and before any call has ended it gets one: a burst's first prompts do
+    not all queue inside it."""
     router, _ = build()
     health, node = router.health, router.topology.node("p1")
     health._slots["p1"] = 8
     await health.free_slot(node, 1.0, queue_budget_s=1.0)
-    assert health._open("p1") == 8  # nothing known yet
+    assert health._open("p1") == 1  # nothing known yet: one call, whose time tells its pace
     with health.busy(node):
         await asyncio.sleep(0.2)
     alone_s = health._alone_s["p1"]
     assert alone_s >= 0.2 and health._open("p1") == int(1.0 / alone_s)  # 5 on an idle machine
+
+
+async def test_a_prefill_nodes_calls_at_once_end_within_half_their_stage_deadline() -> None:
+    """Whatever the queue budget, a slow prefill node gets no more calls at once than end
+    within half the stage deadline at its pace: a call's stage deadline (the node's work on
+    it) is not spent waiting inside the node behind the calls before it (#45: a burst's
+    prefill killed by its 60 s stage deadline after waiting there on a slow day)."""
+    router, _ = build()
+    health, node = router.health, router.topology.node("p1")
+    health._slots["p1"] = 8
+    health._drain_s["p1"] = 8.0  # a ~1,750-token prompt on a slow 2-core machine
+    await health.free_slot(node, 1.0, queue_budget_s=600.0, stage_s=60.0)
+    assert health._open("p1") == 3  # 3 x 8 s within 30 s; the slots (8) would take 64 s
+    health._drain_s["p1"] = 0.5
+    assert health._open("p1") == 8  # fast prompts: its slots
+    health._drain_s["p1"] = 80.0
+    assert health._open("p1") == 1  # always one

@@ -144,6 +144,9 @@ async def free_slot(health: NodeHealth, request: Request, node: Node) -> None:
             budget,
             refuse_early=not request.work_done,
             queue_budget_s=request.route.queue_budget_s,
+            stage_s=request.route.prefill_deadline_s
+            if node.role == "prefill"
+            else request.route.decode_deadline_s,
         )
 
 

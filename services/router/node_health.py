@@ -16,6 +16,7 @@ first: a request no longer queues behind another on the first node while the nex
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -38,6 +39,9 @@ CHECK_TIMEOUT_S = 1.0
 # A node's running averages of its pace (seconds between its slots freeing, a prefill
 # call's time alone): the weight of the newest sample.
 DRAIN_WEIGHT = 0.3
+# A prefill node's calls at once end within this share of their stage deadline at its pace
+# (`_open`): the rest is margin for a slower prompt than the average.
+STAGE_SHARE = 0.5
 
 
 class Overloaded(ResourceExhausted):
@@ -80,8 +84,10 @@ class NodeHealth:
         self._promised: dict[str, int] = {}
         self._room_waiting: dict[str, deque[asyncio.Future[None]]] = {}
         # The queue budget of the route that last asked each node for a slot or for room
-        # (`_open`: prefill nodes; `_waiting_room`: decode nodes).
+        # (`_open`: prefill nodes; `_waiting_room`: decode nodes), and its stage deadline
+        # (`_open`: prefill nodes).
         self._budget_s: dict[str, float] = {}
+        self._stage_s: dict[str, float] = {}
         self._prefill_nodes = {n.name for n in nodes if n.role == "prefill"}
         # How long each prefill node's calls took that had it to themselves (`_open`).
         self._alone_s: dict[str, float] = {}
@@ -119,15 +125,22 @@ class NodeHealth:
 
     def _open(self, name: str) -> int:
         """The calls the router lets a node have at once: its slots; a prefill node's (it
-        evaluates long prompts in turn) no more than it finishes within the last caller's
-        queue budget at the pace its calls have been ending (at least one), so a prompt
-        does not wait inside the node longer than a request may wait for admission. Before
-        callers have waited for it, the pace is how long its calls took alone."""
+        evaluates long prompts in turn) no more than it finishes at the pace its calls have
+        been ending (at least one) within the last caller's queue budget, so a prompt does
+        not wait inside the node longer than a request may wait for admission, and within
+        STAGE_SHARE of its stage deadline, so a call's stage deadline (the node's work on
+        it) is not spent waiting inside the node for the calls before it. Before callers
+        have waited for it, the pace is how long its calls took alone; before any call has
+        ended, one call (a burst's first prompts would otherwise all be sent at once, and
+        the last of them wait out its stage deadline inside a slow node)."""
         slots = self._slots.get(name, 0)
-        drain_s = self._drain_s.get(name) or self._alone_s.get(name)
-        if name not in self._prefill_nodes or not drain_s or name not in self._budget_s:
+        if name not in self._prefill_nodes or name not in self._budget_s:
             return slots
-        return max(1, min(slots, int(self._budget_s[name] / drain_s)))
+        drain_s = self._drain_s.get(name) or self._alone_s.get(name)
+        if not drain_s:
+            return min(slots, 1)
+        bound = min(self._budget_s[name], STAGE_SHARE * self._stage_s.get(name, math.inf))
+        return max(1, min(slots, int(bound / drain_s)))
 
     async def free_slot(
         self,
@@ -136,6 +149,7 @@ class NodeHealth:
         and_serve: bool = False,
         refuse_early: bool = True,
         queue_budget_s: float | None = None,
+        stage_s: float | None = None,
     ) -> None:
         """Wait until the node has a slot free of this router's calls, in turn with the
         other callers waiting for it (oldest first). Slots not known yet: no wait.
@@ -144,9 +158,12 @@ class NodeHealth:
         than budget_s at the rate the node's slots have been freeing. The slot is the
         caller's when its busy() begins, at once after this. and_serve: budget_s must cover
         the call too (a caller's deadline), taken as long as the node's calls last lately
-        (slots x that rate). queue_budget_s: the request's route's (`_open`)."""
+        (slots x that rate). queue_budget_s, stage_s: the request's route's queue budget
+        and the node's stage deadline (`_open`)."""
         if queue_budget_s is not None:
             self._budget_s[node.name] = queue_budget_s
+        if stage_s is not None:
+            self._stage_s[node.name] = stage_s
         slots = self._slots.get(node.name, 0)
         waiting = self._waiting.setdefault(node.name, deque())
         taken = self._in_flight.get(node.name, 0) + self._reserved.get(node.name, 0)
