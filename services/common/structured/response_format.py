@@ -127,20 +127,14 @@ def enforced_schema(text: str, limits: SchemaLimits = DEFAULT_LIMITS) -> dict[st
     """The schema as its grammar enforces it (an integer range as the enum of its values),
     for an engine that writes a value of it without a grammar (the simulated one);
     InvalidArgument naming the response format as grammar() does."""
-    grammar(ResponseFormat(text), FIELD, limits)  # checked, and cached
-    return _enforced(text, limits)
+    grammar(ResponseFormat(text), FIELD, limits)  # checked whole, and cached
+    return _enforced(text, limits)  # the walk the grammar was made from (cached)
 
 
 @functools.lru_cache(maxsize=64)
 def _enforced(text: str, limits: SchemaLimits) -> dict[str, Any]:
-    schema: dict[str, Any] = _Walk(limits).checked(json.loads(text), "", 0)
-    return schema
-
-
-@functools.lru_cache(maxsize=64)
-def _grammar_for_schema(text: str, limits: SchemaLimits) -> str:
-    """Converted once per schema, limits and process (the door, the router's checks and each
-    node's samplers ask for the same one)."""
+    """The schema read once per schema, limits and process: its size, its JSON, then the
+    walk (integer ranges as enums); _Refused for what the converter would not enforce."""
     size = len(text.encode())
     if size > limits.max_schema_bytes:
         raise _Refused(
@@ -155,7 +149,15 @@ def _grammar_for_schema(text: str, limits: SchemaLimits) -> str:
         raise _Refused(_too_deep("", limits)) from None
     if not isinstance(schema, dict):
         raise _Refused(f"must be a JSON Schema object, got {text[:60]!r}")
-    schema = _Walk(limits).checked(schema, "", 0)
+    walked: dict[str, Any] = _Walk(limits).checked(schema, "", 0)
+    return walked
+
+
+@functools.lru_cache(maxsize=64)
+def _grammar_for_schema(text: str, limits: SchemaLimits) -> str:
+    """Converted once per schema, limits and process (the door, the router's checks and each
+    node's samplers ask for the same one)."""
+    schema = _enforced(text, limits)
     try:
         rules = str(json_schema_to_gbnf(json.dumps(schema)))
     except (AssertionError, ValueError, KeyError, TypeError, RecursionError) as exc:
