@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import re
 import subprocess
 import sys
 import time
@@ -31,7 +30,7 @@ from typing import Any
 
 import aiohttp
 
-from bench.common import median, run_alone, say
+from bench.common import median, metric, run_alone, say
 from bench.grader import prompts as grader_prompts
 from bench.llama_server import CannotBuild, llama_server_binary, side_by_side
 from bench.work import Work, figure, record, total
@@ -112,14 +111,6 @@ async def burst(url: str, models: tuple[str, ...], texts: list[str]) -> dict[str
         "ttft_p50_s": ttfts[len(ttfts) // 2],
         "work": total([g[1] for g in got]),
     }
-
-
-def metric(text: str, name: str, labels: str = "") -> float:
-    """The sum of a Prometheus counter's samples (those whose labels start with `labels`)."""
-    pattern = rf"^{name}{{{labels}[^}}]*}} ([0-9.e+]+)$"
-    if not labels:
-        pattern = rf"^{name}(?:{{[^}}]*}})? ([0-9.e+]+)$"
-    return sum(float(v) for v in re.findall(pattern, text, re.M))
 
 
 async def scrape(mesh: MeshProcesses, roles: tuple[str, ...] = ("prefill",)) -> dict[str, float]:

@@ -9,6 +9,7 @@ import functools
 import json
 import os
 import platform
+import re
 import statistics
 import subprocess
 import time
@@ -57,6 +58,14 @@ def cpu_seconds(pids: Sequence[int]) -> float:
             continue
         total += (int(fields[11]) + int(fields[12])) / ticks
     return total
+
+
+def metric(text: str, name: str, labels: str = "") -> float:
+    """The sum of a Prometheus counter's samples (those whose labels start with `labels`)."""
+    pattern = rf"^{name}{{{labels}[^}}]*}} ([0-9.e+]+)$"
+    if not labels:
+        pattern = rf"^{name}(?:{{[^}}]*}})? ([0-9.e+]+)$"
+    return sum(float(v) for v in re.findall(pattern, text, re.M))
 
 
 def median(xs: list[float]) -> float:

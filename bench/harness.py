@@ -7,13 +7,14 @@ from __future__ import annotations
 import asyncio
 import sys
 import time
+import urllib.request
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import grpc
 
-from bench.common import ROOT, median, on_llama_thread, pct, say, secs
+from bench.common import ROOT, median, metric, on_llama_thread, pct, say, secs
 from bench.work import Work, record, total
 from disagg_mesh import AsyncMeshClient, GenerateCall, MeshError
 from disagg_mesh.proto.v1 import (
@@ -239,6 +240,7 @@ class Bench:
                 stages: dict[str, list[float]] = {"prefill": [], "kv": [], "decode": []}
                 mesh_work: list[Work] = []
                 single_work: list[Work] = []
+                per_token: dict[str, list[float]] = {}
                 for attempt in range(self.repeats + 1):
                     prompt = (
                         self.prompts.of_tokens(prompt_tokens, salt=f"overhead {attempt}")
@@ -248,7 +250,10 @@ class Bench:
                     request = router_pb2.GenerateRequest(
                         model=self.model, prompt=prompt, sampling=self.greedy(new_tokens)
                     )
+                    before, caller_cpu = await self._per_token_meters(), time.process_time()
                     timed = await timed_stream(router, request)
+                    caller_cpu = time.process_time() - caller_cpu
+                    after = await self._per_token_meters()
                     summary = timed.summary
                     keep = summary.cached_prompt_tokens if kind == "warm" else 0
                     alone = (
@@ -258,6 +263,12 @@ class Bench:
                     )
                     if not attempt:
                         continue
+                    for name, used in after.items():
+                        per_token.setdefault(name, []).append(used - before.get(name, 0.0))
+                    per_token.setdefault("caller_cpu_s", []).append(caller_cpu)
+                    per_token.setdefault("generated", []).append(timed.tokens)
+                    if single:
+                        per_token.setdefault("single_steps_s", []).append(single.steps_s)
                     mesh_s.append(timed.ended)
                     mesh_work.append(Work.of(summary))
                     if alone is not None:
@@ -271,6 +282,7 @@ class Bench:
                     "mesh_s": mesh_s,
                     "mesh_stages_s": stages,
                     "single_process_s": single_s,
+                    "per_token_ms": per_token_ms(per_token),
                 }
                 if single:
                     row["mesh_over_single_process"] = median(mesh_s) / median(single_s)
@@ -281,6 +293,28 @@ class Bench:
         if single:
             single.close()
         return result
+
+    async def _per_token_meters(self) -> dict[str, float]:
+        """What row 2 splits a generated token's time by, read from the nodes' /metrics (a
+        node without metrics_port is left out): the router's CPU seconds so far, and the
+        route's decode nodes' engine steps (count and seconds)."""
+        route = self.topology.route(self.model)
+        assert route is not None
+        meters: dict[str, float] = {}
+        for node in (self.topology.router, *map(self.topology.node, route.decode)):
+            if node.metrics_port is None:
+                continue
+            url = f"http://{node.host}:{node.metrics_port}/metrics"
+            text = await asyncio.to_thread(_read_url, url)
+            if node.role == "router":
+                meters["router_cpu_s"] = metric(text, "process_cpu_seconds_total")
+            else:
+                for what in ("count", "sum"):
+                    name = f"disagg_engine_step_seconds_{what}"
+                    meters[f"decode_steps_{what}"] = meters.get(
+                        f"decode_steps_{what}", 0.0
+                    ) + metric(text, name)
+        return meters
 
     def _single_process(self) -> SingleProcess | None:
         """The same generation in one process (this one), as without the mesh; None when
@@ -442,6 +476,29 @@ class Bench:
         return rows
 
 
+def _read_url(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=10) as reply:
+        return str(reply.read().decode())
+
+
+def per_token_ms(per_token: dict[str, list[float]]) -> dict[str, float]:
+    """Row 2's milliseconds a generated token, over the measured requests: the decode node's
+    engine step (its pass, sampling and hand-over), the single process's step (the same),
+    and the CPU the relay took besides: the router's process and the caller's (this
+    process, reading the stream). Keys whose meters were missing are left out."""
+    generated = sum(per_token.get("generated", [])) or 1
+    out: dict[str, float] = {}
+    steps = sum(per_token.get("decode_steps_count", []))
+    if steps:
+        out["decode_node_step"] = 1000 * sum(per_token["decode_steps_sum"]) / steps
+    if per_token.get("single_steps_s"):
+        out["single_process_step"] = 1000 * median(per_token["single_steps_s"])
+    for name in ("router_cpu_s", "caller_cpu_s"):
+        if name in per_token:
+            out[name.removesuffix("_s")] = 1000 * sum(per_token[name]) / generated
+    return out
+
+
 class SingleProcess:
     """llama-cpp-python in this process with the node's settings (its KV cache types too):
     Llama.eval evaluates the prompt (in n_batch pieces, after the positions its context
@@ -476,6 +533,7 @@ class SingleProcess:
         )
         # The node's own chain for a greedy ignore_eos request: end tokens at -inf, greedy.
         n_vocab = self.llm.n_vocab()
+        self.steps_s = 0.0  # the last run's seconds a generated token (`run`)
         self._sampler = SlotSampler(
             Sampling(max_tokens=1, temperature=0.0, ignore_eos=True),
             0,
@@ -496,6 +554,7 @@ class SingleProcess:
         generated = 0
         started = time.perf_counter()
         llm.eval(tokens[reused:])
+        prompt_done = time.perf_counter()
         while True:
             token = self._sampler.sample(llm.ctx, -1)
             llm.detokenize([token])
@@ -503,8 +562,10 @@ class SingleProcess:
             if generated == new_tokens:
                 break
             llm.eval([token])
-        elapsed = time.perf_counter() - started
-        return elapsed, Work(len(tokens), reused, generated)
+        ended = time.perf_counter()
+        # Each generated token after the first: its pass, sampling and text.
+        self.steps_s = (ended - prompt_done) / max(1, generated - 1)
+        return ended - started, Work(len(tokens), reused, generated)
 
     def close(self) -> None:
         self._sampler.close()

@@ -12,7 +12,8 @@ repeated, median reported:
    one process with llama-cpp-python (llama_cpp topologies only), cold (a fresh prompt each
    repeat: both evaluate it whole) and warm (one prompt repeated: the mesh takes its whole
    blocks from its prefix cache, the process keeps as many in its context and evaluates the
-   same rest);
+   same rest); with where a generated token's time goes: the decode node's engine step
+   against the single process's, and the router's and this caller's CPU a token;
 3. router relay: the same two stages called by this script directly, without the router;
 4. KV transfer throughput: FetchKv of a ~50 MB state against a plain gRPC byte stream of the
    same size between two processes (the ceiling);
@@ -319,6 +320,21 @@ def table(r: dict[str, Any]) -> str:
                     "<= 1.05x",
                 )
             )
+            ms = row.get("per_token_ms", {})
+            if "decode_node_step" in ms and "single_process_step" in ms:
+                relay = ", ".join(
+                    f"{who} {ms[f'{who}_cpu']:.2f}"
+                    for who in ("router", "caller")
+                    if f"{who}_cpu" in ms
+                )
+                rows.append(
+                    (
+                        f"  {kind}: a generated token's step, decode node / single process"
+                        + (f" (relay CPU a token, ms: {relay})" if relay else ""),
+                        f"{ms['decode_node_step']:.1f} / {ms['single_process_step']:.1f} ms",
+                        "",
+                    )
+                )
     if "relay" in r:
         relay = r["relay"]
         ratio = figure(f"{relay['relay_tokens_per_s_ratio']:.3f}x", relay.get("work"))
