@@ -30,7 +30,7 @@ from typing import Any
 
 import aiohttp
 
-from bench.common import median, metric, run_alone, say
+from bench.common import median, metric, metrics_text, run_alone, say
 from bench.grader import prompts as grader_prompts
 from bench.llama_server import CannotBuild, llama_server_binary, side_by_side
 from bench.work import Work, figure, record, total
@@ -121,8 +121,7 @@ async def scrape(mesh: MeshProcesses, roles: tuple[str, ...] = ("prefill",)) -> 
         for node in mesh.topology.nodes:
             if node.metrics_port is None or node.role not in ("router", *roles):
                 continue
-            async with session.get(f"http://{node.host}:{node.metrics_port}/metrics") as got:
-                text = await got.text()
+            text = await metrics_text(session, node)
             if node.role == "router":
                 out["failed_attempts"] = metric(text, "disagg_failed_attempts_total")
                 out["migrations"] = metric(text, "disagg_migrations_total")

