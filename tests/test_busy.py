@@ -19,8 +19,11 @@ import pytest
 
 from disagg_mesh.client import AsyncMeshClient
 from disagg_mesh.proto.v1 import router_pb2_grpc
+from disagg_mesh.server.common.engines.sim.engine import prompt_tokens
+from disagg_mesh.server.common.engines.sim.profile import load_profile
 from disagg_mesh.server.common.runtime.processes import MeshProcesses, free_port
-from tests.conftest import engine_node, route, router_node, running_mesh
+from disagg_mesh.server.common.types import Prompt
+from tests.conftest import engine_node, node_entry, route, router_node, running_mesh
 from tests.streams import collect, request
 
 MODEL = "m"
@@ -238,3 +241,63 @@ async def test_an_over_full_node_refuses_at_once_what_it_would_serve_too_late(
         ]
         results = await asyncio.gather(*retried)
     assert [r.metrics.completion_tokens for r in results] == [tokens] * 12
+
+
+SIM_MODEL = "qwen3-coder:30b"
+ROUTERS = 4
+PROMPT_S = 0.4  # real seconds a prompt takes on the simulated prefill node
+SIM_STAGE_S = 2.5 * PROMPT_S
+SLOWER = 0.1  # sim_speedup: ten times slower than the DGX Spark it simulates
+
+
+def sim_prompt(i: int) -> str:
+    """A prompt of its own (nothing cached from another) that the simulated prefill node
+    evaluates in about PROMPT_S."""
+    speed = load_profile("dgx-spark").model(SIM_MODEL)
+    words = f"Submission {i}: def add(a, b): return a - b. "
+    tokens = prompt_tokens(Prompt(text=words))
+    per_copy_s = speed.prefill_seconds(tokens) / SLOWER
+    return words * max(1, round(PROMPT_S / per_copy_s))
+
+
+@pytest.fixture(scope="module")
+def shared_prefill(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MeshProcesses]:
+    """Four routers sharing one simulated prefill node, a stage deadline of 2.5 prompts."""
+    routers = [
+        router_node().replace('name = "router"', f'name = "router-{i}"') for i in range(ROUTERS)
+    ]
+    parts = [
+        f"[mesh]\nsim_speedup = {SLOWER}\ncooldown_s = 30\n",
+        *routers,
+        node_entry("spark", "prefill", "sim", SIM_MODEL, hardware="dgx-spark"),
+        node_entry("mac", "decode", "sim", SIM_MODEL, hardware="m3-ultra", slots=16),
+        route(SIM_MODEL, ["spark"], ["mac"], prefill_deadline_s=SIM_STAGE_S),
+    ]
+    with running_mesh(tmp_path_factory.mktemp("shared-prefill"), parts) as processes:
+        yield processes
+
+
+async def test_a_stage_deadline_counts_only_the_nodes_work_whoever_else_sends_it_prompts(
+    shared_prefill: MeshProcesses,
+) -> None:
+    """Each of four routers sends the shared prefill node one prompt at a time (all it
+    knows of the node is its own calls), so the node holds up to four prompts and evaluates
+    them in turn: the last waits about three prompts before its turn, longer in all than the
+    stage deadline of 2.5 prompts. The node counts the stage deadline from the prompt's turn
+    (the router tells it the wait and the work apart): all twelve requests are served
+    disaggregated, no attempt failed, no node cooled down."""
+
+    async def one(address: str, i: int) -> Any:
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub: Any = router_pb2_grpc.RouterServiceStub(channel)
+            return await collect(stub.Generate(request(SIM_MODEL, sim_prompt(i), 2)))
+
+    addresses = [r.address for r in shared_prefill.topology.routers]
+    started = time.perf_counter()
+    got = await asyncio.gather(*(one(addresses[i % ROUTERS], i) for i in range(3 * ROUTERS)))
+    took = time.perf_counter() - started
+    assert took > SIM_STAGE_S  # the node was busy longer than one stage deadline
+    assert [g.summary.failed_attempts for g in got] == [[]] * (3 * ROUTERS)
+    assert {g.summary.prefill_node for g in got} == {"spark"}
+    for i in range(ROUTERS):
+        assert "node cooling down" not in shared_prefill.log_tail(f"router-{i}", 10_000)

@@ -33,13 +33,14 @@ from disagg_mesh.server.common.engines.llama_cpp.step_plan import (
     plan_step,
     prompt_pieces,
 )
-from disagg_mesh.server.common.errors import ResourceExhausted
+from disagg_mesh.server.common.errors import DeadlineExceeded, ResourceExhausted
 from disagg_mesh.server.common.models import resolve_model_path
 from disagg_mesh.server.common.types import (
     GenerationEnd,
     KvReference,
     Prompt,
     Sampling,
+    StageLimits,
     TextChunk,
 )
 from tests.conftest import MODEL, ROOT, engine_node, node_refusing_to_start, route, router_node
@@ -246,6 +247,46 @@ async def test_a_burst_of_long_prompts_is_evaluated_oldest_first_each_as_alone()
     assert done[0] < 0.5 * done[-1], done  # all at the end: ~1.0; oldest first: ~0.25
     assert max(seen) == 1, seen
     assert [token for _, token in together] == alone
+
+
+async def test_a_prefills_own_bounds_count_the_wait_for_its_turn_apart_from_its_work() -> None:
+    """A prefill node's own bounds on a prompt (StageLimits, as the router sends them): a
+    prompt kept waiting behind other callers' long prompts past queue_s is answered busy
+    (ResourceExhausted), nothing done for it; the wait does not count against work_s, which
+    starts with the prompt's turn (one waiting two prompts long is served within a work_s of
+    two); a prompt whose own evaluation passes work_s ends with DeadlineExceeded, its slot
+    freed."""
+    fox = "the quick brown fox jumps over the lazy dog "
+    prompts = [Prompt(f"Essay {i}: " + fox * 60) for i in range(6)]
+    engine = await open_engine(n_ctx=2048, n_threads=2, slots=4, max_queue=4)
+    scheduler = engine._scheduler
+
+    async def timed(prompt: Prompt, limits: StageLimits | None = None) -> float:
+        began = time.perf_counter()
+        await engine.prefill(prompt, SHORT, limits=limits)
+        return time.perf_counter() - began
+
+    try:
+        alone_s = await timed(prompts[0])
+        ahead = [asyncio.create_task(timed(p)) for p in prompts[1:3]]
+        while not any(scheduler._slots):  # noqa: ASYNC110 (polls the engine thread)
+            await asyncio.sleep(0.005)
+        began = time.perf_counter()
+        with pytest.raises(ResourceExhausted, match=r"waited its 0\.3 s queue_timeout"):
+            await engine.prefill(prompts[3], SHORT, limits=StageLimits(queue_s=0.3))
+        assert time.perf_counter() - began < 0.3 + alone_s / 2
+        took_s = await timed(prompts[4], StageLimits(queue_s=60.0, work_s=2 * alone_s))
+        await asyncio.gather(*ahead)
+        assert took_s > 2 * alone_s  # waited, then worked: longer than work_s in all
+        with pytest.raises(DeadlineExceeded, match="work_timeout"):
+            await engine.prefill(prompts[5], SHORT, limits=StageLimits(work_s=alone_s / 4))
+        for _ in range(100):
+            if engine.load().slots_busy == 0:
+                break
+            await asyncio.sleep(0.05)
+        assert (engine.load().slots_busy, engine.load().queue_depth) == (0, 0)
+    finally:
+        await engine.close()
 
 
 async def test_a_finished_prefills_state_takes_a_free_slot_before_a_queued_prompt() -> None:

@@ -31,6 +31,7 @@ from disagg_mesh.server.common.types import (
     PrefillResult,
     Prompt,
     Sampling,
+    StageLimits,
     TextChunk,
 )
 from disagg_mesh.server.common.wire.node_clients import ChannelPool
@@ -77,6 +78,7 @@ class Call:
     continuation: Continuation | None = None
     candidates: Sequence[DecodeCandidate] = ()
     timeout_s: float = 0.0
+    limits: StageLimits | None = None
 
 
 class FakeNodes:
@@ -106,8 +108,11 @@ class _FakePrefill:
         timeout_s: float,
         candidates: Sequence[DecodeCandidate] = (),
         continuation: Continuation | None = None,
+        limits: StageLimits | None = None,
     ) -> PrefillResult:
-        self._nodes.calls[self._name].append(Call(prompt, continuation, candidates, timeout_s))
+        self._nodes.calls[self._name].append(
+            Call(prompt, continuation, candidates, timeout_s, limits)
+        )
         script = self._nodes.scripts[self._name]
         step = script.next()
         if step is not None:
@@ -288,6 +293,38 @@ async def test_the_callers_deadline_is_final_and_blames_no_node() -> None:
     assert "the caller's deadline passed" in caught.value.message
     assert nodes.calls["d1"][0].timeout_s <= 5.0 and nodes.calls["d2"] == []
     assert router.health.available(router.topology.node("d1"))
+
+
+async def test_a_prefill_node_counts_the_wait_and_the_work_and_busy_there_blames_nothing() -> None:
+    """The prefill call gives the node its own bounds: the wait for the prompt's turn (the
+    request's queue budget: other routers' prompts may be ahead of it there) and the work
+    from then (the stage deadline); the call's deadline is the two in turn. A node that
+    answers busy after that wait is not set aside, and the prompt goes to the next node."""
+    router, nodes = build(prefill_deadline_s=20.0, queue_budget_s=7.0)
+    nodes.scripts["p1"] = Script([fail(grpc.StatusCode.RESOURCE_EXHAUSTED), None])
+    text, summary = await run(router, time_remaining=100.0)
+    assert text == answer(8) and summary.prefill_node == "p2"
+    first = nodes.calls["p1"][0]
+    assert first.limits is not None and first.limits.work_s == 20.0
+    assert first.limits.queue_s == pytest.approx(7.0, abs=0.1)
+    assert first.timeout_s == pytest.approx(27.0, abs=0.1)
+    assert [(f.node, f.code) for f in summary.failed_attempts] == [("p1", "RESOURCE_EXHAUSTED")]
+    assert router.health.available(router.topology.node("p1"))
+
+
+async def test_a_nodes_own_stage_deadline_is_the_stages_while_the_caller_has_time() -> None:
+    """A caller with less time than the stage deadline: the call ends with the caller's
+    deadline, but a node that answers DEADLINE_EXCEEDED before then did not run out of the
+    caller's time (the stage's deadline: retried on the next node, the first set aside)."""
+    router, nodes = build(prefill_deadline_s=20.0)
+    nodes.scripts["p1"] = Script([fail(grpc.StatusCode.DEADLINE_EXCEEDED)])
+    text, summary = await run(router, time_remaining=15.0)
+    first = nodes.calls["p1"][0]
+    assert first.timeout_s <= 15.0 and first.limits is not None
+    assert first.limits.work_s == first.timeout_s
+    assert text == answer(8) and summary.prefill_node == "p2"
+    assert "stage deadline passed" in summary.failed_attempts[0].message
+    assert not router.health.available(router.topology.node("p1"))
 
 
 async def test_the_prefill_nodes_choice_of_decode_node_is_taken() -> None:

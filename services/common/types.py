@@ -288,6 +288,17 @@ class Continuation:
 
 
 @dataclass(frozen=True)
+class StageLimits:
+    """A node's own bounds on one request, counted by the node (None: only the call's
+    deadline): how long it may wait inside the node before its work begins (queue_s; past
+    it the node answers busy, ResourceExhausted), and how long the work may take from then
+    (work_s, the stage deadline; past it DeadlineExceeded)."""
+
+    queue_s: float | None = None
+    work_s: float | None = None
+
+
+@dataclass(frozen=True)
 class KvSource:
     """Where a decode node pulls a prompt's KV state from: the prefill node, and the state
     as that node described it (PrefillResult.reference, passed on unchanged)."""

@@ -18,6 +18,7 @@ from disagg_mesh.server.common.types import (
     PrefillResult,
     Prompt,
     Sampling,
+    StageLimits,
 )
 from disagg_mesh.server.common.validation import (
     check_format,
@@ -57,15 +58,17 @@ class PrefillNode:
         sampling: Sampling,
         candidates: Sequence[DecodeCandidate] = (),
         continuation: Continuation | None = None,
+        limits: StageLimits | None = None,
     ) -> PrefillResult:
         """Evaluate the prompt (and a continuation's tokens) and keep the KV state for the
-        decode node to fetch."""
+        decode node to fetch. limits: the caller's bounds on the wait for a turn and on the
+        work (engines/limits.py)."""
         check_served(model, self.name, self.models)
         validate_prompt(prompt)
         await check_format(sampling, self.schema_limits)
         validate_sampling(sampling, self.max_tokens_limit, self.schema_limits)
         crash_if_marked(prompt)
-        out = await self.engine.prefill(prompt, sampling, candidates, continuation)
+        out = await self.engine.prefill(prompt, sampling, candidates, continuation, limits)
         fingerprint = self.engine.fingerprint
         # Serialized off the event loop, once: FetchKv then only hands the messages out.
         messages = await asyncio.to_thread(encode_state, out.kv_state, out.kv_sha256, fingerprint)

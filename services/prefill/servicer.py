@@ -33,6 +33,7 @@ class PrefillServicer:
             convert.continuation_from_proto(request.continuation)
             if request.HasField("continuation")
             else None,
+            convert.limits_from_proto(request),
         )
         response: prefill_pb2.PrefillResponse = to_proto(result)
         return response

@@ -8,10 +8,12 @@ another may answer) and the caller's (`CallerDeadlineExceeded`: nothing further 
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import grpc
 import structlog
@@ -25,11 +27,20 @@ from disagg_mesh.server.common.errors import (
 )
 from disagg_mesh.server.common.runtime.observability import metrics
 from disagg_mesh.server.router.deaths import QueryOfDeath, dropped
-from disagg_mesh.server.router.node_health import NodeHealth, Overloaded
+from disagg_mesh.server.router.node_health import (
+    CHECK_TIMEOUT_S,
+    STAGE_SHARE,
+    NodeHealth,
+    Overloaded,
+)
 from disagg_mesh.server.router.request import Attempt, Request
 from disagg_mesh.server.router.summary import FailedAttempt
 
 log = structlog.get_logger("router")
+T = TypeVar("T")
+# The least a node may hold a call before its turn (node_wait_s): an engine admits between
+# passes, and a pass of a long prompt's piece takes about a second on a small CPU.
+MIN_NODE_WAIT_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -148,6 +159,52 @@ async def free_slot(health: NodeHealth, request: Request, node: Node) -> None:
             if node.role == "prefill"
             else request.route.decode_deadline_s,
         )
+
+
+def node_wait_s(request: Request, ahead_s: float) -> float:
+    """How long a node may hold a call before its work begins (the node counts it: a call
+    sent once the node had a slot free of this router's calls may still wait there for other
+    routers' calls): what is left of the request's queue budget, plus the wait for this
+    router's own calls on the node at its pace (ahead_s: it sent the call to wait for them,
+    `NodeHealth._open`), twice over for prompts slower than the pace (1 / STAGE_SHARE); at
+    least MIN_NODE_WAIT_S. A node whose engine hangs answers its work bound itself; one that
+    cannot answer at all is left when the call's deadline passes (the two bounds in turn)."""
+    return max(MIN_NODE_WAIT_S, request.queue_left() + ahead_s / STAGE_SHARE)
+
+
+async def watched(
+    health: NodeHealth, node: Node, stage: str, stage_s: float, call: Awaitable[T]
+) -> T:
+    """The call's result. The node counts the call's wait and its work itself, and answers
+    when either bound passes, so the call's own deadline (the two in turn) may be long: from
+    CHECK_TIMEOUT_S before the stage deadline, and every stage deadline after, the node is
+    asked whether it answers at all. One that does not answer a health check within
+    CHECK_TIMEOUT_S is hung, and the call ends then (StageDeadlineExceeded), as it did when
+    the stage deadline was the call's."""
+    task = asyncio.ensure_future(call)
+    try:
+        delay = max(stage_s - CHECK_TIMEOUT_S, 0.0)
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=delay)
+            if done:
+                return task.result()
+            if not await health.answers(node):
+                raise StageDeadlineExceeded(
+                    f"{stage} stage on node {node.name} ({node.address}) ran out of time: its "
+                    f"{stage_s:g} s stage deadline passed and the node did not answer a health "
+                    f"check within {CHECK_TIMEOUT_S:g} s (hung)"
+                )
+            delay = stage_s
+    finally:
+        if not task.done():
+            task.cancel()
+            task.add_done_callback(_retrieved)
+
+
+def _retrieved(task: asyncio.Future[Any]) -> None:
+    """Read a task's end, so an error it ended with after it was let go is not logged."""
+    if not task.cancelled():
+        task.exception()
 
 
 @asynccontextmanager

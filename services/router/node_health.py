@@ -194,6 +194,19 @@ class NodeHealth:
             )
         self._reserved[node.name] -= 1  # busy() takes it now
 
+    async def answers(self, node: Node) -> bool:
+        """Whether the node answers a health check within CHECK_TIMEOUT_S (a hung one does
+        not; one that is down or stopping answers, or its calls fail, at once)."""
+        status, _ = await health_status(self._pool.get(node.address), CHECK_TIMEOUT_S)
+        return status != "DEADLINE_EXCEEDED"
+
+    def ahead_s(self, node: Node) -> float:
+        """Seconds this router's own calls on the node keep a new one waiting inside it: its
+        calls in flight at the node's pace (0 with none, or none measured yet)."""
+        name = node.name
+        pace = self._drain_s.get(name) or self._alone_s.get(name) or 0.0
+        return self._in_flight.get(name, 0) * pace
+
     def expected_wait(self, node: Node) -> float | None:
         """Seconds a caller joining the node's queue now would wait for a slot: a slot for
         each caller ahead and one for it, at the rate they have been freeing (None: not

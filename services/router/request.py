@@ -10,9 +10,12 @@ from dataclasses import dataclass, field
 
 from disagg_mesh.server.common.config.topology import ModelRoute, Node
 from disagg_mesh.server.common.errors import MeshError
-from disagg_mesh.server.common.types import Prompt, Sampling, TextChunk
+from disagg_mesh.server.common.types import Prompt, Sampling, StageLimits, TextChunk
 from disagg_mesh.server.router.deaths import Death, Deaths
 from disagg_mesh.server.router.summary import FailedAttempt, ResumeInfo, RouteMethod, RouteSummary
+
+# A call that failed this close to the caller's deadline ran out of the caller's time.
+CLOCK_SLACK_S = 0.01
 
 
 class Clock:
@@ -34,6 +37,21 @@ class Clock:
             return stage_limit_s, False
         left = self._deadline - time.monotonic()
         return (left, True) if left < stage_limit_s else (stage_limit_s, False)
+
+    def node_bounds(self, stage_limit_s: float, wait_s: float) -> tuple[StageLimits, float, bool]:
+        """A call's bounds that the node counts itself (its wait for a turn, then its work:
+        the stage limit), and the call's deadline: the two in turn, or what is left of the
+        caller's (True: the caller's deadline is what limits the call)."""
+        whole = wait_s + stage_limit_s
+        left = self.remaining()
+        if left is None or left >= whole:
+            return StageLimits(wait_s, stage_limit_s), whole, False
+        return StageLimits(min(wait_s, left), min(stage_limit_s, left)), left, True
+
+    def ran_out(self) -> bool:
+        """The caller's deadline has passed (within CLOCK_SLACK_S)."""
+        left = self.remaining()
+        return left is not None and left <= CLOCK_SLACK_S
 
 
 @dataclass

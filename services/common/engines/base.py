@@ -23,6 +23,7 @@ from disagg_mesh.server.common.types import (
     PrefillFigures,
     Prompt,
     Sampling,
+    StageLimits,
     TextChunk,
 )
 
@@ -117,11 +118,14 @@ class Engine(Protocol):
         sampling: Sampling,
         candidates: Sequence[DecodeCandidate] = (),
         continuation: Continuation | None = None,
+        limits: StageLimits | None = None,
     ) -> PrefillOutput:
         """Evaluate the prompt, sample the first token, export what decode needs (leaving
         out what the candidate decode node holding most of the prompt already has). With a
         continuation (engines with KvTransferKind.STATE), evaluate its tokens but the last
-        after the prompt instead of sampling, the last being the first token."""
+        after the prompt instead of sampling, the last being the first token. limits: the
+        wait for a turn and the work after it, each bounded (limits.py; an engine that cannot
+        tell them apart leaves both to the call's deadline)."""
         ...
 
     def continue_from_state(

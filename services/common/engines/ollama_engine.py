@@ -61,6 +61,7 @@ from disagg_mesh.server.common.types import (
     Prompt,
     ResponseFormat,
     Sampling,
+    StageLimits,
     TextChunk,
 )
 
@@ -134,8 +135,10 @@ class OllamaEngine:
         sampling: Sampling,
         candidates: Sequence[DecodeCandidate] = (),
         continuation: Continuation | None = None,
+        limits: StageLimits | None = None,
     ) -> PrefillOutput:
-        """Ollama exposes no KV cache: its token ids always move whole (candidates unused)."""
+        """Ollama exposes no KV cache: its token ids always move whole (candidates unused).
+        Nor its queue: limits are left to the call's deadline, which covers both."""
         if continuation is not None:
             raise FailedPrecondition(_NO_STATE_CONTINUATION)
         if sampling.response_format is not None:

@@ -38,9 +38,11 @@ from disagg_mesh.server.common.types import (
     Prompt,
     ResponseFormat,
     Sampling,
+    StageLimits,
     TextChunk,
 )
 from disagg_mesh.server.common.wire.mirror import (
+    duration,
     from_proto,
     register,
     register_enum,
@@ -274,6 +276,28 @@ def continuation_to_proto(c: Continuation) -> types_pb2.Continuation:
         generated_tokens=c.generated_tokens,
         prompt_cached_tokens=c.prompt_cached_tokens,
     )
+
+
+def limits_from_proto(msg: prefill_pb2.PrefillRequest) -> StageLimits:
+    """The request's queue_timeout and work_timeout (unset: None)."""
+
+    def seconds(field: str) -> float | None:
+        if not msg.HasField(field):
+            return None
+        value: float = getattr(msg, field).ToTimedelta().total_seconds()
+        if value <= 0:
+            raise InvalidArgument(field, f"must be positive, not {value:g} s")
+        return value
+
+    return StageLimits(queue_s=seconds("queue_timeout"), work_s=seconds("work_timeout"))
+
+
+def limits_to_proto(limits: StageLimits, msg: prefill_pb2.PrefillRequest) -> None:
+    """Set the request's queue_timeout and work_timeout (those that are not None)."""
+    if limits.queue_s is not None:
+        msg.queue_timeout.CopyFrom(duration(limits.queue_s))
+    if limits.work_s is not None:
+        msg.work_timeout.CopyFrom(duration(limits.work_s))
 
 
 def fingerprint_from_proto(msg: types_pb2.KvFingerprint) -> Fingerprint:

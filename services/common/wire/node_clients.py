@@ -33,6 +33,7 @@ from disagg_mesh.server.common.types import (
     PrefillResult,
     Prompt,
     Sampling,
+    StageLimits,
     TextChunk,
 )
 from disagg_mesh.server.common.wire import convert
@@ -145,7 +146,9 @@ class PrefillClient:
         timeout_s: float,
         candidates: Sequence[DecodeCandidate] = (),
         continuation: Continuation | None = None,
+        limits: StageLimits | None = None,
     ) -> PrefillResult:
+        """timeout_s: the call's deadline; limits: the node's own bounds within it."""
         request = prefill_pb2.PrefillRequest(
             model=model,
             prompt=prompt.text,
@@ -159,6 +162,8 @@ class PrefillClient:
         )
         if continuation is not None:
             request.continuation.CopyFrom(convert.continuation_to_proto(continuation))
+        if limits is not None:
+            convert.limits_to_proto(limits, request)
         try:
             reply = await self._stub.Prefill(
                 request, timeout=timeout_s, metadata=outgoing_metadata()

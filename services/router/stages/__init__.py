@@ -17,6 +17,7 @@ from disagg_mesh.server.common.types import (
     PrefillResult,
     Prompt,
     Sampling,
+    StageLimits,
     TextChunk,
 )
 from disagg_mesh.server.common.wire.node_clients import ChannelPool, DecodeClient, PrefillClient
@@ -31,6 +32,7 @@ class PrefillCalls(Protocol):
         timeout_s: float,
         candidates: Sequence[DecodeCandidate] = (),
         continuation: Continuation | None = None,
+        limits: StageLimits | None = None,
     ) -> PrefillResult: ...
 
 

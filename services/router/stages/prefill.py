@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import time
 
+import grpc
+
 from disagg_mesh.server.common.config.topology import Node
 from disagg_mesh.server.common.errors import MeshError, UpstreamError
 from disagg_mesh.server.common.types import (
@@ -18,7 +20,9 @@ from disagg_mesh.server.router.failures import (
     attempt_failed,
     free_slot,
     is_retryable,
+    node_wait_s,
     stage_error,
+    watched,
 )
 from disagg_mesh.server.router.node_health import NodeHealth
 from disagg_mesh.server.router.request import Attempt, Request
@@ -84,18 +88,33 @@ class PrefillStage:
         candidates: list[DecodeCandidate],
         continuation: Continuation | None = None,
     ) -> PrefillResult:
-        """One prefill call, once the node has a free slot (queue_budget_s), with the stage
-        deadline from then (or what is left of the caller's)."""
+        """One prefill call, once the node has a slot free of this router's calls
+        (queue_budget_s). The node counts the stage deadline from when the prompt's turn
+        comes, and answers busy (RESOURCE_EXHAUSTED, no blame) if other callers keep it from
+        coming within node_wait_s; the call's own deadline is the two in turn (or what is
+        left of the caller's)."""
         route = request.route
         await free_slot(self._health, request, node)
-        timeout, caller_bound = request.clock.stage_timeout(route.prefill_deadline_s)
+        wait_s = node_wait_s(request, self._health.ahead_s(node))
+        limits, timeout, caller_bound = request.clock.node_bounds(route.prefill_deadline_s, wait_s)
         client = self._clients.prefill(node.address)
+        sent = time.monotonic()
         try:
             with self._health.busy(node, request.ident):
-                return await client.prefill(
-                    route.name, request.prompt, request.sampling, timeout, candidates, continuation
+                call = client.prefill(
+                    route.name,
+                    request.prompt,
+                    request.sampling,
+                    timeout,
+                    candidates,
+                    continuation,
+                    limits,
                 )
+                return await watched(self._health, node, "prefill", limits.work_s or timeout, call)
         except UpstreamError as exc:
+            if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED and not request.work_done:
+                request.queued_s += time.monotonic() - sent  # it waited, nothing was done
+            caller_bound = caller_bound and request.clock.ran_out()
             raise stage_error(exc, "prefill", node, timeout, caller_bound) from exc
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from disagg_mesh.server.common.config.topology import SchemaLimits
 from disagg_mesh.server.common.engines.base import EngineLoad, Generation, PrefillOutput
+from disagg_mesh.server.common.engines.limits import LimitClock
 from disagg_mesh.server.common.engines.llama_cpp.context import ContextSettings, SlotContext
 from disagg_mesh.server.common.engines.llama_cpp.grammars import Grammars
 from disagg_mesh.server.common.engines.llama_cpp.host_threads import HostThreads
@@ -33,10 +34,12 @@ from disagg_mesh.server.common.engines.llama_cpp.model import (
 )
 from disagg_mesh.server.common.engines.llama_cpp.prefix_cache import PrefixCache
 from disagg_mesh.server.common.engines.llama_cpp.scheduler import (
+    Admitted,
     Event,
     Job,
     JobKind,
     LoadedState,
+    Outcome,
     Scheduler,
     SchedulerSettings,
 )
@@ -59,6 +62,7 @@ from disagg_mesh.server.common.types import (
     KvTransferKind,
     Prompt,
     Sampling,
+    StageLimits,
     TextChunk,
 )
 
@@ -225,6 +229,7 @@ class LlamaCppEngine:
         sampling: Sampling,
         candidates: Sequence[DecodeCandidate] = (),
         continuation: Continuation | None = None,
+        limits: StageLimits | None = None,
     ) -> PrefillOutput:
         sampling = self._with_tools(sampling)
         tokens, hashes = await asyncio.to_thread(self._tokenize, prompt, sampling)
@@ -241,7 +246,8 @@ class LlamaCppEngine:
             blocks = min(blocks, reach)
             holder = holder if blocks else ""
         job.prefix_tokens = blocks * PREFIX_BLOCK_TOKENS
-        async with aclosing(self._events(job)) as events:
+        clock = LimitClock(limits, "prefill", self._scheduler.name)
+        async with aclosing(self._events(job, clock)) as events:
             output = await anext(events)
         assert isinstance(output, PrefillOutput)
         return dataclasses.replace(
@@ -381,9 +387,13 @@ class LlamaCppEngine:
             )
         return ids
 
-    async def _events(self, job: Job) -> AsyncGenerator[Event, None]:
+    async def _events(
+        self, job: Job, clock: LimitClock | None = None
+    ) -> AsyncGenerator[Outcome, None]:
         """Run the job on the step loop and hand its events over as they come. If the caller
-        stops early (its RPC was cancelled), the job is cancelled and its slot freed.
+        stops early (its RPC was cancelled), or the clock's bound passes (its wait for a slot,
+        then its work: the clock's error), the job is cancelled and its slot freed (a prompt
+        cut short keeps its evaluated blocks in the prefix cache).
 
         Text that piled up while the caller was busy goes out as one chunk: at GPU speed a
         node with many streams makes tokens faster than one message per token can leave."""
@@ -393,12 +403,24 @@ class LlamaCppEngine:
         handoff = self._handoff
         job.emit = lambda event: handoff.put(queue, event)
         job.grammar = await self._grammars.get(job.sampling.response_format)
+        job.tell_admitted = clock is not None and clock.bounded
         self._scheduler.submit(job)
         finished = False
         held: Event | None = None
         try:
             while True:
-                event, held = (held, None) if held is not None else (await queue.get(), None)
+                if held is not None:
+                    event, held = held, None
+                elif job.tell_admitted:
+                    assert clock is not None
+                    async with clock.bound():
+                        event = await queue.get()
+                else:
+                    event = await queue.get()
+                if isinstance(event, Admitted):
+                    assert clock is not None
+                    clock.admitted()
+                    continue
                 while isinstance(event, TextChunk) and not queue.empty():
                     after = queue.get_nowait()
                     if not isinstance(after, TextChunk):

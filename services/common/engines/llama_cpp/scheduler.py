@@ -87,7 +87,15 @@ class JobKind(enum.Enum):
     CONTINUE = "continue"  # load a prefill node's state, then generate from its first token
 
 
-Event = TextChunk | GenerationEnd | PrefillOutput | MeshError
+class Admitted:
+    """The job took a slot: its work begins (sent only to jobs that ask, Job.tell_admitted,
+    before any other event of theirs)."""
+
+
+ADMITTED = Admitted()
+# What a job's caller is handed: its results, or the one error.
+Outcome = TextChunk | GenerationEnd | PrefillOutput | MeshError
+Event = Outcome | Admitted
 
 
 def _no_listener(event: Event) -> None:
@@ -144,6 +152,9 @@ class Job:
     # holds them). CONTINUE: the state starts here; the prefix cache has the positions before.
     prefix_tokens: int = 0
     cancelled: bool = False
+    # Hand the caller ADMITTED when the job takes a slot (its own bounds count from there:
+    # engines/limits.py).
+    tell_admitted: bool = False
 
     def __post_init__(self) -> None:
         if (self.kind is JobKind.CONTINUE) != (self.loaded is not None):
@@ -417,6 +428,8 @@ class Scheduler:
             self._slots[index] = slot
             self._busy += 1
             admitted.append(slot)
+            if job.tell_admitted:
+                self._emit(job, ADMITTED)
         self._pending.extend(held)
         return admitted
 

@@ -43,7 +43,7 @@ import math
 import weakref
 from collections import deque
 from collections.abc import AsyncGenerator, Sequence
-from contextlib import aclosing, asynccontextmanager
+from contextlib import aclosing, asynccontextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -55,6 +55,7 @@ from disagg_mesh.server.common.engines.base import (
     PrefillOutput,
     TokenRates,
 )
+from disagg_mesh.server.common.engines.limits import LimitClock
 from disagg_mesh.server.common.engines.prefix_keys import leading_blocks
 from disagg_mesh.server.common.engines.sim.answers import Answer, answer
 from disagg_mesh.server.common.engines.sim.prefix import (
@@ -67,7 +68,12 @@ from disagg_mesh.server.common.engines.sim.prefix import (
     prompt_blocks,
 )
 from disagg_mesh.server.common.engines.sim.profile import HardwareProfile, ModelSpeed
-from disagg_mesh.server.common.errors import Aborted, InvalidArgument, ResourceExhausted
+from disagg_mesh.server.common.errors import (
+    Aborted,
+    InvalidArgument,
+    MeshError,
+    ResourceExhausted,
+)
 from disagg_mesh.server.common.tools import formats
 from disagg_mesh.server.common.tools.requests import ToolRequest
 from disagg_mesh.server.common.tools.stream import with_tool_calls
@@ -80,6 +86,7 @@ from disagg_mesh.server.common.types import (
     KvTransferKind,
     Prompt,
     Sampling,
+    StageLimits,
     TextChunk,
 )
 
@@ -240,6 +247,7 @@ class SimEngine:
         sampling: Sampling,
         candidates: Sequence[DecodeCandidate] = (),
         continuation: Continuation | None = None,
+        limits: StageLimits | None = None,
     ) -> PrefillOutput:
         sampling = self._with_tools(sampling)
         text = _prompt_bytes(prompt, sampling.tools)
@@ -249,9 +257,10 @@ class SimEngine:
         blocks = prompt_blocks(text, self._speed.bytes_per_token)
         seed = _seed(text)
         reply = self._answer(seed, sampling)
-        async with self._slot(blocks) as slot:
+        clock = LimitClock(limits, "prefill")
+        async with self._slot(blocks, clock) as slot:
             cached = self._cached(slot, blocks, n)
-            seconds = await self._evaluate(n + replayed - cached, cached)
+            seconds = await self._evaluate(n + replayed - cached, cached, clock)
             self._keep(slot, blocks)
         first_id, first_text = reply.token_ids[0], reply.texts[0]
         if continuation is not None and continuation.generated_token_ids:
@@ -426,12 +435,21 @@ class SimEngine:
         self._blocks.keep(blocks)
         self._slot_prompts.keep(slot, blocks)
 
-    async def _evaluate(self, tokens: int, cached: int) -> float:
-        """Evaluate a prompt's new tokens on the machine's compute: the seconds it took."""
-        async with self._compute:
-            seconds = self._speed.prefill_seconds(tokens, cached)
-            await asyncio.sleep(seconds / self._speedup)
-            self.prompt_seconds += seconds
+    async def _evaluate(self, tokens: int, cached: int, clock: LimitClock | None = None) -> float:
+        """Evaluate a prompt's new tokens on the machine's compute: the seconds it took. The
+        clock's work begins with the compute (the wait for it, behind other prompts, is the
+        request's wait for its turn, as on an embedded node evaluating one prompt at once)."""
+        clock = clock or LimitClock(None, "prompt")
+        async with clock.bound():
+            await self._compute.acquire()
+        try:
+            clock.admitted()
+            async with clock.bound():
+                seconds = self._speed.prefill_seconds(tokens, cached)
+                await asyncio.sleep(seconds / self._speedup)
+                self.prompt_seconds += seconds
+        finally:
+            self._compute.release()
         self._rates.add(tokens, 0)
         return seconds
 
@@ -501,7 +519,10 @@ class SimEngine:
     # -- slots and states ----------------------------------------------------------------
 
     @asynccontextmanager
-    async def _slot(self, blocks: Blocks) -> AsyncGenerator[int, None]:
+    async def _slot(
+        self, blocks: Blocks, clock: LimitClock | None = None
+    ) -> AsyncGenerator[int, None]:
+        """A slot, in turn (within the clock's wait bound)."""
         if self._free:
             slot = self._slot_prompts.best(self._free, blocks)
             self._free.remove(slot)
@@ -514,8 +535,9 @@ class SimEngine:
             turn: asyncio.Future[int] = asyncio.get_running_loop().create_future()
             self._waiting.append(turn)
             try:
-                slot = await turn
-            except asyncio.CancelledError:
+                async with clock.bound() if clock is not None else nullcontext():
+                    slot = await turn
+            except (asyncio.CancelledError, MeshError):
                 if turn in self._waiting:
                     self._waiting.remove(turn)
                 elif not turn.cancelled():
