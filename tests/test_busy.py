@@ -260,9 +260,19 @@ def sim_prompt(i: int) -> str:
     return words * max(1, round(PROMPT_S / per_copy_s))
 
 
+ONE_SLOT = "sim/one-slot"
+
+
+def sim_generation_tokens() -> int:
+    """Tokens the simulated decode node generates alone in about PROMPT_S."""
+    speed = load_profile("m3-ultra").model(SIM_MODEL)
+    return max(2, round(PROMPT_S / (speed.decode_step_seconds(1, 64) / SLOWER)))
+
+
 @pytest.fixture(scope="module")
 def shared_prefill(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MeshProcesses]:
-    """Four routers sharing one simulated prefill node, a stage deadline of 2.5 prompts."""
+    """Four routers sharing one simulated prefill node, and one decode node of one slot
+    (decode_only), each stage deadline 2.5 prompts (or generations)."""
     routers = [
         router_node().replace('name = "router"', f'name = "router-{i}"') for i in range(ROUTERS)
     ]
@@ -271,10 +281,31 @@ def shared_prefill(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MeshPro
         *routers,
         node_entry("spark", "prefill", "sim", SIM_MODEL, hardware="dgx-spark"),
         node_entry("mac", "decode", "sim", SIM_MODEL, hardware="m3-ultra", slots=16),
+        node_entry("mac-1", "decode", "sim", SIM_MODEL, hardware="m3-ultra", slots=1),
         route(SIM_MODEL, ["spark"], ["mac"], prefill_deadline_s=SIM_STAGE_S),
+        route(ONE_SLOT, [], ["mac-1"], chain=["decode_only"], decode_deadline_s=SIM_STAGE_S),
     ]
     with running_mesh(tmp_path_factory.mktemp("shared-prefill"), parts) as processes:
         yield processes
+
+
+async def served_without_a_failure(mesh: MeshProcesses, calls: list[Any]) -> list[Any]:
+    """The calls sent at once, spread over the routers in turn: every one served, in all
+    longer than one stage deadline, with no failed attempt and no node cooled down."""
+
+    async def one(address: str, call: Any) -> Any:
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub: Any = router_pb2_grpc.RouterServiceStub(channel)
+            return await collect(stub.Generate(call))
+
+    addresses = [r.address for r in mesh.topology.routers]
+    started = time.perf_counter()
+    got = await asyncio.gather(*(one(addresses[i % ROUTERS], c) for i, c in enumerate(calls)))
+    assert time.perf_counter() - started > SIM_STAGE_S  # the node was busy longer than that
+    assert [g.summary.failed_attempts for g in got] == [[]] * len(calls)
+    for i in range(ROUTERS):
+        assert "node cooling down" not in mesh.log_tail(f"router-{i}", 10_000)
+    return got
 
 
 async def test_a_stage_deadline_counts_only_the_nodes_work_whoever_else_sends_it_prompts(
@@ -286,18 +317,20 @@ async def test_a_stage_deadline_counts_only_the_nodes_work_whoever_else_sends_it
     stage deadline of 2.5 prompts. The node counts the stage deadline from the prompt's turn
     (the router tells it the wait and the work apart): all twelve requests are served
     disaggregated, no attempt failed, no node cooled down."""
-
-    async def one(address: str, i: int) -> Any:
-        async with grpc.aio.insecure_channel(address) as channel:
-            stub: Any = router_pb2_grpc.RouterServiceStub(channel)
-            return await collect(stub.Generate(request(SIM_MODEL, sim_prompt(i), 2)))
-
-    addresses = [r.address for r in shared_prefill.topology.routers]
-    started = time.perf_counter()
-    got = await asyncio.gather(*(one(addresses[i % ROUTERS], i) for i in range(3 * ROUTERS)))
-    took = time.perf_counter() - started
-    assert took > SIM_STAGE_S  # the node was busy longer than one stage deadline
-    assert [g.summary.failed_attempts for g in got] == [[]] * (3 * ROUTERS)
+    calls = [request(SIM_MODEL, sim_prompt(i), 2) for i in range(3 * ROUTERS)]
+    got = await served_without_a_failure(shared_prefill, calls)
     assert {g.summary.prefill_node for g in got} == {"spark"}
-    for i in range(ROUTERS):
-        assert "node cooling down" not in shared_prefill.log_tail(f"router-{i}", 10_000)
+
+
+async def test_a_decode_stage_deadline_counts_only_the_nodes_work_whoever_else_sends_it_streams(
+    shared_prefill: MeshProcesses,
+) -> None:
+    """The same with a decode node of one slot: each router sends it one stream at a time
+    (it sees the slot free of its own calls), so the node holds up to four and serves them
+    in turn; the last waits about three generations, longer in all than the decode stage
+    deadline of 2.5. The node counts it from the stream's turn: all eight are served, no
+    attempt failed, no node cooled down."""
+    tokens = sim_generation_tokens()
+    calls = [request(ONE_SLOT, f"Stream {i}:", tokens, ignore_eos=True) for i in range(8)]
+    got = await served_without_a_failure(shared_prefill, calls)
+    assert [g.summary.completion_tokens for g in got] == [tokens] * len(calls)

@@ -124,6 +124,28 @@ async def test_full_slots_queue_then_refuse_at_once(engine: LlamaCppEngine) -> N
     assert (engine.load().slots_busy, engine.load().queue_depth) == (0, 0)
 
 
+async def test_a_generations_own_bounds_count_the_wait_for_a_slot_apart_from_its_work(
+    engine: LlamaCppEngine,
+) -> None:
+    """A decode node's own bounds on a stream (StageLimits): with both slots busy, a stream
+    waiting past queue_s is answered busy; one that waits 1.5 s for a slot is then served
+    within a work_s of 1 s (the bound starts with its turn); a stream whose own generation
+    passes work_s ends with DeadlineExceeded."""
+    count = "Count: 1, 2, 3,"
+    running = [await started(engine.generate(Prompt(count), LONG)) for _ in range(2)]
+    with pytest.raises(ResourceExhausted, match="queue_timeout"):
+        await drain(engine.generate(Prompt("Hi"), SHORT, limits=StageLimits(queue_s=0.3)))
+    bounded = StageLimits(queue_s=30.0, work_s=1.0)
+    waiting = asyncio.create_task(drain(engine.generate(Prompt("Hi"), SHORT, limits=bounded)))
+    await asyncio.sleep(1.5)
+    await running[0].aclose()
+    _, end = await asyncio.wait_for(waiting, 30)
+    assert end.completion_tokens == 4
+    with pytest.raises(DeadlineExceeded, match="work_timeout"):
+        await drain(engine.generate(Prompt(count), LONG, limits=StageLimits(work_s=0.5)))
+    await running[1].aclose()
+
+
 async def test_a_full_kv_cache_ends_only_the_newest_stream() -> None:
     # Two slots of 512 tokens but only 512 cells in all: two long generations cannot both fit.
     engine = await open_engine(kv_cells=512, max_queue=0)

@@ -148,8 +148,9 @@ class _FakeDecode:
         sampling: Sampling,
         timeout_s: float,
         continuation: Continuation | None = None,
+        limits: StageLimits | None = None,
     ) -> AsyncGenerator[TextChunk | DecodeStats, None]:
-        self._nodes.calls[self._name].append(Call(source, continuation, (), timeout_s))
+        self._nodes.calls[self._name].append(Call(source, continuation, (), timeout_s, limits))
         step = self._nodes.scripts[self._name].next()
         start = FIRST + (continuation.generated_tokens if continuation else 0)
         for i, token in enumerate(range(start, FIRST + sampling.max_tokens)):
@@ -313,15 +314,16 @@ async def test_a_prefill_node_counts_the_wait_and_the_work_and_busy_there_blames
 
 
 async def test_a_nodes_own_stage_deadline_is_the_stages_while_the_caller_has_time() -> None:
-    """A caller with less time than the stage deadline: the call ends with the caller's
-    deadline, but a node that answers DEADLINE_EXCEEDED before then did not run out of the
-    caller's time (the stage's deadline: retried on the next node, the first set aside)."""
+    """A caller with more time than the stage deadline but less than the node's wait and
+    work together: the call ends with the caller's deadline, but a node that answers
+    DEADLINE_EXCEEDED before then ran its work past the stage deadline (the stage's:
+    retried on the next node, the first set aside), not out of the caller's time."""
     router, nodes = build(prefill_deadline_s=20.0)
     nodes.scripts["p1"] = Script([fail(grpc.StatusCode.DEADLINE_EXCEEDED)])
-    text, summary = await run(router, time_remaining=15.0)
+    text, summary = await run(router, time_remaining=30.0)
     first = nodes.calls["p1"][0]
-    assert first.timeout_s <= 15.0 and first.limits is not None
-    assert first.limits.work_s == first.timeout_s
+    assert first.timeout_s <= 30.0 and first.limits is not None
+    assert first.limits.work_s == 20.0
     assert text == answer(8) and summary.prefill_node == "p2"
     assert "stage deadline passed" in summary.failed_attempts[0].message
     assert not router.health.available(router.topology.node("p1"))

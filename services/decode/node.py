@@ -20,6 +20,7 @@ from disagg_mesh.server.common.types import (
     KvTransferKind,
     Prompt,
     Sampling,
+    StageLimits,
     TextChunk,
 )
 from disagg_mesh.server.common.validation import (
@@ -59,10 +60,12 @@ class DecodeNode:
         sampling: Sampling,
         time_remaining: float | None,
         continuation: Continuation | None = None,
+        limits: StageLimits | None = None,
     ) -> AsyncGenerator[TextChunk | DecodeStats, None]:
         """Text chunks as they are produced, then one DecodeStats. With a continuation, the
         generation resumes after the tokens another node generated: evaluated here (with a
-        prompt), or by a prefill node whose state holds them (with a KvSource)."""
+        prompt), or by a prefill node whose state holds them (with a KvSource). limits: the
+        caller's bounds on the wait for a slot and on the generation (engines/limits.py)."""
         arrived = time.perf_counter()
         check_served(model, self.name, self.models)
         await check_format(sampling, self.schema_limits)
@@ -73,12 +76,12 @@ class DecodeNode:
         if isinstance(source, KvSource):
             state = await self._fetch_state(source, time_remaining, stats)
             generation = self.engine.continue_from_state(
-                state, source.reference, sampling, continuation
+                state, source.reference, sampling, continuation, limits
             )
         else:
             validate_prompt(source)
             stats.kv_transfer = KvTransferKind.NONE
-            generation = self.engine.generate(source, sampling, continuation)
+            generation = self.engine.generate(source, sampling, continuation, limits)
         end: GenerationEnd | None = None
         async with aclosing(generation) as items:
             async for item in items:

@@ -31,7 +31,12 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         sampling = convert.sampling_from_proto(request.sampling, node.max_tokens_limit)
         continuation = _continuation(request)
         events = node.generate(
-            request.model, source, sampling, context.time_remaining(), continuation
+            request.model,
+            source,
+            sampling,
+            context.time_remaining(),
+            continuation,
+            convert.limits_from_proto(request),
         )
         async with aclosing(events) as stream:
             async for event in stream:

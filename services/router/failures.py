@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -38,6 +38,7 @@ from disagg_mesh.server.router.summary import FailedAttempt
 
 log = structlog.get_logger("router")
 T = TypeVar("T")
+E = TypeVar("E")
 # The least a node may hold a call before its turn (node_wait_s): an engine admits between
 # passes, and a pass of a long prompt's piece takes about a second on a small CPU.
 MIN_NODE_WAIT_S = 1.0
@@ -199,6 +200,53 @@ async def watched(
         if not task.done():
             task.cancel()
             task.add_done_callback(_retrieved)
+
+
+async def watched_events(
+    health: NodeHealth, node: Node, stage: str, stage_s: float, events: AsyncIterator[E]
+) -> AsyncGenerator[E, None]:
+    """A stream's events, relayed, watched as `watched` watches a call: while the stream
+    waits for the node's next event, from CHECK_TIMEOUT_S before the stage deadline and
+    every stage deadline after, the node is asked whether it answers at all; one that does
+    not is hung, and the wait ends (StageDeadlineExceeded). No task an event: the watch is
+    one task for the stream, which cancels the wait it found hung."""
+    waiting: asyncio.Task[Any] | None = None
+    hung = False
+
+    async def watch() -> None:
+        nonlocal hung
+        delay = max(stage_s - CHECK_TIMEOUT_S, 0.0)
+        while True:
+            await asyncio.sleep(delay)
+            delay = stage_s
+            if waiting is not None and not await health.answers(node) and waiting is not None:
+                hung = True
+                waiting.cancel()
+                return
+
+    watcher = asyncio.create_task(watch())
+    try:
+        while True:
+            waiting = asyncio.current_task()
+            try:
+                event = await anext(events)
+            except StopAsyncIteration:
+                return
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if hung and task is not None and task.uncancel() == 0:
+                    raise StageDeadlineExceeded(
+                        f"{stage} stage on node {node.name} ({node.address}) ran out of time: "
+                        f"the node sent nothing and did not answer a health check within "
+                        f"{CHECK_TIMEOUT_S:g} s (hung; its {stage_s:g} s stage deadline "
+                        "passed)"
+                    ) from None
+                raise
+            finally:
+                waiting = None
+            yield event
+    finally:
+        watcher.cancel()
 
 
 def _retrieved(task: asyncio.Future[Any]) -> None:

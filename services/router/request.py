@@ -48,8 +48,14 @@ class Clock:
             return StageLimits(wait_s, stage_limit_s), whole, False
         return StageLimits(min(wait_s, left), min(stage_limit_s, left)), left, True
 
-    def ran_out(self) -> bool:
-        """The caller's deadline has passed (within CLOCK_SLACK_S)."""
+    def caller_ended(self, limits: StageLimits, stage_limit_s: float) -> bool:
+        """Whether a call with these bounds (node_bounds's, where the caller's deadline limits
+        the call) that ended with DEADLINE_EXCEEDED ran out of the caller's time: the
+        caller's deadline bounded the node's work too, or it has passed (within
+        CLOCK_SLACK_S). Else the node's work ran past the stage deadline first: the
+        stage's."""
+        if limits.work_s is not None and limits.work_s < stage_limit_s:
+            return True
         left = self.remaining()
         return left is not None and left <= CLOCK_SLACK_S
 

@@ -273,9 +273,10 @@ class ModelRoute(_Strict):
     prefix_placement: Literal["order", "hash"] = "order"
     # Stage limits: a node's work on the request (the router sends it a prompt only when
     # the node has a free slot, so waiting for one does not count: queue_budget_s; and a
-    # prefill node no more prompts at once than end within half this at its pace). A
-    # prefill node counts this itself from the prompt's turn, so a wait there behind other
-    # routers' prompts does not count either (it draws from queue_budget_s).
+    # prefill node no more prompts at once than end within half this at its pace). The
+    # node counts it (and decode_deadline_s) itself from the request's turn, so a wait
+    # there behind other routers' requests does not count either (it draws from
+    # queue_budget_s).
     prefill_deadline_s: PositiveSeconds = 60.0
     # How long a request may wait at the router, in all, for room and free slots before
     # any work is done for it (on every node and chain step tried; within the caller's own

@@ -134,19 +134,26 @@ class Engine(Protocol):
         reference: KvReference,
         sampling: Sampling,
         continuation: Continuation | None = None,
+        limits: StageLimits | None = None,
     ) -> Generation:
         """Continue a prefill node's work (`kv_state`, fetched by what `reference` says):
         text chunks from the first token on, then the end.
         With a continuation, the state holds its tokens but the last (a prefill node's
-        continuation): they are taken in, not sent, and generation goes on after them."""
+        continuation): they are taken in, not sent, and generation goes on after them.
+        limits: the wait for a slot and the generation after it, each bounded (as
+        prefill's)."""
         ...
 
     def generate(
-        self, prompt: Prompt, sampling: Sampling, continuation: Continuation | None = None
+        self,
+        prompt: Prompt,
+        sampling: Sampling,
+        continuation: Continuation | None = None,
+        limits: StageLimits | None = None,
     ) -> Generation:
         """Whole generation on this engine: text chunks, then the end. With a continuation,
         it resumes after the tokens another node generated, without sending them again;
-        the end counts them in its completion tokens."""
+        the end counts them in its completion tokens. limits: as continue_from_state's."""
         ...
 
     async def problem(self) -> str | None:

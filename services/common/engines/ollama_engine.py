@@ -178,7 +178,9 @@ class OllamaEngine:
         reference: KvReference,
         sampling: Sampling,
         continuation: Continuation | None = None,
+        limits: StageLimits | None = None,
     ) -> Generation:
+        """limits: left to the call's deadline (Ollama's queue is not visible)."""
         if continuation is not None:
             raise FailedPrecondition(_NO_STATE_CONTINUATION)
         ids = _bytes_to_ids(kv_state)
@@ -207,13 +209,18 @@ class OllamaEngine:
                 yield item
 
     async def generate(
-        self, prompt: Prompt, sampling: Sampling, continuation: Continuation | None = None
+        self,
+        prompt: Prompt,
+        sampling: Sampling,
+        continuation: Continuation | None = None,
+        limits: StageLimits | None = None,
     ) -> Generation:
         """A whole generation; with a continuation, the rest of one another node started:
         raw /api/generate of the prompt text plus the generated text when the prompt had no
         chat template, else /api/chat with the generated text as an open assistant turn
         (Ollama's template renders the turns as for the original request and leaves the
-        last assistant turn open, so the model continues it)."""
+        last assistant turn open, so the model continues it). limits: as
+        continue_from_state's."""
         if continuation is not None and sampling.response_format is not None:
             raise FailedPrecondition(_NO_CONSTRAINED_HANDOFF)
         already = 0 if continuation is None else continuation.generated_tokens

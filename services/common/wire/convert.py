@@ -278,7 +278,10 @@ def continuation_to_proto(c: Continuation) -> types_pb2.Continuation:
     )
 
 
-def limits_from_proto(msg: prefill_pb2.PrefillRequest) -> StageLimits:
+LimitedRequest = prefill_pb2.PrefillRequest | decode_pb2.DecodeServiceGenerateRequest
+
+
+def limits_from_proto(msg: LimitedRequest) -> StageLimits:
     """The request's queue_timeout and work_timeout (unset: None)."""
 
     def seconds(field: str) -> float | None:
@@ -292,7 +295,7 @@ def limits_from_proto(msg: prefill_pb2.PrefillRequest) -> StageLimits:
     return StageLimits(queue_s=seconds("queue_timeout"), work_s=seconds("work_timeout"))
 
 
-def limits_to_proto(limits: StageLimits, msg: prefill_pb2.PrefillRequest) -> None:
+def limits_to_proto(limits: StageLimits, msg: LimitedRequest) -> None:
     """Set the request's queue_timeout and work_timeout (those that are not None)."""
     if limits.queue_s is not None:
         msg.queue_timeout.CopyFrom(duration(limits.queue_s))

@@ -202,12 +202,16 @@ class DecodeClient:
         sampling: Sampling,
         timeout_s: float,
         continuation: Continuation | None = None,
+        limits: StageLimits | None = None,
     ) -> AsyncGenerator[TextChunk | DecodeStats, None]:
+        """timeout_s: the call's deadline; limits: the node's own bounds within it."""
         request = decode_pb2.DecodeServiceGenerateRequest(
             model=model, sampling=convert.sampling_to_proto(sampling)
         )
         if continuation is not None:
             request.continuation.CopyFrom(convert.continuation_to_proto(continuation))
+        if limits is not None:
+            convert.limits_to_proto(limits, request)
         if isinstance(source, KvSource):
             request.kv.CopyFrom(to_proto(source))
         else:

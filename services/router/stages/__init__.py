@@ -44,6 +44,7 @@ class DecodeCalls(Protocol):
         sampling: Sampling,
         timeout_s: float,
         continuation: Continuation | None = None,
+        limits: StageLimits | None = None,
     ) -> AsyncGenerator[TextChunk | DecodeStats, None]: ...
 
 

@@ -3,6 +3,7 @@ and its text is relayed as it comes, then its summary."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
 
@@ -11,10 +12,17 @@ import grpc
 from disagg_mesh.server.common.config.topology import Node
 from disagg_mesh.server.common.errors import UpstreamError
 from disagg_mesh.server.common.types import Continuation, DecodeStats, KvSource, Prompt, TextChunk
-from disagg_mesh.server.router.failures import free_slot, stage_error
+from disagg_mesh.server.router.failures import (
+    free_slot,
+    node_wait_s,
+    stage_error,
+    watched_events,
+)
 from disagg_mesh.server.router.node_health import NodeHealth
 from disagg_mesh.server.router.request import Request
 from disagg_mesh.server.router.stages import NodeClients
+
+Event = TextChunk | DecodeStats
 
 
 class DecodeStage:
@@ -28,20 +36,36 @@ class DecodeStage:
         node: Node,
         source: KvSource | Prompt,
         continuation: Continuation | None = None,
-    ) -> AsyncGenerator[TextChunk | DecodeStats, None]:
-        """The node's text chunks, then its DecodeStats, with the stage deadline (or what is
-        left of the caller's)."""
+    ) -> AsyncGenerator[Event, None]:
+        """The node's text chunks, then its DecodeStats, once the node has a slot free of
+        this router's calls (queue_budget_s). As a prefill call's (PrefillStage.call), the
+        node counts the stage deadline from the generation's turn and answers busy if other
+        callers keep its turn from coming within what is left of the queue budget (the
+        router's own calls keep none waiting: it sends one only into a free slot); until
+        the stream ends, a node it waits for past its stage deadline is asked whether it
+        answers at all (`watched_events`)."""
         route = request.route
-        await free_slot(self._health, request, node)  # the stage deadline starts with a slot
-        timeout, caller_bound = request.clock.stage_timeout(route.decode_deadline_s)
+        await free_slot(self._health, request, node)
+        wait_s = node_wait_s(request, 0.0)
+        limits, timeout, caller_bound = request.clock.node_bounds(route.decode_deadline_s, wait_s)
         client = self._clients.decode(node.address)
-        generation = client.generate(route.name, source, request.sampling, timeout, continuation)
+        generation = client.generate(
+            route.name, source, request.sampling, timeout, continuation, limits
+        )
+        sent = time.monotonic()
         try:
             with self._health.busy(node, request.ident):
-                async with aclosing(generation) as events:
+                stage_s = limits.work_s or timeout
+                watched = watched_events(self._health, node, "decode", stage_s, generation)
+                async with aclosing(generation), aclosing(watched) as events:
                     async for event in events:
                         yield event
         except UpstreamError as exc:
+            if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED and not request.work_done:
+                request.queued_s += time.monotonic() - sent  # it waited, nothing was done
+            caller_bound = caller_bound and request.clock.caller_ended(
+                limits, route.decode_deadline_s
+            )
             raise stage_error(exc, "decode", node, timeout, caller_bound) from exc
 
 

@@ -114,7 +114,9 @@ class PrefillStage:
         except UpstreamError as exc:
             if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED and not request.work_done:
                 request.queued_s += time.monotonic() - sent  # it waited, nothing was done
-            caller_bound = caller_bound and request.clock.ran_out()
+            caller_bound = caller_bound and request.clock.caller_ended(
+                limits, route.prefill_deadline_s
+            )
             raise stage_error(exc, "prefill", node, timeout, caller_bound) from exc
 
 

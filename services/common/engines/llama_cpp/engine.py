@@ -286,6 +286,7 @@ class LlamaCppEngine:
         reference: KvReference,
         sampling: Sampling,
         continuation: Continuation | None = None,
+        limits: StageLimits | None = None,
     ) -> Generation:
         replay: list[int] = []
         if continuation is not None:
@@ -334,12 +335,18 @@ class LlamaCppEngine:
             replay=replay,
             first_token_from_prefill=continuation is None or continuation.first_token_from_prefill,
         )
-        async with aclosing(self._tool_calls(self._generation(job), sampling, replay)) as events:
+        clock = LimitClock(limits, "generation", self._scheduler.name)
+        generation = self._tool_calls(self._generation(job, clock), sampling, replay)
+        async with aclosing(generation) as events:
             async for event in events:
                 yield event
 
     async def generate(
-        self, prompt: Prompt, sampling: Sampling, continuation: Continuation | None = None
+        self,
+        prompt: Prompt,
+        sampling: Sampling,
+        continuation: Continuation | None = None,
+        limits: StageLimits | None = None,
     ) -> Generation:
         sampling = self._with_tools(sampling)
         tokens, hashes = await asyncio.to_thread(self._tokenize, prompt, sampling)
@@ -354,13 +361,14 @@ class LlamaCppEngine:
             job.replay = self._replay_ids(continuation, len(tokens), required=False)
             job.first_token_from_prefill = continuation.first_token_from_prefill
             job.piece_origin = _piece_origin(continuation, len(tokens))
-        generation = self._tool_calls(self._generation(job), sampling, job.replay)
+        clock = LimitClock(limits, "generation", self._scheduler.name)
+        generation = self._tool_calls(self._generation(job, clock), sampling, job.replay)
         async with aclosing(generation) as events:
             async for event in events:
                 yield event
 
-    async def _generation(self, job: Job) -> Generation:
-        async with aclosing(self._events(job)) as events:
+    async def _generation(self, job: Job, clock: LimitClock | None = None) -> Generation:
+        async with aclosing(self._events(job, clock)) as events:
             async for event in events:
                 assert isinstance(event, TextChunk | GenerationEnd)
                 yield event

@@ -288,22 +288,25 @@ class SimEngine:
         reference: KvReference,
         sampling: Sampling,
         continuation: Continuation | None = None,
+        limits: StageLimits | None = None,
     ) -> Generation:
         header = _Header.decode(kv_state)
         sampling = self._with_tools(sampling)
         reply = self._answer(header.seed, sampling)
         done = len(continuation.generated_token_ids) if continuation is not None else 0
-        events = self._continued(header, reference, reply, done)
+        clock = LimitClock(limits, "generation")
+        events = self._continued(header, reference, reply, done, clock)
         async with aclosing(self._tool_calls(events, sampling, reply.text(done))) as stream:
             async for event in stream:
                 yield event
 
     async def _continued(
-        self, header: _Header, reference: KvReference, reply: Answer, done: int
+        self, header: _Header, reference: KvReference, reply: Answer, done: int, clock: LimitClock
     ) -> Generation:
         depth = reference.prompt_tokens + max(done - 1, 0)
         prefix = reference.kv_prefix_tokens
-        async with self._slot(header.blocks):
+        async with self._slot(header.blocks, clock):
+            clock.admitted()
             held = self._blocks.cached_tokens(header.blocks[: prefix // BLOCK_TOKENS])
             if held < prefix:
                 raise Aborted(
@@ -317,11 +320,15 @@ class SimEngine:
             if not done:  # the prefill node's first token goes out first
                 yield reply.chunk(0, 1)
                 done = 1
-            async for event in self._decode(reply, depth + 1, done, 0.0, prefix, kept):
+            async for event in self._decode(reply, depth + 1, done, 0.0, prefix, kept, clock):
                 yield event
 
     async def generate(
-        self, prompt: Prompt, sampling: Sampling, continuation: Continuation | None = None
+        self,
+        prompt: Prompt,
+        sampling: Sampling,
+        continuation: Continuation | None = None,
+        limits: StageLimits | None = None,
     ) -> Generation:
         sampling = self._with_tools(sampling)
         text = _prompt_bytes(prompt, sampling.tools)
@@ -330,18 +337,20 @@ class SimEngine:
         if continuation is not None and not done:
             done = continuation.generated_tokens
         reply = self._answer(_seed(text), sampling)
-        events = self._generated(text, n, reply, done)
+        events = self._generated(text, n, reply, done, LimitClock(limits, "generation"))
         async with aclosing(self._tool_calls(events, sampling, reply.text(done))) as stream:
             async for event in stream:
                 yield event
 
-    async def _generated(self, text: bytes, n: int, reply: Answer, done: int) -> Generation:
+    async def _generated(
+        self, text: bytes, n: int, reply: Answer, done: int, clock: LimitClock
+    ) -> Generation:
         blocks = prompt_blocks(text, self._speed.bytes_per_token)
-        async with self._slot(blocks) as slot:
+        async with self._slot(blocks, clock) as slot:
             cached = self._cached(slot, blocks, n)
-            seconds = await self._evaluate(n + done - cached, cached)
+            seconds = await self._evaluate(n + done - cached, cached, clock)
             self._keep(slot, blocks)
-            async for event in self._decode(reply, n + done, done, seconds, cached):
+            async for event in self._decode(reply, n + done, done, seconds, cached, 0, clock):
                 yield event
 
     async def problem(self) -> str | None:
@@ -461,8 +470,11 @@ class SimEngine:
         prompt_seconds: float,
         cached: int = 0,
         kept: int = 0,
+        clock: LimitClock | None = None,
     ) -> AsyncGenerator[TextChunk | GenerationEnd, None]:
-        """Tokens from position `done` on, in the shared steps, to the answer's end."""
+        """Tokens from position `done` on, in the shared steps, to the answer's end (within
+        the clock's work bound)."""
+        clock = clock or LimitClock(None, "generation")
         last = len(reply)
         loop = asyncio.get_running_loop()
         started = loop.time()
@@ -473,7 +485,9 @@ class SimEngine:
                 self._stepper = asyncio.create_task(self._step_loop())
             try:
                 while done < last:
-                    steps = min(await stream.steps.get(), last - done)
+                    async with clock.bound():
+                        step = await stream.steps.get()
+                    steps = min(step, last - done)
                     yield reply.chunk(done, done + steps)
                     done += steps
             finally:
