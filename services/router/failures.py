@@ -169,7 +169,7 @@ def node_wait_s(request: Request, ahead_s: float) -> float:
     router's own calls on the node at its pace (ahead_s: it sent the call to wait for them,
     `NodeHealth._open`), twice over for prompts slower than the pace (1 / STAGE_SHARE); at
     least MIN_NODE_WAIT_S. A node whose engine hangs answers its work bound itself; one that
-    cannot answer at all is left when the call's deadline passes (the two bounds in turn)."""
+    cannot answer at all, `watched` finds."""
     return max(MIN_NODE_WAIT_S, request.queue_left() + ahead_s / STAGE_SHARE)
 
 
@@ -190,11 +190,7 @@ async def watched(
             if done:
                 return task.result()
             if not await health.answers(node):
-                raise StageDeadlineExceeded(
-                    f"{stage} stage on node {node.name} ({node.address}) ran out of time: its "
-                    f"{stage_s:g} s stage deadline passed and the node did not answer a health "
-                    f"check within {CHECK_TIMEOUT_S:g} s (hung)"
-                )
+                raise _hung(stage, node, stage_s)
             delay = stage_s
     finally:
         if not task.done():
@@ -235,18 +231,21 @@ async def watched_events(
             except asyncio.CancelledError:
                 task = asyncio.current_task()
                 if hung and task is not None and task.uncancel() == 0:
-                    raise StageDeadlineExceeded(
-                        f"{stage} stage on node {node.name} ({node.address}) ran out of time: "
-                        f"the node sent nothing and did not answer a health check within "
-                        f"{CHECK_TIMEOUT_S:g} s (hung; its {stage_s:g} s stage deadline "
-                        "passed)"
-                    ) from None
+                    raise _hung(stage, node, stage_s) from None
                 raise
             finally:
                 waiting = None
             yield event
     finally:
         watcher.cancel()
+
+
+def _hung(stage: str, node: Node, stage_s: float) -> StageDeadlineExceeded:
+    return StageDeadlineExceeded(
+        f"{stage} stage on node {node.name} ({node.address}) ran out of time: its {stage_s:g} s "
+        f"stage deadline passed and the node did not answer a health check within "
+        f"{CHECK_TIMEOUT_S:g} s (hung)"
+    )
 
 
 def _retrieved(task: asyncio.Future[Any]) -> None:

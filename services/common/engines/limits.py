@@ -38,12 +38,6 @@ class LimitClock:
         if self._admitted_at is None:
             self._admitted_at = time.monotonic()
 
-    @property
-    def waited_s(self) -> float:
-        """Seconds it waited for its turn (so far, before it was admitted)."""
-        end = self._admitted_at if self._admitted_at is not None else time.monotonic()
-        return end - self._queued_at
-
     def left(self) -> float | None:
         """Seconds until the bound now running passes (None: none runs), never below 0."""
         if self._admitted_at is None:
