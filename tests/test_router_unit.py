@@ -301,14 +301,18 @@ async def test_a_prefill_node_counts_the_wait_and_the_work_and_busy_there_blames
     request's queue budget: other routers' prompts may be ahead of it there) and the work
     from then (the stage deadline); the call's deadline is the two in turn. A node that
     answers busy after that wait is not set aside, and the prompt goes to the next node."""
-    router, nodes = build(prefill_deadline_s=20.0, queue_budget_s=7.0)
+    router, nodes = build(prefill_deadline_s=20.0, queue_budget_s=70.0)
     nodes.scripts["p1"] = Script([fail(grpc.StatusCode.RESOURCE_EXHAUSTED), None])
-    text, summary = await run(router, time_remaining=100.0)
+    text, summary = await run(router, time_remaining=200.0)
     assert text == answer(8) and summary.prefill_node == "p2"
     first = nodes.calls["p1"][0]
     assert first.limits is not None and first.limits.work_s == 20.0
-    assert first.limits.queue_s == pytest.approx(7.0, abs=0.1)
-    assert first.timeout_s == pytest.approx(27.0, abs=0.1)
+    assert first.limits.queue_s == pytest.approx(70.0, abs=0.1)
+    assert first.timeout_s == pytest.approx(90.0, abs=0.1)
+    # Never stricter than when the stage deadline covered the wait too: at least that.
+    router, nodes = build(prefill_deadline_s=20.0, queue_budget_s=7.0)
+    await run(router, time_remaining=200.0)
+    assert nodes.calls["p1"][0].limits == StageLimits(queue_s=20.0, work_s=20.0)
     assert [(f.node, f.code) for f in summary.failed_attempts] == [("p1", "RESOURCE_EXHAUSTED")]
     assert router.health.available(router.topology.node("p1"))
 

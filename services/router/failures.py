@@ -162,15 +162,17 @@ async def free_slot(health: NodeHealth, request: Request, node: Node) -> None:
         )
 
 
-def node_wait_s(request: Request, ahead_s: float) -> float:
+def node_wait_s(request: Request, ahead_s: float, stage_s: float) -> float:
     """How long a node may hold a call before its work begins (the node counts it: a call
     sent once the node had a slot free of this router's calls may still wait there for other
     routers' calls): what is left of the request's queue budget, plus the wait for this
     router's own calls on the node at its pace (ahead_s: it sent the call to wait for them,
     `NodeHealth._open`), twice over for prompts slower than the pace (1 / STAGE_SHARE); at
-    least MIN_NODE_WAIT_S. A node whose engine hangs answers its work bound itself; one that
-    cannot answer at all, `watched` finds."""
-    return max(MIN_NODE_WAIT_S, request.queue_left() + ahead_s / STAGE_SHARE)
+    least the stage deadline (never stricter than when the stage deadline covered the wait
+    too: a busy answer sends the request on down its chain) and MIN_NODE_WAIT_S. A node
+    whose engine hangs answers its work bound itself; one that cannot answer at all,
+    `watched` finds."""
+    return max(MIN_NODE_WAIT_S, stage_s, request.queue_left() + ahead_s / STAGE_SHARE)
 
 
 async def watched(

@@ -46,7 +46,7 @@ class DecodeStage:
         answers at all (`watched_events`)."""
         route = request.route
         await free_slot(self._health, request, node)
-        wait_s = node_wait_s(request, 0.0)
+        wait_s = node_wait_s(request, 0.0, route.decode_deadline_s)
         limits, timeout, caller_bound = request.clock.node_bounds(route.decode_deadline_s, wait_s)
         client = self._clients.decode(node.address)
         generation = client.generate(

@@ -95,7 +95,7 @@ class PrefillStage:
         left of the caller's)."""
         route = request.route
         await free_slot(self._health, request, node)
-        wait_s = node_wait_s(request, self._health.ahead_s(node))
+        wait_s = node_wait_s(request, self._health.ahead_s(node), route.prefill_deadline_s)
         limits, timeout, caller_bound = request.clock.node_bounds(route.prefill_deadline_s, wait_s)
         client = self._clients.prefill(node.address)
         sent = time.monotonic()
