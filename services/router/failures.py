@@ -26,6 +26,7 @@ from disagg_mesh.server.common.errors import (
     UpstreamError,
 )
 from disagg_mesh.server.common.runtime.observability import metrics
+from disagg_mesh.server.common.types import StageLimits
 from disagg_mesh.server.router.deaths import QueryOfDeath, dropped
 from disagg_mesh.server.router.node_health import (
     CHECK_TIMEOUT_S,
@@ -173,6 +174,25 @@ def node_wait_s(request: Request, ahead_s: float, stage_s: float) -> float:
     whose engine hangs answers its work bound itself; one that cannot answer at all,
     `watched` finds."""
     return max(MIN_NODE_WAIT_S, stage_s, request.queue_left() + ahead_s / STAGE_SHARE)
+
+
+def failed_call(
+    exc: UpstreamError,
+    request: Request,
+    stage: str,
+    node: Node,
+    sent: float,
+    bounds: tuple[StageLimits, float, bool],
+    stage_s: float,
+) -> MeshError:
+    """A stage's node call that failed (sent at `sent`, with node_bounds's `bounds`): a
+    busy answer's wait is drawn from the queue budget (nothing was done), and the error
+    says whose deadline passed (stage_error)."""
+    limits, timeout, caller_bound = bounds
+    if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED and not request.work_done:
+        request.queued_s += time.monotonic() - sent
+    caller_bound = caller_bound and request.clock.caller_ended(limits, stage_s)
+    return stage_error(exc, stage, node, timeout, caller_bound)
 
 
 async def watched(

@@ -31,13 +31,6 @@ class Clock:
     def remaining(self) -> float | None:
         return None if self._deadline is None else max(self._deadline - time.monotonic(), 0.0)
 
-    def stage_timeout(self, stage_limit_s: float) -> tuple[float, bool]:
-        """(timeout, True if the caller's deadline is what limits it)."""
-        if self._deadline is None:
-            return stage_limit_s, False
-        left = self._deadline - time.monotonic()
-        return (left, True) if left < stage_limit_s else (stage_limit_s, False)
-
     def node_bounds(self, stage_limit_s: float, wait_s: float) -> tuple[StageLimits, float, bool]:
         """A call's bounds that the node counts itself (its wait for a turn, then its work:
         the stage limit), and the call's deadline: the two in turn, or what is left of the

@@ -13,9 +13,9 @@ from disagg_mesh.server.common.config.topology import Node
 from disagg_mesh.server.common.errors import UpstreamError
 from disagg_mesh.server.common.types import Continuation, DecodeStats, KvSource, Prompt, TextChunk
 from disagg_mesh.server.router.failures import (
+    failed_call,
     free_slot,
     node_wait_s,
-    stage_error,
     watched_events,
 )
 from disagg_mesh.server.router.node_health import NodeHealth
@@ -46,8 +46,9 @@ class DecodeStage:
         answers at all (`watched_events`)."""
         route = request.route
         await free_slot(self._health, request, node)
-        wait_s = node_wait_s(request, 0.0, route.decode_deadline_s)
-        limits, timeout, caller_bound = request.clock.node_bounds(route.decode_deadline_s, wait_s)
+        stage_s = route.decode_deadline_s
+        bounds = request.clock.node_bounds(stage_s, node_wait_s(request, 0.0, stage_s))
+        limits, timeout, _ = bounds
         client = self._clients.decode(node.address)
         generation = client.generate(
             route.name, source, request.sampling, timeout, continuation, limits
@@ -55,18 +56,13 @@ class DecodeStage:
         sent = time.monotonic()
         try:
             with self._health.busy(node, request.ident):
-                stage_s = limits.work_s or timeout
-                watched = watched_events(self._health, node, "decode", stage_s, generation)
+                watch_s = limits.work_s or timeout
+                watched = watched_events(self._health, node, "decode", watch_s, generation)
                 async with aclosing(generation), aclosing(watched) as events:
                     async for event in events:
                         yield event
         except UpstreamError as exc:
-            if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED and not request.work_done:
-                request.queued_s += time.monotonic() - sent  # it waited, nothing was done
-            caller_bound = caller_bound and request.clock.caller_ended(
-                limits, route.decode_deadline_s
-            )
-            raise stage_error(exc, "decode", node, timeout, caller_bound) from exc
+            raise failed_call(exc, request, "decode", node, sent, bounds, stage_s) from exc
 
 
 def required(stats: DecodeStats | None, node: Node | str) -> DecodeStats:

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import time
 
-import grpc
-
 from disagg_mesh.server.common.config.topology import Node
 from disagg_mesh.server.common.errors import MeshError, UpstreamError
 from disagg_mesh.server.common.types import (
@@ -18,10 +16,10 @@ from disagg_mesh.server.common.types import (
 from disagg_mesh.server.router.failures import (
     StageDeadlineExceeded,
     attempt_failed,
+    failed_call,
     free_slot,
     is_retryable,
     node_wait_s,
-    stage_error,
     watched,
 )
 from disagg_mesh.server.router.node_health import NodeHealth
@@ -95,8 +93,11 @@ class PrefillStage:
         left of the caller's)."""
         route = request.route
         await free_slot(self._health, request, node)
-        wait_s = node_wait_s(request, self._health.ahead_s(node), route.prefill_deadline_s)
-        limits, timeout, caller_bound = request.clock.node_bounds(route.prefill_deadline_s, wait_s)
+        stage_s = route.prefill_deadline_s
+        bounds = request.clock.node_bounds(
+            stage_s, node_wait_s(request, self._health.ahead_s(node), stage_s)
+        )
+        limits, timeout, _ = bounds
         client = self._clients.prefill(node.address)
         sent = time.monotonic()
         try:
@@ -112,12 +113,7 @@ class PrefillStage:
                 )
                 return await watched(self._health, node, "prefill", limits.work_s or timeout, call)
         except UpstreamError as exc:
-            if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED and not request.work_done:
-                request.queued_s += time.monotonic() - sent  # it waited, nothing was done
-            caller_bound = caller_bound and request.clock.caller_ended(
-                limits, route.prefill_deadline_s
-            )
-            raise stage_error(exc, "prefill", node, timeout, caller_bound) from exc
+            raise failed_call(exc, request, "prefill", node, sent, bounds, stage_s) from exc
 
 
 def kv_source(prefill: Node, result: PrefillResult) -> KvSource:
