@@ -35,7 +35,7 @@ from disagg_mesh.server.common.types import (
     TextChunk,
 )
 from disagg_mesh.server.common.wire.node_clients import ChannelPool
-from disagg_mesh.server.router import failures
+from disagg_mesh.server.router import failures, node_health
 from disagg_mesh.server.router.failures import CallerDeadlineExceeded, StageDeadlineExceeded
 from disagg_mesh.server.router.knowledge import Knowledge
 from disagg_mesh.server.router.node_health import NodeHealth, Overloaded
@@ -315,6 +315,29 @@ async def test_a_prefill_node_counts_the_wait_and_the_work_and_busy_there_blames
     assert nodes.calls["p1"][0].limits == StageLimits(queue_s=20.0, work_s=20.0)
     assert [(f.node, f.code) for f in summary.failed_attempts] == [("p1", "RESOURCE_EXHAUSTED")]
     assert router.health.available(router.topology.node("p1"))
+
+
+async def test_busy_prefill_nodes_send_the_prompt_on_only_to_an_idle_decode_node() -> None:
+    """Every prefill node busy is not a failure: the chain's next step (decode_only) is
+    tried only on a decode node with none of the router's calls, where evaluating the
+    prompt slows no stream; with streams on both decode nodes, the caller hears busy
+    (RESOURCE_EXHAUSTED) and nothing is evaluated on them."""
+    router, nodes = build()
+    busy = fail(grpc.StatusCode.RESOURCE_EXHAUSTED)
+    nodes.scripts["p1"] = nodes.scripts["p2"] = Script([busy])
+    health = router.health
+    d1, d2 = router.topology.node("d1"), router.topology.node("d2")
+    health._slots.update(d1=8, d2=8)
+    with health.busy(d1), health.busy(d2):  # a stream on each, slots free
+        with pytest.raises(MeshError) as refused:
+            await run(router)
+        assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert nodes.calls["d1"] == [] and nodes.calls["d2"] == []
+    with health.busy(d1):  # d2 idle: it evaluates the prompt
+        text, summary = await run(router)
+    assert text == answer(8) and summary.decode_node == "d2"
+    assert summary.method == RouteMethod.DECODE_ONLY
+    assert health.available(router.topology.node("p1"))
 
 
 async def test_a_nodes_own_stage_deadline_is_the_stages_while_the_caller_has_time() -> None:
@@ -626,6 +649,39 @@ async def test_a_queue_that_would_outlast_the_budget_is_refused_at_once() -> Non
     with pytest.raises(Overloaded, match="the caller's deadline"):
         await caller(0.7, and_serve=True)  # its turn fits, its turn and the call do not
     await asyncio.gather(waiter, *queued, caller(0.7))
+
+
+async def test_callers_refused_at_once_past_a_burst_wait_their_budget_instead() -> None:
+    """A node refuses at once at most REFUSALS_AT_ONCE callers in a burst, then one more
+    for each of its slots freed since: callers that come back before their turn (a closed
+    loop ignoring retry-after) wait in turn within their budget instead of spinning, and
+    are refused when it ends."""
+    router, _ = build()
+    health, node = router.health, router.topology.node("d1")
+    health._slots["d1"] = 1
+    with health.busy(node):  # the one slot taken; a caller waits, its slot frees in 0.3 s
+        waiter = asyncio.create_task(health.free_slot(node, 5.0))
+        await asyncio.sleep(0.3)
+    await waiter
+    with health.busy(node):
+        health._drain_s["d1"] = 60.0  # a slot frees every minute: no refill here
+        for _ in range(node_health.REFUSALS_AT_ONCE):
+            with pytest.raises(Overloaded):
+                await health.free_slot(node, 0.1)
+        began = time.monotonic()
+        with pytest.raises(MeshError) as waited:
+            await health.free_slot(node, 0.2)
+        assert not isinstance(waited.value, Overloaded)
+        assert waited.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert time.monotonic() - began >= 0.2
+        # A slot freed every 0.25 s since the last refusal at once, 0.3 s ago: one more.
+        health._drain_s["d1"], health._drain_mark["d1"] = 0.25, time.monotonic()
+        health._refusals["d1"] = (0.0, time.monotonic() - 0.3)
+        with pytest.raises(Overloaded):
+            await health.free_slot(node, 0.01)
+        with pytest.raises(MeshError) as waited:
+            await health.free_slot(node, 0.01)
+        assert not isinstance(waited.value, Overloaded)
 
 
 async def test_a_requests_waits_draw_on_one_queue_budget_on_every_node_it_tries() -> None:

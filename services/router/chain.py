@@ -48,8 +48,12 @@ class Chain:
         """Text chunks as they are made (a ResumeInfo before the first), then the summary."""
         steps, reason = self._selection.order(request)
         last_error: MeshError | None = None
+        busy: MeshError | None = None  # a node's answer, in an earlier step
         for step in steps:
+            busy_before = busy
             for attempt in self._selection.attempts(step, request):
+                if busy_before is not None and not self._has_room(attempt):
+                    continue
                 attempt.started = time.perf_counter()
                 attempt.summary.route_reason = reason
                 sent = attempt.sent
@@ -75,10 +79,23 @@ class Chain:
                     else:
                         attempt_failed(self._health, request, attempt, exc)
                         last_error = exc
+                        if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                            busy = exc
                         continue
                 yield self._served(request, attempt)
                 return
-        raise exhausted(request.route, request.failed, last_error)
+        raise exhausted(request.route, request.failed, busy or last_error)
+
+    def _has_room(self, attempt: Attempt) -> bool:
+        """Whether a later step's attempt, after a node answered busy, goes to nodes with
+        none of this router's calls (NodeHealth.idle): a busy node is not failing, and a
+        later step on busy nodes would only move the work to where there is less room for
+        it (a decode node evaluating the whole prompt between its streams' tokens slows
+        them twofold, and its prompts queue behind each other: first tokens 20-50 s late
+        under AIPerf at 32 at once, 2026-11-27). Otherwise the caller hears busy, and when
+        to try again."""
+        nodes = [attempt.decode, *attempt.prefill_candidates[:1]]
+        return all(self._health.idle(n) for n in nodes if n is not None)
 
     def _served(self, request: Request, attempt: Attempt) -> RouteSummary:
         for node in (attempt.prefill, attempt.decode):

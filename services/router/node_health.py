@@ -42,6 +42,12 @@ DRAIN_WEIGHT = 0.3
 # A prefill node's calls at once end within this share of their stage deadline at its pace
 # (`_open`): the rest is margin for a slower prompt than the average.
 STAGE_SHARE = 0.5
+# Callers a node refuses at once (`Overloaded`) in a burst; then one more each time one of
+# its slots frees, at its pace (`_may_refuse_at_once`). A caller refused at once is told
+# when its turn would fit (retry-after); callers that come back sooner, as a closed-loop
+# load tool does the moment its refusal arrives, would make at-once refusals a spin that
+# takes the cores from the work: past the burst they wait in turn within their budget.
+REFUSALS_AT_ONCE = 32
 
 
 class Overloaded(ResourceExhausted):
@@ -91,6 +97,8 @@ class NodeHealth:
         self._prefill_nodes = {n.name for n in nodes if n.role == "prefill"}
         # How long each prefill node's calls took that had it to themselves (`_open`).
         self._alone_s: dict[str, float] = {}
+        # At-once refusals each node may still answer, and when that was counted.
+        self._refusals: dict[str, tuple[float, float]] = {}
 
     def available(self, node: Node) -> bool:
         """Serving (or not checked yet) and not cooling down."""
@@ -113,6 +121,18 @@ class NodeHealth:
     def has_free_slot(self, node: Node) -> bool:
         """As far as the router knows (its own calls in flight, the node's slots)."""
         return self.load(node) == 0.0
+
+    def idle(self, node: Node) -> bool:
+        """None of this router's calls on the node, nor callers waiting for it or states
+        being made for it."""
+        name = node.name
+        return not (
+            self._in_flight.get(name, 0)
+            or self._reserved.get(name, 0)
+            or self._waiting.get(name)
+            or self._promised.get(name, 0)
+            or self._room_waiting.get(name)
+        )
 
     def load(self, node: Node) -> float:
         """0 while the node has a free slot (or its slots are not known yet), else calls in
@@ -154,8 +174,9 @@ class NodeHealth:
         """Wait until the node has a slot free of this router's calls, in turn with the
         other callers waiting for it (oldest first). Slots not known yet: no wait.
         ResourceExhausted after budget_s (the node is busy, not failing), or at once
-        (`Overloaded`, unless not refuse_early) when the callers ahead would take longer
-        than budget_s at the rate the node's slots have been freeing. The slot is the
+        (`Overloaded`, unless not refuse_early, and within REFUSALS_AT_ONCE) when the
+        callers ahead would take longer than budget_s at the rate the node's slots have
+        been freeing. The slot is the
         caller's when its busy() begins, at once after this. and_serve: budget_s must cover
         the call too (a caller's deadline), taken as long as the node's calls last lately
         (slots x that rate). queue_budget_s, stage_s: the request's route's queue budget
@@ -172,7 +193,11 @@ class NodeHealth:
         expected_s = self.expected_wait(node)
         if expected_s is not None and and_serve:
             expected_s += slots * self._drain_s[node.name]
-        if expected_s is not None and expected_s > budget_s and (refuse_early or and_serve):
+        if (
+            expected_s is not None
+            and expected_s > budget_s
+            and (and_serve or (refuse_early and self._may_refuse_at_once(node.name)))
+        ):
             why = "the caller's deadline" if and_serve else "the request's queue_budget_s left"
             raise Overloaded(
                 f"node {node.name} is over-full: {len(waiting)} calls already wait for its "
@@ -193,6 +218,20 @@ class NodeHealth:
                 f"{budget_s:g} s (the request's queue_budget_s left); try later or add slots"
             )
         self._reserved[node.name] -= 1  # busy() takes it now
+
+    def _may_refuse_at_once(self, name: str) -> bool:
+        """Whether the node may refuse one more caller at once (REFUSALS_AT_ONCE, then one
+        for each of its slots freed since, at its pace); counts it if so."""
+        now = time.monotonic()
+        left, at = self._refusals.get(name, (float(REFUSALS_AT_ONCE), now))
+        drain_s = self._drain_s.get(name)
+        if drain_s:
+            left = min(float(REFUSALS_AT_ONCE), left + (now - at) / drain_s)
+        if left < 1.0:
+            self._refusals[name] = (left, now)
+            return False
+        self._refusals[name] = (left - 1.0, now)
+        return True
 
     async def answers(self, node: Node) -> bool:
         """Whether the node answers a health check within CHECK_TIMEOUT_S (a hung one does
