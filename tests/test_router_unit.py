@@ -131,7 +131,8 @@ class _FakePrefill:
             fingerprint=FINGERPRINT,
             kv_ttl_seconds=60.0,
             kv_transfer=KvTransferKind.STATE,
-            kv_prefix_node=script.chooses,
+            # as a prefill node does: one of the decode nodes offered
+            kv_prefix_node=script.chooses if script.chooses in {c.node for c in candidates} else "",
             kv_state_bytes=1000,
             replayed_tokens=max(done - 1, 0),
         )
@@ -362,6 +363,26 @@ async def test_the_prefill_nodes_choice_of_decode_node_is_taken() -> None:
     text, summary = await run(router)
     assert text == answer(8)
     assert summary.decode_node == "d2" and nodes.calls["d1"] == []
+
+
+async def test_a_state_goes_only_to_decode_nodes_not_busier_than_the_least_loaded() -> None:
+    """The decode nodes offered to the prefill node (which picks the one holding most of
+    the prompt) and the one planned are those with a free slot and at most BALANCE_CALLS
+    calls over the least loaded: a prefix held saves moving part of a state, a stream
+    more slows every other stream on the node."""
+    router, nodes = build()
+    health = router.health
+    d1 = router.topology.node("d1")
+    health._slots.update(d1=8, d2=8)
+    nodes.scripts["p1"] = Script([None], chooses="d1")  # d1 holds the prompt's prefix
+    with health.busy(d1), health.busy(d1):  # two streams on d1, none on d2
+        text, summary = await run(router)
+        offered = [c.node for c in nodes.calls["p1"][0].candidates]
+    assert offered == ["d2"] and summary.decode_node == "d2" and text == answer(8)
+    with health.busy(d1):  # one more than d2: still offered, and its prefix wins
+        text, summary = await run(router)
+        offered = [c.node for c in nodes.calls["p1"][1].candidates]
+    assert sorted(offered) == ["d1", "d2"] and summary.decode_node == "d1"
 
 
 async def test_a_decode_node_that_let_the_prefix_go_gets_the_prompt_prefilled_again() -> None:

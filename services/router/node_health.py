@@ -122,6 +122,14 @@ class NodeHealth:
         """As far as the router knows (its own calls in flight, the node's slots)."""
         return self.load(node) == 0.0
 
+    def calls(self, node: Node) -> int:
+        """This router's calls on the node, those given a slot and the states being made for
+        it."""
+        name = node.name
+        return (
+            self._in_flight.get(name, 0) + self._reserved.get(name, 0) + self._promised.get(name, 0)
+        )
+
     def idle(self, node: Node) -> bool:
         """None of this router's calls on the node, nor callers waiting for it or states
         being made for it."""
@@ -176,11 +184,10 @@ class NodeHealth:
         ResourceExhausted after budget_s (the node is busy, not failing), or at once
         (`Overloaded`, unless not refuse_early, and within REFUSALS_AT_ONCE) when the
         callers ahead would take longer than budget_s at the rate the node's slots have
-        been freeing. The slot is the
-        caller's when its busy() begins, at once after this. and_serve: budget_s must cover
-        the call too (a caller's deadline), taken as long as the node's calls last lately
-        (slots x that rate). queue_budget_s, stage_s: the request's route's queue budget
-        and the node's stage deadline (`_open`)."""
+        been freeing. The slot is the caller's when its busy() begins, at once after this.
+        and_serve: budget_s must cover the call too (a caller's deadline), taken as long as
+        the node's calls last lately (slots x that rate). queue_budget_s, stage_s: the
+        request's route's queue budget and the node's stage deadline (`_open`)."""
         if queue_budget_s is not None:
             self._budget_s[node.name] = queue_budget_s
         if stage_s is not None:

@@ -10,7 +10,8 @@
   over the nodes instead of piling onto the first ones and evicting one another there.
 - The decode nodes a prefill node may hand its KV state to, and the one it chose (it knows
   which decode node's prefix cache saves the most; the policy takes its choice when the
-  node belongs to the route).
+  node belongs to the route): only those with a free slot and no more than BALANCE_CALLS
+  calls over the least loaded of them (`balanced`).
 - Who takes a generation over when its decode node fails mid-answer, and whether a prefill
   node evaluates the delivered tokens for it.
 """
@@ -29,6 +30,14 @@ from disagg_mesh.server.router.node_health import NodeHealth
 from disagg_mesh.server.router.prefixes import TEXT_BLOCK_CHARS
 from disagg_mesh.server.router.request import Attempt, Delivered, Request
 from disagg_mesh.server.router.summary import RouteMethod
+
+# A decode node with more of this router's calls than the least loaded free one by more
+# than this gets no new state while that one has room (`balanced`): what a decode node
+# holds of a prompt saves only moving that part of its KV state (milliseconds), while a
+# stream more slows the node's other streams (on a CPU in proportion: with both models'
+# states on the decode node holding their shared system prompt, AIPerf at 8 at once put
+# 37 of 38 requests there, inter-token 196 ms against 64 ms on the other, 2026-11-27).
+BALANCE_CALLS = 1
 
 
 class Selection:
@@ -73,7 +82,7 @@ class Selection:
                 RouteMethod.DISAGGREGATED,
                 prefill_candidates=prefill,
                 prefill=prefill[0],
-                decode=decode[0],
+                decode=(self.balanced(decode) or decode)[0],
             )
         else:
             for node in decode:
@@ -110,12 +119,20 @@ class Selection:
 
     def decode_candidates(self, route: ModelRoute) -> list[DecodeCandidate]:
         """The decode nodes a prefill node may choose from by the prefixes they hold: the
-        available ones with a free slot (all of them, in order of preference and load, or
-        the least loaded when none is free), each with what the router believes it holds."""
+        available ones with a free slot and not busier than the others (`balanced`, in
+        order of preference and load, or the least loaded when none is free), each with
+        what the router believes it holds."""
         nodes = self.health.pick(self.nodes(route.decode))
-        chosen = [n for n in nodes if self.health.has_free_slot(n)] or nodes[:1]
+        chosen = self.balanced(nodes) or nodes[:1]
         held = self.knowledge.prefixes.held
         return [DecodeCandidate(n.name, frozenset(held(n.name))) for n in chosen]
+
+    def balanced(self, nodes: list[Node]) -> list[Node]:
+        """The nodes with a free slot and at most BALANCE_CALLS calls more than the least
+        loaded of them, in the given order."""
+        free = [n for n in nodes if self.health.has_free_slot(n)]
+        least = min((self.health.calls(n) for n in free), default=0)
+        return [n for n in free if self.health.calls(n) <= least + BALANCE_CALLS]
 
     def decode_after_prefill(self, route: ModelRoute, planned: Node, chosen: str) -> Node:
         """The decode node for a prompt a prefill node evaluated: the one it chose among
