@@ -134,13 +134,7 @@ class NodeHealth:
         """None of this router's calls on the node, nor callers waiting for it or states
         being made for it."""
         name = node.name
-        return not (
-            self._in_flight.get(name, 0)
-            or self._reserved.get(name, 0)
-            or self._waiting.get(name)
-            or self._promised.get(name, 0)
-            or self._room_waiting.get(name)
-        )
+        return not (self.calls(node) or self._waiting.get(name) or self._room_waiting.get(name))
 
     def load(self, node: Node) -> float:
         """0 while the node has a free slot (or its slots are not known yet), else calls in
@@ -228,12 +222,11 @@ class NodeHealth:
 
     def _may_refuse_at_once(self, name: str) -> bool:
         """Whether the node may refuse one more caller at once (REFUSALS_AT_ONCE, then one
-        for each of its slots freed since, at its pace); counts it if so."""
+        for each of its slots freed since, at its pace: measured, or nobody is refused at
+        once); counts it if so."""
         now = time.monotonic()
         left, at = self._refusals.get(name, (float(REFUSALS_AT_ONCE), now))
-        drain_s = self._drain_s.get(name)
-        if drain_s:
-            left = min(float(REFUSALS_AT_ONCE), left + (now - at) / drain_s)
+        left = min(float(REFUSALS_AT_ONCE), left + (now - at) / self._drain_s[name])
         if left < 1.0:
             self._refusals[name] = (left, now)
             return False
