@@ -30,7 +30,7 @@ from disagg_mesh.server.common.config.topology import load_topology
 from disagg_mesh.server.common.runtime.processes import MeshProcesses, free_port
 from disagg_mesh.server.common.types import HostUsage, NodeReport
 from disagg_mesh.server.router.dashboard.recent import Recent, busy_seconds, percentile
-from disagg_mesh.server.router.dashboard.state import DashboardState
+from disagg_mesh.server.router.dashboard.state import ASKS_PER_TICK, DashboardState
 from disagg_mesh.server.router.summary import FailedAttempt, RouteMethod, RouteSummary
 from tests.conftest import ROOT, engine_node, route, router_node, running_mesh
 
@@ -86,12 +86,14 @@ SCHEMA: dict[str, Any] = {
                     "queue_depth",
                     "restarts",
                     "uptime_seconds",
+                    "asked_seconds_ago",
                 ],
                 "properties": {
                     "role": {"enum": ["router", "prefill", "decode"]},
                     "health": {"enum": ["serving", "not ready", "down"]},
                     "models": {"type": "array", "items": {"type": "string"}},
                     "uptime_seconds": _NUMBER_OR_NULL,
+                    "asked_seconds_ago": _NUMBER_OR_NULL,
                 },
             },
         },
@@ -524,3 +526,67 @@ def test_with_a_mesh_token_the_dashboard_wants_it_as_a_header_or_in_the_url(
             assert httpx.get(f"{url}{path}", headers=header, timeout=10).status_code == 200
             query = httpx.get(f"{url}{path}", params={"token": "s3cret"}, timeout=10)
             assert query.status_code == 200, path
+
+
+def test_on_a_big_mesh_a_tick_asks_a_bounded_few_and_the_health_watch_fills_in(
+    tmp_path: Path,
+) -> None:
+    """At 200 nodes, asking every node every 2 s was 100 GetNodeInfo calls a second a
+    router: a tick asks every node once, then ASKS_PER_TICK at most, those asked longest
+    ago; a node the health watch loses in between is drawn down at once and asked first."""
+    nodes = [f"{role}-{i}" for role in ("prefill", "decode") for i in range(30)]
+    path = tmp_path / "topology.toml"
+    path.write_text(
+        "\n".join(
+            [
+                router_node(),
+                *(engine_node(n, n.partition("-")[0]) for n in nodes),
+                route("code", nodes[:30], nodes[30:]),
+            ]
+        )
+    )
+    topology = load_topology(path)
+    answers: dict[str, NodeReport | None] = {n: report(n) for n in nodes}
+    asked: list[str] = []
+    watch: dict[str, bool] = {}
+
+    async def ask_node(node: Any) -> NodeReport | None:
+        asked.append(node.name)
+        return answers[node.name]
+
+    dashboard = DashboardState(
+        topology,
+        topology.router,
+        Recent(),
+        ask_node,
+        serving=lambda node: watch.get(node.name, True),
+    )
+
+    def tick() -> dict[str, dict[str, Any]]:
+        asked.clear()
+        asyncio.run(dashboard.tick())
+        return {n["name"]: n for n in dashboard.current["nodes"]}
+
+    rows = tick()
+    assert len(asked) == len(nodes) and len(rows) == len(nodes) + 1  # the router asks itself
+    assert all(r["health"] == "serving" for r in rows.values())
+    seen: set[str] = set()
+    for _ in range(3):  # 60 nodes and the router, 24 a tick: each in turn within 3 ticks
+        left = set(nodes) - seen
+        rows = tick()
+        # (the router's row is one of the tick's, asked of itself)
+        assert ASKS_PER_TICK - 1 <= len(asked) <= ASKS_PER_TICK
+        assert set(asked) >= left or set(asked) <= left  # none again before the rest
+        seen |= set(asked)
+        assert all(r["health"] == "serving" and r["asked_seconds_ago"] >= 0 for r in rows.values())
+    assert seen == set(nodes)
+    lost = next(n for n in nodes if n not in asked)  # answered a while ago
+    watch[lost] = False
+    answers[lost] = None
+    rows = tick()
+    assert asked[0] == lost and rows[lost]["health"] == "down"
+    assert rows[lost]["problem"] == "no answer to GetNodeInfo"
+    watch[lost] = True  # back: asked first again, drawn serving
+    answers[lost] = report(lost)
+    rows = tick()
+    assert asked[0] == lost and rows[lost]["health"] == "serving"

@@ -42,6 +42,7 @@ async def run(topology: Topology, node: Node) -> None:
             router.recent,
             lambda other: node_report(pool.get(other.address), ASK_TIMEOUT_S),
             peers,
+            serving=health.serving,
         )
         if node.http_port is not None
         else None

@@ -1,8 +1,12 @@
 """The dashboard's state: the whole mesh every SAMPLE_S, the last hour of it, and the page's
 live feed.
 
-Every tick the router asks every node of the topology (routers too) for GetNodeInfo, with a
-short deadline: a node that does not answer is drawn down, and the tick goes on. From the
+Every tick the router asks the nodes of the topology (routers too) for GetNodeInfo, with a
+short deadline: a node that does not answer is drawn down, and the tick goes on. A tick asks
+at most ASKS_PER_TICK nodes, those asked longest ago: every node every tick on a mesh of that
+size or less, and on a bigger one each node in turn, its last answer standing in between (its
+age in the row), while the router's health watch (NodeHealth) says at once when a node goes
+down; so the sampler's cost does not grow with the mesh. From the
 answers and the router's recent requests (recent.py) it builds one snapshot: the topology
 by host, each host's CPU, memory and GPU, each logical model's figures over the last
 WINDOW_S, and the seeds' targets green or red. A compact sample of it joins the history
@@ -46,6 +50,9 @@ SCHEMA = "disagg-mesh.dashboard.v1"
 SAMPLE_S = 2.0
 WINDOW_S = 60.0
 ASK_TIMEOUT_S = 1.5
+# GetNodeInfo calls a tick at most (12 a second): at 200 nodes, asking each every tick was
+# 100 calls a second a router, whatever the traffic.
+ASKS_PER_TICK = 24
 HISTORY = int(KEEP_S / SAMPLE_S)
 # What the seeds' guide sets as targets: (key, what, goal, unit, lower is better).
 TARGETS = (
@@ -75,8 +82,11 @@ class DashboardState:
         ask: Ask,
         pull: Pull | None = None,
         clock: Callable[[], float] = time.time,
+        serving: Callable[[Node], bool] | None = None,
     ) -> None:
-        """pull: how to get the other routers' requests (None: count this router's only)."""
+        """pull: how to get the other routers' requests (None: count this router's only).
+        serving: whether the router's health watch holds a node as serving (a node not
+        asked this tick whose watch says not is drawn down; None: its last answer stands)."""
         self._topology = topology
         self._router = router
         self._ask = ask
@@ -102,6 +112,10 @@ class DashboardState:
         # loading its model when the router started is not down).
         self._serving_ticks: dict[str, int] = {n.name: 0 for n in topology.nodes}
         self._watched_ticks: dict[str, int] = {n.name: 0 for n in topology.nodes}
+        # Each node's last answer (None: none) and when it was asked (time.monotonic()).
+        self._last: dict[str, tuple[NodeReport | None, float]] = {}
+        self._asked_now: set[str] = set()
+        self._serving = serving
 
     async def run(self) -> None:
         """Sample forever (a background task of the router)."""
@@ -114,18 +128,22 @@ class DashboardState:
             await asyncio.sleep(max(0.1, SAMPLE_S - (time.monotonic() - started)))
 
     async def tick(self) -> None:
-        nodes = self._topology.nodes
+        asked = self._to_ask()
         reports, counted = await asyncio.gather(
-            asyncio.gather(*(self._ask_or_none(n) for n in nodes)), self._pull_peers()
+            asyncio.gather(*(self._ask_or_none(n) for n in asked)), self._pull_peers()
         )
         self._counted = [self._router.name, *counted]
-        now = self._clock()
-        for node, report in zip(nodes, reports, strict=True):
+        now, at = self._clock(), time.monotonic()
+        self._asked_now = {n.name for n in asked}
+        for node, report in zip(asked, reports, strict=True):
+            self._last[node.name] = (report, at)
             if report is not None and report.ready:
                 self._serving_ticks[node.name] += 1
             if self._serving_ticks[node.name]:
                 self._watched_ticks[node.name] += 1
-        self.current = self._snapshot(now, list(zip(nodes, reports, strict=True)))
+        self.current = self._snapshot(
+            now, [(n, self._last_report(n)) for n in self._topology.nodes]
+        )
         sample = self._sample(now)
         self.history.append(sample)
         for feed in list(self._feeds):
@@ -133,6 +151,24 @@ class DashboardState:
                 with contextlib.suppress(asyncio.QueueEmpty):
                     feed.get_nowait()
             feed.put_nowait({**self.current, "sample": sample})
+
+    def _to_ask(self) -> list[Node]:
+        """This tick's nodes: every node never asked (the first tick asks them all), then up
+        to ASKS_PER_TICK in all of those asked longest ago, those whose last answer the
+        health watch contradicts (it went down, or came back) first; the topology's order
+        among equals."""
+
+        def key(node: Node) -> tuple[bool, float]:
+            report, at = self._last[node.name]
+            ready = report is not None and report.ready
+            return self._serving is None or self._serving(node) == ready, at
+
+        never = [n for n in self._topology.nodes if n.name not in self._last]
+        asked = [n for n in self._topology.nodes if n.name in self._last]
+        return never + sorted(asked, key=key)[: max(0, ASKS_PER_TICK - len(never))]
+
+    def _last_report(self, node: Node) -> NodeReport | None:
+        return self._last.get(node.name, (None, 0.0))[0]
 
     async def _ask_or_none(self, node: Node) -> NodeReport | None:
         if node.name == self._router.name:
@@ -244,7 +280,15 @@ class DashboardState:
         }
 
     def _node_row(self, node: Node, r: NodeReport | None) -> dict[str, Any]:
+        asked = self._last.get(node.name)
+        age_s = time.monotonic() - asked[1] if asked is not None else None
         health = "down" if r is None else ("serving" if r.ready else "not ready")
+        problem = r.problem if r is not None else "no answer to GetNodeInfo"
+        stale = node.name not in self._asked_now
+        if r is not None and stale and self._serving is not None and not self._serving(node):
+            # Asked a while ago; the health watch saw it go since.
+            health = "down"
+            problem = f"its health watch lost it (GetNodeInfo answered {age_s or 0.0:.0f} s ago)"
         return {
             "name": node.name,
             "role": node.role,
@@ -255,7 +299,8 @@ class DashboardState:
             else [m.name for m in self._topology.models],
             "engine": node.engine or "",
             "health": health,
-            "problem": r.problem if r is not None else "no answer to GetNodeInfo",
+            "problem": problem,
+            "asked_seconds_ago": age_s,
             "backend": r.backend if r is not None else "",
             "gpu_layers": r.gpu_layers if r is not None else 0,
             "model_layers": r.model_layers if r is not None else 0,

@@ -57,6 +57,9 @@ function usageLine(u) {
 }
 
 function drawHosts(state) {
+  // A big mesh's nodes are asked in turn: an answer older than two ticks says its age.
+  const asked = (n) => [n.problem, n.asked_seconds_ago > 2 * state.sample_every_seconds
+    ? `answered ${Math.round(n.asked_seconds_ago)} s ago` : ""].filter(Boolean).join("; ");
   const box = $("hosts");
   box.replaceChildren();
   const byName = new Map(state.nodes.map((n) => [n.name, n]));
@@ -68,7 +71,7 @@ function drawHosts(state) {
       return el("tr", { "data-node": n.name, class: health },
         el("td", {}, n.name), el("td", {}, n.role), el("td", {}, n.models.join(", ")),
         el("td", {}, n.engine), el("td", {}, where),
-        el("td", { class: `health ${health}`, "data-health": n.health, title: n.problem }, n.health),
+        el("td", { class: `health ${health}`, "data-health": n.health, title: asked(n) }, n.health),
         el("td", {}, n.role === "router" ? "" : `${n.slots_busy}/${n.slots}`),
         el("td", {}, n.role === "router" ? "" : String(n.queue_depth)),
         el("td", {}, String(n.restarts)), el("td", {}, duration(n.uptime_seconds)));
