@@ -590,3 +590,12 @@ def test_on_a_big_mesh_a_tick_asks_a_bounded_few_and_the_health_watch_fills_in(
     answers[lost] = report(lost)
     rows = tick()
     assert asked[0] == lost and rows[lost]["health"] == "serving"
+    # More lost at once than a tick asks: those it does not ask yet are drawn down at once.
+    gone = nodes[:30]
+    watch.update(dict.fromkeys(gone, False))
+    answers.update(dict.fromkeys(gone))
+    rows = tick()
+    assert set(asked) < set(gone) and len(asked) == ASKS_PER_TICK
+    assert all(rows[n]["health"] == "down" for n in gone)
+    late = [n for n in gone if n not in asked]
+    assert late and all(rows[n]["problem"].startswith("its health watch lost it") for n in late)
