@@ -16,13 +16,15 @@ node takes a lease on threads (`acquire`) and gives it back after (`release`):
   a shared step could take many times as long);
 - prompts first: while more nodes are busy than there are cores, a step of generated tokens
   waits for nodes evaluating prompt tokens (those waiting for cores, or whose core it would
-  share: not while a core is free), at most `max_wait_s` (the node's `max_itl_slowdown`
-  over its decode pass, the time its own prompt work may add to a step) times the requests
-  waiting for their prompt work (evaluated now, or queued behind it: the scheduler's
-  prompts_at_once) over the streams of the step, if more: a wait delays the
-  step's streams, a step beside the prompts delays those requests' first tokens. New
-  streams then start sooner and together, in fewer, fuller passes; the first stream of a
-  burst does not step alone beside the prompts of the rest.
+  share: not while a core is free) whose requests waiting for their prompt work (evaluated
+  now, or queued behind it: the scheduler's prompts_at_once) outnumber the step's streams,
+  at most `max_wait_s` (the node's `max_itl_slowdown` over its decode pass, the time its
+  own prompt work may add to a step) times those requests over the streams: a wait delays
+  the step's streams, a step beside the prompts delays those requests' first tokens. In a
+  burst, new streams then start sooner and together, in fewer, fuller passes, and the
+  first stream does not step alone beside the prompts of the rest; under steady load (as
+  many streams as prompts or more) a stream does not wait at every token for prompts that
+  would end no sooner for it.
 
 The engine thread (and the llama.cpp threads it starts) also runs at a lower priority than
 the rest of the machine (`yield_to_io`): a node's gRPC and HTTP handlers, the router and
@@ -277,7 +279,7 @@ class HostThreads:
                 for p in peers
                 if p.state == PROMPTS and (p.threads == 0 or free < 1)
             )
-            if requests and waited < max_wait_s * max(1.0, requests / max(1, streams)):
+            if requests > streams and waited < max_wait_s * requests / max(1, streams):
                 return 0
         if free < 1:  # steps of one thread may share a core, one on several never does
             return 0 if any(p.threads > 1 for p in peers) else 1

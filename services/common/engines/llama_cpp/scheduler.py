@@ -589,9 +589,10 @@ class Scheduler:
             self._run_step(plan)
             return
         # The host's cores, shared with the other engine nodes on it (host_threads.py). A
-        # step of generated tokens may wait for another node's prompts as long as prompt
-        # work of its own may lengthen a step: (max_itl_slowdown - 1) x its decode pass,
-        # times their requests over its streams where those are more. A prompt's requests
+        # step of generated tokens may wait for another node's prompts, when their requests
+        # outnumber its streams, as long as prompt work of its own may lengthen a step:
+        # (max_itl_slowdown - 1) x its decode pass, times those requests over its streams. A
+        # prompt's requests
         # are those evaluated now and those queued behind them (prompts_at_once): all wait
         # for this prompt work before their first token.
         prompts = len(plan.prompts)
