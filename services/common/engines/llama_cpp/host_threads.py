@@ -23,7 +23,7 @@ node takes a lease on threads (`acquire`) and gives it back after (`release`):
   the step's streams, a step beside the prompts delays those requests' first tokens. In a
   burst, new streams then start sooner and together, in fewer, fuller passes, and the
   first stream does not step alone beside the prompts of the rest; under steady load (as
-  many streams as prompts or more) a stream does not wait at every token for prompts that
+  many streams as requests or more) a stream does not wait at every token for prompts that
   would end no sooner for it.
 
 The engine thread (and the llama.cpp threads it starts) also runs at a lower priority than
@@ -272,8 +272,8 @@ class HostThreads:
         free = cores - sum(p.threads for p in peers)
         if self._state != PROMPTS and busy > cores:
             # Prompts first: wait for the nodes whose prompt steps wait for cores, or would
-            # share a core with this step (not while a core is left free beside them), the
-            # longer the more requests they serve against this step's streams.
+            # share a core with this step (not while a core is left free beside them), if
+            # they serve more requests than this step has streams, the longer the more.
             requests = sum(
                 max(1, p.requests)
                 for p in peers
