@@ -164,6 +164,8 @@ async def _load(mesh: MeshProcesses, requests: int, rate: int, kills: bool) -> d
     clients = [AsyncMeshClient(routers[i:] + routers[:i], timeout=120) for i in range(ROUTERS)]
     work = workload(requests)
     spark = load_profile("dgx-spark").model(SIM_MODEL)
+    # A prefill node's own time: the profile's, in passes of its n_ubatch.
+    ubatch = next(n.n_ubatch for n in topology.nodes if n.role == "prefill")
     router_pids = [mesh.procs[r.name].pid for r in topology.routers]
     results: list[dict[str, Any]] = []
     failures: list[str] = []
@@ -189,7 +191,8 @@ async def _load(mesh: MeshProcesses, requests: int, rate: int, kills: bool) -> d
             return
         assert metrics is not None
         evaluated = metrics.prompt_tokens - metrics.cached_prompt_tokens
-        prefill_real = spark.prefill_seconds(evaluated, metrics.cached_prompt_tokens) / SPEEDUP
+        cached = metrics.cached_prompt_tokens
+        prefill_real = spark.prefill_seconds(evaluated, cached, ubatch) / SPEEDUP
         served[metrics.decode_node] = served.get(metrics.decode_node, 0) + 1
         results.append(
             {

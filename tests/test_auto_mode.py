@@ -148,6 +148,22 @@ def test_the_choice_follows_the_measured_costs() -> None:
     assert fast.decide("m", 4_000, idle_p, holding).method == "decode_only"
 
 
+def test_a_prompt_stays_off_a_decode_machine_whose_streams_it_would_slow() -> None:
+    """The user's machines: a Mac Studio evaluates a short uncached part about as fast as a
+    DGX Spark (and no handoff), so alone decode_only is the quicker first token; with 8
+    streams on the Mac (another machine than the Spark), its prompt would take as long from
+    each of them: disaggregated. On one machine (streams 0) both ways take the same compute."""
+    costs = Costs()
+    observe(costs, "disaggregated", 1000, 0.4)
+    observe(costs, "decode_only", 1000, 0.3)
+    idle_p = Candidate("p", 0, 0.0)
+    alone = costs.decide("m", 1_200, idle_p, Candidate("d", 0, 0.0))
+    assert alone.method == "decode_only"
+    busy = costs.decide("m", 1_200, idle_p, Candidate("d", 0, 0.0, streams=8))
+    assert busy.method == "disaggregated", busy.reason
+    assert "(d, 8 streams' time): disaggregated" in busy.reason
+
+
 def test_a_migration_weighs_the_prefill_node_against_the_decode_node() -> None:
     """Who evaluates a migrated generation's prompt and delivered tokens: the decode node
     taking over, or a prefill node that hands their KV state over. The user's machines: a

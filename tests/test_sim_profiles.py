@@ -52,6 +52,43 @@ def test_the_dgx_spark_profile_gives_back_the_published_figures() -> None:
     assert not oss.estimate and not qwen.estimate
 
 
+def test_a_prompts_time_counts_its_passes_size_and_the_prompts_beside_it() -> None:
+    """Prompt time by new tokens, cached prefix and batch: llama-batched-bench's S_PP on the
+    DGX Spark (gpt-oss-120b, ubatch 2048): 846 tok/s for one 512-token prompt, 1,750 for two,
+    1,995 for four in one pass."""
+    oss = load_profile("dgx-spark").model("gpt-oss:120b")
+    depth0 = oss.prefill_rate(0)  # pp2048's rate at depth 0 (its pass factor is 1)
+    assert oss.pass_factor(2048) == 1 and oss.pass_factor(512) == pytest.approx(846 / 1995)
+    assert oss.pass_factor(256) == oss.pass_factor(512)  # no gain assumed below the table
+    assert oss.pass_factor(8192) == pytest.approx(1997 / 1995)  # nor beyond it
+    # One 512-token prompt alone, and four of them in one pass: the same pass time about.
+    alone = oss.prefill_seconds(512)
+    assert alone == pytest.approx(512 / (oss.prefill_rate(256) * 846 / 1995))
+    four = oss.prompts_seconds([(512, 0)] * 4)
+    assert four == [pytest.approx(four[0])] * 4
+    assert four[0] == pytest.approx(2048 / (oss.prefill_rate(256) * 1995 / 1995))
+    assert 4 * 512 / four[0] > 2 * 512 / alone  # together: over twice the tokens a second
+    # A long prompt in passes of the node's n_ubatch: each pass's depth and size.
+    passes = oss.prefill_seconds(1536, cached_tokens=512, ubatch=512)
+    expected = sum(512 / (oss.prefill_rate(d) * oss.pass_factor(512)) for d in (768, 1280, 1792))
+    assert passes == pytest.approx(expected)
+    assert oss.prefill_seconds(1536, 512) < passes  # one pass of 1,536: fuller, faster
+    assert depth0 > 0 and oss.prefill_seconds(0, 100, ubatch=512) == 0
+    # Prompts of different lengths share each pass evenly: the shorter one finishes first,
+    # the longer one at the time the two take together.
+    short, long = oss.prompts_seconds([(100, 0), (900, 0)], ubatch=512)
+    assert short < long
+    together = oss.prompts_seconds([(1000, 0)], ubatch=512)[0]
+    assert long == pytest.approx(together, rel=0.05)
+    # ... at the end of the first pass (its 100 tokens and 412 of the other's).
+    mid = (100 * 50 + 412 * 206) / 512
+    assert short == pytest.approx(512 / (oss.prefill_rate(mid) * oss.pass_factor(512)))
+    # Without a pass table (the M3 Ultra's: no published figures), the size does not count.
+    mac = load_profile("m3-ultra").model("qwen3-coder:30b")
+    assert mac.pass_rate is None and mac.pass_factor(64) == 1
+    assert mac.prefill_seconds(64) == pytest.approx(64 / mac.prefill_rate(32))
+
+
 def test_every_shipped_profile_loads_and_marks_its_estimates() -> None:
     for path in PROFILES.glob("*.toml"):
         if path.stem == "ollama":
@@ -96,6 +133,18 @@ def test_a_bad_profile_names_its_file_and_key(tmp_path: Path) -> None:
     assert "mine.toml" in message and "depth_tokens" in message and "must rise" in message
     message = broken('[models."m"]\nkv_bytes_per_token = 10\n' + good_decode)
     assert "[prefill]" in message
+    message = broken(
+        '[models."m"]\nkv_bytes_per_token = 10\n[models."m".prefill]\n'
+        "depth_tokens = [0]\ntokens_per_second = [1]\npass_tokens = [512]\n"
+        "pass_tokens_per_second = [800]\n" + good_decode
+    )
+    assert "prefill.measured_prompt_tokens" in message and "pass_tokens" in message
+    message = broken(
+        '[models."m"]\nkv_bytes_per_token = 10\n[models."m".prefill]\n'
+        "depth_tokens = [0]\ntokens_per_second = [1]\npass_tokens = [512, 256]\n"
+        "pass_tokens_per_second = [800, 900]\nmeasured_prompt_tokens = 512\n" + good_decode
+    )
+    assert "pass_tokens" in message and "must rise" in message
     message = broken("[link]\nbandwidth_bytes_per_second = 0\n")
     assert "link.bandwidth_bytes_per_second" in message
     assert "mine.toml" in broken("[link\n")

@@ -85,6 +85,53 @@ def test_a_hosts_compute_belongs_to_each_run_of_the_virtual_clock() -> None:
     assert run_virtual(two_streams()) == [5, 5]
 
 
+def test_prompts_at_once_share_passes_and_a_dropped_group_frees_the_compute() -> None:
+    """A node's prompts_at_once prompts go together, sharing each pass of its n_ubatch: four
+    512-token prompts on a DGX Spark end together, in the time the profile gives the four
+    (over twice as fast as one after another, as llama-batched-bench's S_PP says); one at a
+    time, the fourth ends at four times one's. A prompt whose caller stops waiting stops
+    using the compute."""
+    from disagg_mesh.server.common.engines.sim.engine import SimEngine, SimSettings
+    from disagg_mesh.server.common.types import Prompt, Sampling
+
+    spark = load_profile("dgx-spark")
+    speed = spark.model("gpt-oss:120b")
+    texts = [f"{i:04d}" * 512 for i in range(4)]  # 2,048 bytes: 512 tokens each
+    one = Sampling(max_tokens=1, ignore_eos=True)
+
+    def engine(at_once: int) -> SimEngine:
+        settings = SimSettings(slots=4, max_queue=8, prompts_at_once=at_once, ubatch_tokens=2048)
+        return SimEngine("gpt-oss:120b", spark, 8192, settings)
+
+    async def four(at_once: int) -> list[tuple[float, float]]:
+        node, loop = engine(at_once), asyncio.get_running_loop()
+
+        async def prefill(text: str) -> tuple[float, float]:
+            out = await node.prefill(Prompt(text=text), one)
+            assert out.prompt_tokens == 512
+            return out.prefill_seconds, loop.time()
+
+        return list(await asyncio.gather(*(prefill(t) for t in texts)))
+
+    together = speed.prompts_seconds([(512, 0)] * 4, ubatch=2048)[0]
+    alone = speed.prefill_seconds(512, ubatch=2048)
+    for seconds, end in run_virtual(four(4)):
+        assert seconds == pytest.approx(together) and end == pytest.approx(together)
+    in_turn = run_virtual(four(1))
+    assert [end for _, end in in_turn] == [pytest.approx(alone * k) for k in (1, 2, 3, 4)]
+    assert 4 * alone > 2 * together
+
+    async def dropped() -> float:
+        node, loop = engine(1), asyncio.get_running_loop()
+        first = asyncio.create_task(node.prefill(Prompt(text=texts[0]), one))
+        await asyncio.sleep(alone / 4)
+        first.cancel()
+        await node.prefill(Prompt(text=texts[1]), one)
+        return loop.time()
+
+    assert run_virtual(dropped()) == pytest.approx(alone / 4 + alone)
+
+
 def test_prefix_caches_keep_blocks_and_slots_keep_their_last_prompt() -> None:
     rubric = b"r" * 256 * 3  # three blocks
     a, b = prompt_blocks(rubric + b"a" * 256), prompt_blocks(rubric + b"b" * 256)
@@ -154,10 +201,12 @@ def test_the_baseline_is_ollamas_flow_on_the_profiles_time(tmp_path: Path) -> No
     spark = load_profile("dgx-spark").model("gpt-oss:120b")
     mac = load_profile("m3-ultra").model("gpt-oss:120b")
     alone = run_baseline(sim, [(works[0], None)], 1, load_baseline())
+    batch = load_baseline().batch_tokens  # Ollama's passes: num_batch tokens
+    assert batch == 512
     expected = (
-        spark.prefill_seconds(n)
+        spark.prefill_seconds(n, ubatch=batch)
         + spark.decode_step_seconds(1, n)
-        + mac.prefill_seconds(n)
+        + mac.prefill_seconds(n, ubatch=batch)
         + sum(mac.decode_step_seconds(1, n + i) for i in range(400))
     )
     assert alone.wall_seconds == pytest.approx(expected, rel=1e-6)
@@ -316,3 +365,7 @@ def test_disagg_calibrate_measures_this_machine_for_simulate(tmp_path: Path) -> 
     assert speed.kv_bytes_per_token == pytest.approx(23_040, rel=0.01)  # SmolLM2's, f16
     assert 2 < speed.bytes_per_token < 8
     assert speed.decode_step_seconds(1, 0) > 0 and speed.prefill_seconds(100) > 0
+    # By a pass's size: prompts alone of 32 to 448 tokens (n_ubatch 512), the factor 1 at
+    # the depth table's 256.
+    assert speed.pass_rate is not None and list(speed.pass_rate.x) == [32, 64, 128, 256, 448]
+    assert speed.pass_factor(256) == 1 and all(r > 0 for r in speed.pass_rate.y)

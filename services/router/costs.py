@@ -17,11 +17,20 @@ some leading blocks already (their prefix caches; `prefixes.text_blocks`):
     disaggregated = fixed_d + uncached_prefill / prefill_rate * (1 + prefill load)
                     + moved_tokens * kv_bytes_per_token * seconds_per_byte
     decode_only   = fixed_o + uncached_decode / decode_rate * (1 + decode load)
+                    * (1 + decode streams)
 
-Load is calls in flight per slot beyond the node's slots (0 with a free slot). The cheaper
-mode goes first; the route's chain stays the fallback order. Until both modes have
-figures, the one without is tried first (once is enough to measure it). Every decision is
-explained in the summary's `route_reason`.
+Load is calls in flight per slot beyond the node's slots (0 with a free slot). Streams are
+the router's calls on the decode node when it is on another machine than the prefill node: a
+prompt evaluated there takes its compute from each of them as long (disaggregation keeps
+prompts off the machine that generates), where a prefill node on the same machine would take
+the same compute either way (0). So the estimate is the time the request's prompt costs, its
+own wait and the others': alone the two are times to first token, and under load the mesh's
+prompts stay on its prefill machines unless those are far slower or queued (on the user's
+machines the Mac Studios' generation sets the pace of a class: `disagg simulate` measured a
+class of 200 x 2 at 472 s when each request took the quicker way to its first token, 421 s
+with prompts kept off the Macs). The cheaper mode goes first; the route's chain stays the
+fallback order. Until both modes have figures, the one without is tried first (once is
+enough to measure it). Every decision is explained in the summary's `route_reason`.
 
 A migration (a decode node failed mid-answer) weighs the same figures, plus each node's
 seconds per decode step, for the node taking over: it evaluates the prompt and replays the
@@ -83,6 +92,9 @@ class Candidate:
     node: str
     held_chars: int
     load: float
+    # decode only: the calls its prompt would take compute from (0: none, or the prefill
+    # node shares the machine).
+    streams: int = 0
 
 
 @dataclass
@@ -193,10 +205,11 @@ class Costs:
             reason = f"auto: measuring {method} (no figures yet for {missing})"
             return Decision(method, reason, "measuring")
         method = "disaggregated" if d <= o else "decode_only"
+        streams = f", {decode.streams} streams' time" if decode.streams else ""
         reason = (
             f"auto: ~{tokens:.0f} prompt tokens: disaggregated ~{d * 1000:.0f} ms "
             f"({prefill.node} -> {decode.node}) vs decode_only ~{o * 1000:.0f} ms "
-            f"({decode.node}): {method}"
+            f"({decode.node}{streams}): {method}"
         )
         return Decision(method, reason, "cost")
 
@@ -239,7 +252,8 @@ class Costs:
         fixed = fixed_default if fixed is None else fixed
         if rate is None or fixed is None:
             return None
-        return fixed + max(tokens - decode.held_chars / chars, 1.0) / rate * (1 + decode.load)
+        evaluate = max(tokens - decode.held_chars / chars, 1.0) / rate * (1 + decode.load)
+        return fixed + evaluate * (1 + decode.streams)
 
 
 def _get(table: dict[K, Average], key: K) -> Average:

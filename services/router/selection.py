@@ -58,11 +58,11 @@ class Selection:
             return list(route.chain), f"chain: {route.chain[0]} is the chain's first step"
         prefill = self.ranked(route.prefill, request)[0]
         decode = self.ranked(route.decode, request)[0]
+        on_decode = self.candidate(decode, request.blocks)
+        if decode.machine != prefill.machine:  # its prompt would slow the streams there
+            on_decode.streams = self.health.calls(decode)
         decision = self.knowledge.costs.decide(
-            route.name,
-            request.prompt_chars,
-            self.candidate(prefill, request.blocks),
-            self.candidate(decode, request.blocks),
+            route.name, request.prompt_chars, self.candidate(prefill, request.blocks), on_decode
         )
         metrics.route_decision(route.name, decision.method, decision.basis)
         first: Step = "disaggregated" if decision.method == "disaggregated" else "decode_only"

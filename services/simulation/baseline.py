@@ -3,11 +3,12 @@ glue serves it today (profiles/ollama.toml states each assumption).
 
 Each engine node of the topology is an Ollama server of its model on its machine, timed by
 the machine's profile (the simulated engine, so batching and depth count as in the mesh),
-with OLLAMA_NUM_PARALLEL slots and each slot's own prompt cache. A request goes to its
-model's prefill machine, which evaluates the prompt (and makes one token), then to its
-decode machine, which evaluates the whole prompt again (Ollama's `context` carries token
-ids, not KV) and generates the answer: the glue's two calls, in turn. A model's requests
-take its machines in turn. The client sends as many at once as the mesh's run did.
+with OLLAMA_NUM_PARALLEL slots, their prompts evaluated together in passes of its batch
+(512 tokens), and each slot's own prompt cache. A request goes to its model's prefill
+machine, which evaluates the prompt (and makes one token), then to its decode machine,
+which evaluates the whole prompt again (Ollama's `context` carries token ids, not KV) and
+generates the answer: the glue's two calls, in turn. A model's requests take its machines in
+turn. The client sends as many at once as the mesh's run did.
 The topology is the simulation's (simulated_topology): each node's hardware is known.
 
 No sockets: it runs on a virtual clock (clock.py), its times exact and instant.
@@ -88,8 +89,11 @@ async def _run(
                 SimSettings(
                     slots=serving.parallel_for(model),
                     max_queue=serving.max_queue,
+                    # Its runner's batch: the parallel requests' prompts share each pass.
+                    prompts_at_once=serving.parallel_for(model),
+                    ubatch_tokens=serving.batch_tokens,
                     prefix_cache="per-slot",
-                    host=node.sim_host or node.host,
+                    host=node.machine,
                     schema_limits=topology.mesh.schema_limits,
                 ),
             )

@@ -6,7 +6,8 @@ engine, for `disagg simulate` to predict the topology's own mesh.
 For each model the topology's llama_cpp nodes serve, one engine (the settings of its first
 decode node: slots, n_ctx) alone on the machine measures:
 
-- prompt tokens per second by depth (new tokens after a prefix its prefix cache holds);
+- prompt tokens per second by depth (new tokens after a prefix its prefix cache holds), and
+  by tokens in one pass (prompts of 32 to 448 tokens alone, within the node's n_ubatch);
 - one stream's decode tokens per second by depth, and all streams' at 1, 2, 4, ... slots;
 - KV bytes per token (two states' sizes) and the prompt's bytes per token (the tokenizer's,
   so the simulated prompts are as long as the real ones).
@@ -35,6 +36,7 @@ from disagg_mesh.server.common.types import GenerationEnd, Prompt, Sampling
 
 WORDS = "grade the code for correctness style tests and documentation then explain why ".split()
 PROMPT_TOKENS = 256
+PASS_TOKENS = (32, 64, 128, 256, 448)
 DECODE_TOKENS = 48
 # Each figure: the best of this many runs (a shared machine's noise only slows things).
 RUNS = 2
@@ -90,6 +92,10 @@ async def _measure(engine: Any, node: Node, say: Callable[[str], None]) -> dict[
         end = await _end(engine, Prompt(text=base + _text(PROMPT_TOKENS, next(salt))), one)
         return (end.prompt_tokens - end.cached_prompt_tokens) / end.prompt_eval_seconds
 
+    async def pass_rate(tokens: int) -> float:
+        end = await _end(engine, Prompt(text=_text(tokens, next(salt))), one)
+        return (end.prompt_tokens - end.cached_prompt_tokens) / end.prompt_eval_seconds
+
     async def decode_rate(depth: int) -> float:
         end = await _end(engine, Prompt(text=_text(max(depth, 16), next(salt))), steps)
         return (end.completion_tokens - 1) / end.decode_seconds
@@ -108,6 +114,10 @@ async def _measure(engine: Any, node: Node, say: Callable[[str], None]) -> dict[
         return float(rate)
 
     prefill = [await best(prompt_rate, d, "prompt tokens at depth") for d in depths]
+    # A pass's size: one prompt alone fills its pass (within n_ubatch; about these many
+    # tokens, the tokenizer's count being a little more).
+    passes = [t for t in PASS_TOKENS if t + 32 <= node.n_ubatch] or [PROMPT_TOKENS]
+    pass_rates = [await best(pass_rate, t, "prompt tokens in a pass of") for t in passes]
     decode = [await best(decode_rate, d, "one stream at depth") for d in depths]
     slots = node.slots or node.default_slots
     batches = sorted({b for b in (1, 2, 4, 8, 16, 32, slots) if b <= slots})
@@ -124,6 +134,8 @@ async def _measure(engine: Any, node: Node, say: Callable[[str], None]) -> dict[
             "measured_prompt_tokens": PROMPT_TOKENS,
             "depth_tokens": depths,
             "tokens_per_second": [round(r, 1) for r in prefill],
+            "pass_tokens": passes,
+            "pass_tokens_per_second": [round(r, 1) for r in pass_rates],
         },
         "decode": {
             "depth_tokens": depths,
@@ -158,7 +170,8 @@ def profile_text(name: str, topology: Path, models: dict[str, dict[str, Any]]) -
             "",
             f'[models."{model}".prefill]',
             *(f"{k} = {v}" for k, v in m["prefill"].items()),
-            'source = "measured: new tokens after a cached prefix of each depth"',
+            'source = "measured: new tokens after a cached prefix of each depth; a prompt alone '
+            'of each pass size"',
             "",
             f'[models."{model}".decode]',
             *(f"{k} = {v}" for k, v in m["decode"].items()),

@@ -71,7 +71,7 @@ async def run_mesh(
     hosts: dict[str, list[Node]] = {}
     for node in topology.nodes:
         if node.engine == "sim":
-            hosts.setdefault(node.sim_host or node.host, []).append(node)
+            hosts.setdefault(node.machine, []).append(node)
     groups = list(hosts.values())
     per = -(-len(groups) // PROCESSES)
     for i in range(0, len(groups), per):

@@ -153,7 +153,7 @@ class Node(_Strict):
     # a node whose slots do not fit refuses to start.
     kv_cache_max_bytes: Annotated[int, Field(ge=1 << 20)] | None = None
     # Most prompt tokens one pass (llama_decode) evaluates, and most rows in one compute
-    # graph (llama.cpp's n_batch and n_ubatch).
+    # graph (llama.cpp's n_batch and n_ubatch; a sim node's passes take n_ubatch tokens).
     n_batch: Annotated[int, Field(ge=1, le=65_536)] = 512
     n_ubatch: Annotated[int, Field(ge=1, le=65_536)] = 512
     # Flash attention, set explicitly (it decides the V layout of a KV state, so the
@@ -180,7 +180,8 @@ class Node(_Strict):
     # llama_cpp: prompts evaluated at once, oldest first, beyond those short enough to share
     # a pass; the rest wait in the queue. Each prompt takes passes of its own, so more at
     # once finish no sooner in all, only each later: with 1 the first requests of a burst
-    # answer first.
+    # answer first. sim: prompts evaluated together (sharing each pass, which a GPU runs
+    # faster full: the profile's pass table).
     prompts_at_once: Annotated[int, Field(ge=1, le=255)] = 1
     # llama_cpp and sim: prompt tokens kept resident after their requests end, for later
     # prompts that start the same way (a prefix cache, in 64-token blocks; default n_ctx, 0: off).
@@ -211,6 +212,12 @@ class Node(_Strict):
     def prefix_cache_capacity_tokens(self) -> int:
         """Prompt tokens its prefix cache may hold (prefix_cache_tokens, default n_ctx)."""
         return self.n_ctx if self.prefix_cache_tokens is None else self.prefix_cache_tokens
+
+    @property
+    def machine(self) -> str:
+        """The machine whose compute serves the node: its host, or the one a sim node
+        stands for."""
+        return self.sim_host or self.host
 
     @property
     def bind_address(self) -> str:

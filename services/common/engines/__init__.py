@@ -78,9 +78,11 @@ async def open_engine(topology: Topology, node: Node) -> Engine:
                 max_queue=node.max_queue,
                 speedup=topology.mesh.sim_speedup,
                 prefix_cache_tokens=node.prefix_cache_capacity_tokens,
-                host=node.sim_host or node.host,
+                host=node.machine,
                 compact_kv=topology.mesh.sim_compact_kv,
                 schema_limits=topology.mesh.schema_limits,
+                prompts_at_once=node.prompts_at_once,
+                ubatch_tokens=node.n_ubatch,
             ),
         )
     raise EngineUnavailable(f"node {node.name}: unknown engine {node.engine!r}")

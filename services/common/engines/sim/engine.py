@@ -10,9 +10,11 @@ the clients run over it unchanged.
   itself after 64-511 tokens or at max_tokens; with a response format or tools, a JSON
   value its schema allows (tools as the generic format, their calls read out as the
   embedded engine reads them); cut at the first stop string.
-- **Time.** One compute a machine (shared by the sim nodes of one host in one process): a
-  prompt's evaluation (`prefill_seconds` of the profile for its uncached tokens, at the
-  depth they start from) and the decode steps take turns; streams decode together in
+- **Time.** One compute a machine (shared by the sim nodes of one host in one process):
+  prompts' evaluation and the decode steps take turns. Prompts go in groups of at most
+  `prompts_at_once`, oldest first, their uncached tokens in passes of at most `ubatch`
+  tokens shared among them (`prompts_seconds` of the profile: the depth they reach and the
+  pass's size set the rate); streams decode together in
   steps of `decode_step_seconds(streams, mean depth)`, continuous batching: a stream joins
   at the next step and leaves when it ends. `speedup` divides every wait; steps shorter
   than MIN_TICK_S of real time are taken several at once (one message a stream for them
@@ -151,6 +153,20 @@ class _Stream:
     steps: asyncio.Queue[int] = field(default_factory=asyncio.Queue)
 
 
+@dataclass(eq=False)
+class _PromptJob:
+    """A prompt's new tokens waiting for the machine's compute, then evaluated with the
+    others of its group (at most `prompts_at_once`, sharing each pass)."""
+
+    tokens: int
+    cached: int
+    started: asyncio.Future[None]
+    done: asyncio.Future[float]  # its seconds of evaluation (simulated)
+    abandoned: bool = False  # its caller stopped waiting (a deadline, a cancel)
+    # Set when every job of its group is abandoned: the group's evaluation stops there.
+    wake: asyncio.Event | None = None
+
+
 @dataclass(frozen=True)
 class _Header:
     """What a simulated state carries before its zeros: the prompt's seed, the state's real
@@ -201,6 +217,10 @@ class SimSettings:
     compact_kv: bool = False
     # A response format's schema is read within these (as the router and node checked it).
     schema_limits: SchemaLimits = field(default_factory=SchemaLimits)
+    # Prompts evaluated together, oldest first (the node's prompts_at_once), in passes of
+    # at most this many tokens (its n_ubatch; 0: a pass takes them all).
+    prompts_at_once: int = 1
+    ubatch_tokens: int = 0
 
 
 class SimEngine:
@@ -229,6 +249,9 @@ class SimEngine:
         self._compute = _host_compute(settings.host)
         self._streams: list[_Stream] = []
         self._stepper: asyncio.Task[None] | None = None
+        self._prompts: deque[_PromptJob] = deque()
+        self._prompter: asyncio.Task[None] | None = None
+        self._group: list[_PromptJob] = []  # the prompts on the compute now
         self._rates = TokenRates()
         self._blocks = BlockCache(
             settings.prefix_cache_tokens if settings.prefix_cache == "blocks" else 0
@@ -372,8 +395,9 @@ class SimEngine:
         )
 
     async def close(self) -> None:
-        if self._stepper is not None:
-            self._stepper.cancel()
+        for task in (self._stepper, self._prompter):
+            if task is not None:
+                task.cancel()
 
     # -- answers -------------------------------------------------------------------------
 
@@ -446,21 +470,77 @@ class SimEngine:
 
     async def _evaluate(self, tokens: int, cached: int, clock: LimitClock | None = None) -> float:
         """Evaluate a prompt's new tokens on the machine's compute: the seconds it took. The
-        clock's work begins with the compute (the wait for it, behind other prompts, is the
-        request's wait for its turn, as on an embedded node evaluating one prompt at once)."""
+        clock's work begins with its group's turn (the wait for it, behind other prompts and
+        steps, is the request's wait for its turn, as on an embedded node)."""
         clock = clock or LimitClock(None, "prompt")
-        async with clock.bound():
-            await self._compute.acquire()
+        loop = asyncio.get_running_loop()
+        job = _PromptJob(tokens, cached, loop.create_future(), loop.create_future())
+        self._prompts.append(job)
+        if self._prompter is None or self._prompter.done():
+            self._prompter = asyncio.create_task(self._prompt_loop())
         try:
+            async with clock.bound():
+                await asyncio.shield(job.started)
             clock.admitted()
             async with clock.bound():
-                seconds = self._speed.prefill_seconds(tokens, cached)
-                await asyncio.sleep(seconds / self._speedup)
-                self.prompt_seconds += seconds
-        finally:
-            self._compute.release()
+                seconds = await asyncio.shield(job.done)
+        except BaseException:
+            self._abandon(job)
+            raise
         self._rates.add(tokens, 0)
         return seconds
+
+    def _abandon(self, job: _PromptJob) -> None:
+        """Its caller stopped waiting: out of the queue, or, once its group runs, the group
+        stops when none of its callers waits any more."""
+        job.abandoned = True
+        if job in self._prompts:
+            self._prompts.remove(job)
+        elif job.wake is not None:
+            group_left = [j for j in self._group if not j.abandoned and not j.done.done()]
+            if job in self._group and not group_left:
+                job.wake.set()
+
+    async def _prompt_loop(self) -> None:
+        """Prompts in groups of at most prompts_at_once, oldest first, each group on the
+        compute for as long as the profile gives for them together (prompts_seconds); a
+        prompt's result comes when its last pass ends."""
+        loop = asyncio.get_running_loop()
+        try:
+            while self._prompts:
+                async with self._compute:
+                    group = self._group = []
+                    while self._prompts and len(group) < self._settings.prompts_at_once:
+                        group.append(self._prompts.popleft())
+                    if not group:
+                        break
+                    wake = asyncio.Event()
+                    for job in group:
+                        job.wake = wake
+                        job.started.set_result(None)
+                    ends = self._speed.prompts_seconds(
+                        [(job.tokens, job.cached) for job in group],
+                        self._settings.ubatch_tokens or None,
+                    )
+                    began, elapsed = loop.time(), 0.0
+                    for end, job in sorted(zip(ends, group, strict=True), key=lambda p: p[0]):
+                        try:
+                            async with asyncio.timeout((end - elapsed) / self._speedup):
+                                await wake.wait()
+                        except TimeoutError:
+                            elapsed = end
+                            job.done.set_result(end)
+                        else:  # none of the group's callers waits: the rest is not computed
+                            elapsed = (loop.time() - began) * self._speedup
+                            break
+                    self.prompt_seconds += elapsed
+                    self._group = []
+        finally:
+            for job in [*self._group, *self._prompts]:
+                for future in (job.started, job.done):
+                    if not future.done() and not job.abandoned:
+                        future.set_exception(Aborted("the simulated node is closing"))
+            self._group = []
 
     async def _decode(
         self,

@@ -6,18 +6,26 @@ A profile is a TOML file (the shipped ones are in profiles/, each number citing 
     [link]                 bandwidth_bytes_per_second, latency_seconds
     [models."NAME"]        kv_bytes_per_token (+ window_tokens, window_kv_bytes_per_token),
                            bytes_per_token (of prompt text, default 4)
-    [models."NAME".prefill]  depth_tokens = [...], tokens_per_second = [...]
+    [models."NAME".prefill]  depth_tokens = [...], tokens_per_second = [...] (by depth),
+                             pass_tokens, pass_tokens_per_second (by tokens in one pass:
+                             one prompt's, or several prompts' evaluated together; optional)
     [models."NAME".decode]   depth_tokens, tokens_per_second (one stream by depth),
                              batch, batch_tokens_per_second (streams at once, shallow)
 
-Times come from those tables by piecewise-linear interpolation, never one constant: a prompt
-of n new tokens after c cached ones is evaluated at the rate of the depth it reaches halfway
-(c + n/2); a decode step of b streams at mean depth d takes b / (batch rate(b) x depth
-factor(d)), the depth factor being one stream's rate at d over its rate at depth 0. A
-prefill table measured with prompts of P tokens (`measured_prompt_tokens`) gives the rate at
-depth d + P/2. Beyond a table's last depth a rate keeps the last segment's slope (floored at
-a tenth of the last value); no batching gain is assumed beyond the largest batch measured.
-Plain Python: the sim engine and `disagg simulate` use it.
+Times come from those tables by piecewise-linear interpolation, never one constant. Prompt
+tokens are evaluated in passes of at most `ubatch` tokens (the node's n_ubatch: a compute
+graph's rows), each pass at the rate of its tokens' mean depth times the pass factor: the
+pass table's rate at the pass's size over its rate at the size the depth table was measured
+with (`measured_prompt_tokens`, P), so a short prompt alone, which leaves most of a GPU's
+pass idle, is slower per token than a long one or several together (llama-batched-bench's
+S_PP); no pass table: every pass size at the same rate. Prompts evaluated together share
+each pass evenly (llama.cpp's batch takes every slot's tokens), so the shorter ones finish
+first. A depth table measured with prompts of P tokens gives the rate at depth d + P/2. A
+decode step of b streams at mean depth d takes b / (batch rate(b) x depth factor(d)), the
+depth factor being one stream's rate at d over its rate at depth 0. Beyond a table's last
+depth a rate keeps the last segment's slope (floored at a tenth of the last value); no gain
+is assumed beyond the largest batch or pass measured, nor below the smallest pass. Plain
+Python: the sim engine and `disagg simulate` use it.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import tomllib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -78,12 +87,48 @@ class ModelSpeed:
     # `disagg calibrate` measures it): how many tokens the simulated engine counts.
     bytes_per_token: float = 4.0
 
-    def prefill_seconds(self, new_tokens: int, cached_tokens: int = 0) -> float:
-        """Seconds to evaluate new_tokens after cached_tokens already in the cache (several
-        prompts in one pass: their new tokens added up, at their mean depth)."""
-        if new_tokens <= 0:
-            return 0.0
-        return new_tokens / self.prefill_rate(cached_tokens + new_tokens / 2)
+    # Tokens/s by tokens in one pass (None: the same at every size), and the pass size of
+    # the prefill table's runs (the pass factor is 1 there).
+    pass_rate: Table | None = None
+    reference_pass_tokens: float = 0.0
+
+    def pass_factor(self, tokens: float) -> float:
+        """A pass of this many tokens' speed against the prefill table's passes."""
+        if self.pass_rate is None or self.reference_pass_tokens <= 0:
+            return 1.0
+        return self.pass_rate(tokens) / self.pass_rate(self.reference_pass_tokens)
+
+    def prefill_seconds(
+        self, new_tokens: int, cached_tokens: int = 0, ubatch: int | None = None
+    ) -> float:
+        """Seconds to evaluate new_tokens after cached_tokens already in the cache, alone, in
+        passes of at most `ubatch` tokens (None: one pass)."""
+        return self.prompts_seconds([(new_tokens, cached_tokens)], ubatch)[0]
+
+    def prompts_seconds(
+        self, prompts: Sequence[tuple[int, int]], ubatch: int | None = None
+    ) -> list[float]:
+        """Seconds until each of several prompts (new tokens, cached tokens) evaluated
+        together is done: passes of at most `ubatch` tokens (None: as many as they have),
+        each shared evenly among the prompts not yet done."""
+        left = [max(new, 0) for new, _ in prompts]
+        depth = [float(cached) for _, cached in prompts]
+        done_at = [0.0] * len(prompts)
+        clock = 0.0
+        while True:
+            live = [i for i, n in enumerate(left) if n > 0]
+            if not live:
+                return done_at
+            room = ubatch if ubatch is not None and ubatch > 0 else sum(left[i] for i in live)
+            share = _shares([left[i] for i in live], room)
+            tokens = sum(share)
+            mid = sum(s * (depth[i] + s / 2) for i, s in zip(live, share, strict=True)) / tokens
+            clock += tokens / (self.prefill_rate(mid) * self.pass_factor(tokens))
+            for i, s in zip(live, share, strict=True):
+                left[i] -= s
+                depth[i] += s
+                if left[i] == 0:
+                    done_at[i] = clock
 
     def decode_step_seconds(self, streams: int, mean_depth: float) -> float:
         """Seconds for one decode step of `streams` sequences at this mean context depth."""
@@ -98,6 +143,21 @@ class ModelSpeed:
         return tokens * self.kv_bytes_per_token + min(tokens, self.window_tokens) * (
             self.window_kv_bytes_per_token
         )
+
+
+def _shares(left: Sequence[int], room: int) -> list[int]:
+    """A pass of `room` tokens split evenly among prompts with `left` tokens each (what one
+    does not need goes to the others; the first ones get the remainder)."""
+    share = [0] * len(left)
+    room = min(room, sum(left))
+    while room > 0:
+        wanting = [i for i, n in enumerate(left) if share[i] < n]
+        each, extra = divmod(room, len(wanting))
+        for k, i in enumerate(wanting):
+            give = min(each + (k < extra), left[i] - share[i])
+            share[i] += give
+            room -= give
+    return share
 
 
 @dataclass(frozen=True)
@@ -204,6 +264,20 @@ class _Reader:
         kv = self.positive(data, where, "kv_bytes_per_token", 0)
         # A rate measured over a prompt of P tokens from depth d is the rate halfway, d + P/2.
         measured = self.number(prefill, f"{where}.prefill", "measured_prompt_tokens", 0)
+        passes = None
+        if "pass_tokens" in prefill or "pass_tokens_per_second" in prefill:
+            passes = self.table(
+                prefill,
+                f"{where}.prefill",
+                "pass_tokens",
+                "pass_tokens_per_second",
+                flat_beyond=True,
+            )
+            if measured <= 0:
+                raise self.fail(
+                    f"{where}.prefill.measured_prompt_tokens",
+                    "needed with pass_tokens: the pass size the depth table was measured with",
+                )
         return ModelSpeed(
             kv_bytes_per_token=int(kv),
             prefill_rate=self.table(
@@ -217,6 +291,8 @@ class _Reader:
             window_kv_bytes_per_token=int(self.number(data, where, "window_kv_bytes_per_token", 0)),
             estimate=bool(prefill.get("estimate") or decode.get("estimate")),
             bytes_per_token=self.positive(data, where, "bytes_per_token", 4.0),
+            pass_rate=passes,
+            reference_pass_tokens=measured,
         )
 
 
@@ -228,6 +304,7 @@ class OllamaBaseline:
 
     parallel: dict[str, int]
     max_queue: int
+    batch_tokens: int  # prompt tokens one pass evaluates (all parallel requests' together)
     prompt_evaluated_on_decode_host: bool
     kv_handoff: bool
     prefix_cache: str
@@ -255,6 +332,7 @@ def load_baseline(spec: str = "ollama") -> OllamaBaseline:
     return OllamaBaseline(
         parallel={str(k): int(v) for k, v in parallel.items()},
         max_queue=int(reader.positive(serving, "serving", "max_queue", 512)),
+        batch_tokens=int(reader.positive(serving, "serving", "batch_tokens", 512)),
         prompt_evaluated_on_decode_host=bool(serving.get("prompt_evaluated_on_decode_host", True)),
         kv_handoff=bool(serving.get("kv_handoff", False)),
         prefix_cache=str(serving.get("prefix_cache", "per-slot")),
