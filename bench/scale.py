@@ -200,6 +200,10 @@ async def _load(mesh: MeshProcesses, requests: int, rate: int, kills: bool) -> d
                 "added": first - prefill_real,
                 "prompt": metrics.prompt_tokens,
                 "cached": metrics.cached_prompt_tokens,
+                # KV moved, real size: the decode node's own copy of a prefix stayed.
+                "moved": spark.kv_bytes(
+                    metrics.prompt_tokens - metrics.decode_cached_prompt_tokens
+                ),
                 "method": metrics.method,
                 "migrations": len(metrics.migrations),
                 "failed_attempts": len(metrics.failed_attempts),
@@ -293,6 +297,7 @@ async def _load(mesh: MeshProcesses, requests: int, rate: int, kills: bool) -> d
         "requests_spread_max_over_mean": round(
             max(served.values()) / (sum(served.values()) / len(served)), 2
         ),
+        "kv_gb_moved": round(sum(r["moved"] for r in results) / 1e9, 2),
         "migrations": sum(r["migrations"] for r in results),
         "failed_attempts": sum(r["failed_attempts"] for r in results),
         "methods": {
