@@ -85,16 +85,15 @@ async def _measure(engine: Any, node: Node, say: Callable[[str], None]) -> dict[
     bytes_per_token = len(SAMPLE.encode()) / end.prompt_tokens
     salt = iter(range(10_000, 1_000_000))
 
-    async def prompt_rate(depth: int) -> float:
+    async def prompt_rate(depth: int, tokens: int = PROMPT_TOKENS) -> float:
         base = _text(depth, next(salt)) if depth else ""
         if base:
             await _end(engine, Prompt(text=base), one)  # its prefix cache holds it now
-        end = await _end(engine, Prompt(text=base + _text(PROMPT_TOKENS, next(salt))), one)
+        end = await _end(engine, Prompt(text=base + _text(tokens, next(salt))), one)
         return (end.prompt_tokens - end.cached_prompt_tokens) / end.prompt_eval_seconds
 
     async def pass_rate(tokens: int) -> float:
-        end = await _end(engine, Prompt(text=_text(tokens, next(salt))), one)
-        return (end.prompt_tokens - end.cached_prompt_tokens) / end.prompt_eval_seconds
+        return await prompt_rate(0, tokens)
 
     async def decode_rate(depth: int) -> float:
         end = await _end(engine, Prompt(text=_text(max(depth, 16), next(salt))), steps)

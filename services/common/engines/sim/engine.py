@@ -163,8 +163,6 @@ class _PromptJob:
     started: asyncio.Future[None]
     done: asyncio.Future[float]  # its seconds of evaluation (simulated)
     abandoned: bool = False  # its caller stopped waiting (a deadline, a cancel)
-    # Set when every job of its group is abandoned: the group's evaluation stops there.
-    wake: asyncio.Event | None = None
 
 
 @dataclass(frozen=True)
@@ -252,6 +250,8 @@ class SimEngine:
         self._prompts: deque[_PromptJob] = deque()
         self._prompter: asyncio.Task[None] | None = None
         self._group: list[_PromptJob] = []  # the prompts on the compute now
+        # Set when none of the group's callers waits any more: its evaluation stops there.
+        self._group_dropped = asyncio.Event()
         self._rates = TokenRates()
         self._blocks = BlockCache(
             settings.prefix_cache_tokens if settings.prefix_cache == "blocks" else 0
@@ -496,10 +496,8 @@ class SimEngine:
         job.abandoned = True
         if job in self._prompts:
             self._prompts.remove(job)
-        elif job.wake is not None:
-            group_left = [j for j in self._group if not j.abandoned and not j.done.done()]
-            if job in self._group and not group_left:
-                job.wake.set()
+        elif job in self._group and all(j.abandoned or j.done.done() for j in self._group):
+            self._group_dropped.set()
 
     async def _prompt_loop(self) -> None:
         """Prompts in groups of at most prompts_at_once, oldest first, each group on the
@@ -514,9 +512,8 @@ class SimEngine:
                         group.append(self._prompts.popleft())
                     if not group:
                         break
-                    wake = asyncio.Event()
+                    self._group_dropped.clear()
                     for job in group:
-                        job.wake = wake
                         job.started.set_result(None)
                     ends = self._speed.prompts_seconds(
                         [(job.tokens, job.cached) for job in group],
@@ -526,7 +523,7 @@ class SimEngine:
                     for end, job in sorted(zip(ends, group, strict=True), key=lambda p: p[0]):
                         try:
                             async with asyncio.timeout((end - elapsed) / self._speedup):
-                                await wake.wait()
+                                await self._group_dropped.wait()
                         except TimeoutError:
                             elapsed = end
                             job.done.set_result(end)
