@@ -292,7 +292,11 @@ async def run_all(bench: Bench, args: argparse.Namespace) -> dict[str, Any]:
             continue
         say(f">> {title}")
         started = time.perf_counter()
-        results[key] = await step()
+        try:
+            results[key] = await step()
+        except Exception as exc:  # one row's fault must not lose the others' hour
+            say(f"!! {title} failed: {type(exc).__name__}: {exc}")
+            results.setdefault("failed_rows", {})[key] = f"{type(exc).__name__}: {exc}"[:500]
         say(f"   ({time.perf_counter() - started:.0f} s)")
     return results
 
@@ -434,6 +438,8 @@ def table(r: dict[str, Any]) -> str:
         rows += scale_rows(r["scale"]["steady"]) + scale_rows(r["scale"]["kills"])
     if "calibration" in r:
         rows += calibration_rows(r["calibration"])
+    for key, why in r.get("failed_rows", {}).items():
+        rows.append((f"{key}: FAILED (the record holds the rest)", why[:120], "a result"))
     width = [max(len(row[i]) for row in rows) for i in range(3)]
     header = ("measurement", "result", "goal")
     lines = ["  ".join(h.ljust(width[i]) for i, h in enumerate(header))]
@@ -524,7 +530,7 @@ def main() -> int:
         **results,
     }
     report(args.out, "bench", run_record, table(results))
-    return check_same_work(results)
+    return max(check_same_work(results), 1 if "failed_rows" in results else 0)
 
 
 def check_same_work(results: dict[str, Any]) -> int:
