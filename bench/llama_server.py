@@ -64,7 +64,10 @@ LEVELS = (1, 4, 16)
 NEW_TOKENS = 64
 GRADER_TOKENS = 32
 SUBMISSIONS_IN_FLIGHT = 4
-GOALS = {1: 0.9, 16: 1.0}
+# #42's goals: at least llama-server's tokens a second at 1, 4 and 16 at once, and the
+# grader in at most 0.8 of its wall time, cold and warm.
+GOALS = {1: 1.0, 4: 1.0, 16: 1.0}
+GRADER_GOAL = 0.8
 # Sixteen different short prompts (the eight of row 14, and eight more), none a prefix of
 # another.
 SIXTEEN = [
@@ -376,7 +379,7 @@ def rows(m: dict[str, Any]) -> list[tuple[str, str, str]]:
         return [("make run's mesh / llama-server", f"skipped: {m['skipped']}", "-")]
     out = []
     for level, r in m["levels"].items():
-        goal = r["goal"]
+        goal = GOALS.get(int(level))
         out.append(
             (
                 f"make run's mesh / llama-server -np 16 -kvu, {level} at once, 16 prompts x "
@@ -401,7 +404,7 @@ def rows(m: dict[str, Any]) -> list[tuple[str, str, str]]:
                     f"{w['llama_server']['cached_tokens']} tokens)",
                     w,
                 ),
-                "-",
+                f"<= {GRADER_GOAL:g}x",
             )
         )
     return out

@@ -56,7 +56,7 @@ def simulated_topology(
             entry["http_port"] = free_port()
         else:
             entry.update(_sim_engine(topology, node.name, node.model or "", node.hardware, profile))
-            entry["sim_host"] = node.sim_host or node.host
+            entry["sim_host"] = node.machine
             if "kv_ttl_s" in entry:
                 entry["kv_ttl_s"] = entry["kv_ttl_s"] / speedup
         nodes.append(entry)
