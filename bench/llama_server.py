@@ -346,7 +346,6 @@ async def measure(repeats: int, submissions: int) -> dict[str, Any]:
             "mesh_tok_s": ours["tok_s"][level],
             "llama_server_tok_s": theirs["tok_s"][level],
             "mesh_over_llama_server": mine / other,
-            "goal": GOALS.get(level),
             "work": record(("mesh", "llama_server"), ours["work"][level], theirs["work"][level]),
         }
     grader_rows = {}

@@ -295,8 +295,9 @@ async def run_all(bench: Bench, args: argparse.Namespace) -> dict[str, Any]:
         try:
             results[key] = await step()
         except Exception as exc:  # one row's fault must not lose the others' hour
-            say(f"!! {title} failed: {type(exc).__name__}: {exc}")
-            results.setdefault("failed_rows", {})[key] = f"{type(exc).__name__}: {exc}"[:500]
+            why = f"{type(exc).__name__}: {exc}"
+            say(f"!! {title} failed: {why}")
+            results.setdefault("failed_rows", {})[key] = why[:500]
         say(f"   ({time.perf_counter() - started:.0f} s)")
     return results
 
