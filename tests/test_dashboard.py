@@ -8,6 +8,7 @@ Screenshots go to .run/test-artifacts/dashboard/ (or $DISAGG_TEST_ARTIFACTS)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 import signal
@@ -30,7 +31,7 @@ from disagg_mesh.server.common.config.topology import load_topology
 from disagg_mesh.server.common.runtime.processes import MeshProcesses, free_port
 from disagg_mesh.server.common.types import HostUsage, NodeReport
 from disagg_mesh.server.router.dashboard.recent import Recent, busy_seconds, percentile
-from disagg_mesh.server.router.dashboard.state import ASKS_PER_TICK, DashboardState
+from disagg_mesh.server.router.dashboard.state import ASKS_PER_TICK, HISTORY, DashboardState
 from disagg_mesh.server.router.summary import FailedAttempt, RouteMethod, RouteSummary
 from tests.conftest import ROOT, engine_node, route, router_node, running_mesh
 
@@ -503,6 +504,64 @@ def test_targets_go_red_and_green_with_what_they_measure(tmp_path: Path) -> None
     rows = {n["name"]: n for n in dashboard.current["nodes"]}
     assert rows["decode-t"]["health"] == "down" and t["uptime"][1] is False
     assert len(dashboard.history) == 3 and dashboard.history[-1]["serving"] == 2
+
+
+def test_an_hours_history_is_encoded_once_and_sent_as_the_state_reads(tmp_path: Path) -> None:
+    """GET /api/dashboard's body is built once a tick from samples encoded once each (an
+    hour of samples re-encoded took ~35 ms a GET on the user's topology), and it and the
+    feed's update say what the state holds."""
+    path = tmp_path / "topology.toml"
+    path.write_text(
+        "\n".join(
+            [
+                router_node(),
+                engine_node("decode-h", "decode"),
+                route("code", [], ["decode-h"], chain=["decode_only"]),
+            ]
+        )
+    )
+    topology = load_topology(path)
+
+    async def ask_node(node: Any) -> NodeReport | None:
+        return report(node.name)
+
+    now = [5000.0]
+    recent = Recent(clock=lambda: now[0])
+    dashboard = DashboardState(topology, topology.router, recent, ask_node, clock=lambda: now[0])
+    before = json.loads(dashboard.snapshot_json())  # before the first tick: no history yet
+    assert before["history"] == [] and before["schema"] == "disagg-mesh.dashboard.v1"
+
+    async def ticks(n: int) -> None:
+        for _ in range(n):
+            now[0] += 2.0
+            recent.served("code", summary(1.0, 0.25))
+            await dashboard.tick()
+
+    asyncio.run(ticks(HISTORY + 3))
+    body = dashboard.snapshot_json()
+    assert dashboard.snapshot_json() is body  # one build a tick
+    state = json.loads(body)
+    assert len(state["history"]) == HISTORY and state["history"] == dashboard.history
+    assert state["history"][-1]["t"] == now[0] and state["history"][0]["t"] == now[0] - 2 * (
+        HISTORY - 1
+    )
+    assert {k: v for k, v in state.items() if k != "history"} == json.loads(
+        json.dumps(dashboard.current)
+    )
+    ttft = state["models"]["code"]["ttft_seconds"]["p50"]
+    assert state["history"][-1]["models"]["code"]["ttft_p50"] == float(f"{ttft:.4g}")
+
+    async def one_update() -> dict[str, Any]:
+        async with dashboard.feed() as updates:
+            await ticks(1)
+            update = updates.get_nowait()
+            assert update is not None
+            return dict(json.loads(update))
+
+    update = asyncio.run(one_update())
+    assert dashboard.snapshot_json() is not body  # a new tick, a new body
+    assert update.pop("sample") == dashboard.history[-1] and "history" not in update
+    assert update == json.loads(json.dumps(dashboard.current))
 
 
 def test_with_a_mesh_token_the_dashboard_wants_it_as_a_header_or_in_the_url(

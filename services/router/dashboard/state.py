@@ -11,6 +11,8 @@ answers and the router's recent requests (recent.py) it builds one snapshot: the
 by host, each host's CPU, memory and GPU, each logical model's figures over the last
 WINDOW_S, and the seeds' targets green or red. A compact sample of it joins the history
 (an hour: a page opened late still draws its charts), and every open page's feed gets it.
+Each is encoded to JSON once: a sample when it joins, the feed's update and GET
+/api/dashboard's body once a tick.
 
 The JSON shape is documented in the README (`GET /api/dashboard`); `SCHEMA` names it.
 """
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -104,9 +107,13 @@ class DashboardState:
         self._own = recent
         self._recent = Merged([recent, self._peer_records], clock)
         self._clock = clock
-        self.history: deque[dict[str, Any]] = deque(maxlen=HISTORY)
+        # The history's samples as JSON, each encoded once (a GET of an hour's 1,800 samples
+        # joins them: encoding them all again took ~35 ms on the user's topology).
+        self._history: deque[str] = deque(maxlen=HISTORY)
         self.current: dict[str, Any] = {}
-        self._feeds: set[asyncio.Queue[dict[str, Any] | None]] = set()
+        # GET /api/dashboard's body for this tick, built by the first GET after it.
+        self._snapshot_json: str | None = None
+        self._feeds: set[asyncio.Queue[str | None]] = set()
         self._closed = False
         # Ticks each node was serving, and ticks since it first served (uptime: a node still
         # loading its model when the router started is not down).
@@ -144,13 +151,17 @@ class DashboardState:
         self.current = self._snapshot(
             now, [(n, self._last_report(n)) for n in self._topology.nodes]
         )
-        sample = self._sample(now)
-        self.history.append(sample)
+        sample = dumps(self._sample(now))
+        self._history.append(sample)
+        self._snapshot_json = None
+        if not self._feeds:
+            return
+        update = _with_key(dumps(self.current), "sample", sample)  # encoded once for all
         for feed in list(self._feeds):
             if feed.full():  # a page that stopped reading loses its oldest update
                 with contextlib.suppress(asyncio.QueueEmpty):
                     feed.get_nowait()
-            feed.put_nowait({**self.current, "sample": sample})
+            feed.put_nowait(update)
 
     def _to_ask(self) -> list[Node]:
         """This tick's nodes: every node never asked (the first tick asks them all), then up
@@ -228,10 +239,20 @@ class DashboardState:
             host=this_host(),
         )
 
-    def snapshot(self) -> dict[str, Any]:
-        """The current state with the history: GET /api/dashboard."""
-        current = self.current or self._snapshot(self._clock(), [])
-        return {**current, "history": list(self.history)}
+    @property
+    def history(self) -> list[dict[str, Any]]:
+        """The last hour's samples, oldest first."""
+        return [json.loads(sample) for sample in self._history]
+
+    def snapshot_json(self) -> str:
+        """The current state with the history, as JSON: GET /api/dashboard. Built once a
+        tick (a script polling every second, or several pages opening, cost one build)."""
+        if not self.current:  # before the first tick
+            return _with_key(dumps(self._snapshot(self._clock(), [])), "history", "[]")
+        if self._snapshot_json is None:
+            history = "[" + ",".join(self._history) + "]"
+            self._snapshot_json = _with_key(dumps(self.current), "history", history)
+        return self._snapshot_json
 
     def close(self) -> None:
         """End every page's feed (the router is stopping: an open page must not hold its
@@ -243,9 +264,10 @@ class DashboardState:
             feed.put_nowait(None)
 
     @contextlib.asynccontextmanager
-    async def feed(self) -> AsyncIterator[asyncio.Queue[dict[str, Any] | None]]:
-        """A page's live updates: each tick's state with its sample; None when it ends."""
-        queue: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue(maxsize=8)
+    async def feed(self) -> AsyncIterator[asyncio.Queue[str | None]]:
+        """A page's live updates: each tick's state with its sample, as JSON; None when it
+        ends."""
+        queue: asyncio.Queue[str | None] = asyncio.Queue(maxsize=8)
         if self._closed:
             queue.put_nowait(None)
         self._feeds.add(queue)
@@ -352,21 +374,21 @@ class DashboardState:
         return rows
 
     def _sample(self, now: float) -> dict[str, Any]:
-        """What the charts draw: one point per tick."""
+        """What the charts draw: one point per tick, its values (not `t`) to 4 significant
+        digits (an hour of them is what GET /api/dashboard sends)."""
         models = self.current.get("models", {})
         hosts = [h for h in self.current.get("hosts", []) if h["usage"] is not None]
         return {
             "t": now,
             "models": {
                 name: {
-                    "rps": f["requests_per_second"],
-                    "tps": f["tokens_per_second"],
-                    "ttft_p50": f["ttft_seconds"].get("p50"),
-                    "ttft_p95": f["ttft_seconds"].get("p95"),
-                    "ttft_p99": f["ttft_seconds"].get("p99"),
-                    "total_p50": f["total_seconds"].get("p50"),
-                    "total_p95": f["total_seconds"].get("p95"),
-                    "total_p99": f["total_seconds"].get("p99"),
+                    "rps": _chart(f["requests_per_second"]),
+                    "tps": _chart(f["tokens_per_second"]),
+                    **{
+                        f"{short}_{p}": _chart(f[f"{short}_seconds"].get(p))
+                        for short in ("ttft", "total")
+                        for p in ("p50", "p95", "p99")
+                    },
                 }
                 for name, f in models.items()
             },
@@ -375,10 +397,26 @@ class DashboardState:
         }
 
 
+def dumps(value: Any) -> str:
+    """JSON as the dashboard's routes send it: compact, no NaN."""
+    return json.dumps(value, separators=(",", ":"), allow_nan=False)
+
+
+def _with_key(encoded: str, key: str, value: str) -> str:
+    """An encoded JSON object (not empty) with one more key whose value is encoded."""
+    assert encoded.endswith("}") and encoded != "{}"
+    return f'{encoded[:-1]},"{key}":{value}}}'
+
+
 def _host_point(u: dict[str, Any]) -> dict[str, float | None]:
     """A host's CPU, memory and GPU (None: no GPU seen) in percent."""
     return {
-        "cpu": u["cpu_busy_percent"],
-        "memory": 100.0 * u["memory_used_bytes"] / max(1, u["memory_total_bytes"]),
-        "gpu": u["gpu_utilization_percent"] if u["gpu_name"] else None,
+        "cpu": _chart(u["cpu_busy_percent"]),
+        "memory": _chart(100.0 * u["memory_used_bytes"] / max(1, u["memory_total_bytes"])),
+        "gpu": _chart(u["gpu_utilization_percent"]) if u["gpu_name"] else None,
     }
+
+
+def _chart(value: float | None) -> float | None:
+    """A chart's value to 4 significant digits."""
+    return None if value is None else float(f"{value:.4g}")

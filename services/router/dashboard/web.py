@@ -17,11 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import json
 import ssl
 from dataclasses import asdict
 from importlib import resources
-from typing import Any
 
 import aiohttp
 import structlog
@@ -31,7 +29,7 @@ from disagg_mesh.server.common.config.topology import Node
 from disagg_mesh.server.common.runtime.auth import bearer_accepted, outgoing_auth
 from disagg_mesh.server.common.runtime.tls import TlsPaths
 from disagg_mesh.server.router.dashboard.recent import Done, Failed
-from disagg_mesh.server.router.dashboard.state import DashboardState, Pulled
+from disagg_mesh.server.router.dashboard.state import DashboardState, Pulled, dumps
 
 log = structlog.get_logger("dashboard")
 
@@ -82,7 +80,7 @@ class DashboardApi:
 
     async def snapshot(self, request: web.Request) -> web.StreamResponse:
         _authorize(request)
-        return web.json_response(self._state.snapshot(), dumps=_dumps)
+        return web.Response(text=self._state.snapshot_json(), content_type="application/json")
 
     async def requests(self, request: web.Request) -> web.StreamResponse:
         _authorize(request)
@@ -99,7 +97,7 @@ class DashboardApi:
             "done": [asdict(d) for d in done],
             "failed": [asdict(f) for f in failed],
         }
-        return web.json_response(body, dumps=_dumps)
+        return web.json_response(body, dumps=dumps)
 
     async def events(self, request: web.Request) -> web.StreamResponse:
         _authorize(request)
@@ -121,7 +119,7 @@ class DashboardApi:
                     continue
                 if update is None:  # the router is stopping
                     return response
-                await response.write(f"event: update\ndata: {_dumps(update)}\n\n".encode())
+                await response.write(f"event: update\ndata: {update}\n\n".encode())
 
 
 class PeerPull:
@@ -161,10 +159,6 @@ class PeerPull:
     async def close(self) -> None:
         if self._session is not None:
             await self._session.close()
-
-
-def _dumps(value: Any) -> str:
-    return json.dumps(value, separators=(",", ":"), allow_nan=False)
 
 
 def _authorize(request: web.Request) -> None:
