@@ -6,7 +6,11 @@ metrics or summary. Backend and relay run in processes of their own, on loopback
 relay's CPU time (/proc) over the requests is what any Python gRPC router pays here for
 those calls at that rate.
 
-    python -m bench.relay_floor [--rate 13.3] [--requests 400] [--messages 4]
+    python -m bench.relay_floor [--rate 13.3] [--requests 400] [--messages 4] [--gap-ms 0]
+
+--gap-ms spaces the streamed messages as a decode node paces its tokens (each then wakes
+the relay on its own, as a lone stream's tokens do: row 2's router against this, #42):
+`--rate 0.5 --requests 4 --messages 400 --gap-ms 8` is one 400-token stream at a time.
 """
 
 from __future__ import annotations
@@ -32,8 +36,9 @@ from disagg_mesh.server.common.runtime.processes import free_port
 
 
 class _Backend(router_pb2_grpc.RouterServiceServicer, prefill_pb2_grpc.PrefillServiceServicer):
-    def __init__(self, messages: int) -> None:
+    def __init__(self, messages: int, gap_s: float) -> None:
         self._messages = messages
+        self._gap_s = gap_s
 
     async def Prefill(self, request: Any, context: Any) -> Any:
         return prefill_pb2.PrefillResponse(kv_handle="h", prompt_tokens=1_000)
@@ -46,6 +51,8 @@ class _Backend(router_pb2_grpc.RouterServiceServicer, prefill_pb2_grpc.PrefillSe
 
     async def Generate(self, request: Any, context: Any) -> AsyncIterator[Any]:
         for _ in range(self._messages - 1):
+            if self._gap_s:
+                await asyncio.sleep(self._gap_s)
             yield router_pb2.GenerateResponse(delta=types_pb2.TextDelta(text=" word" * 8))
         yield router_pb2.GenerateResponse(summary=router_pb2.GenerateSummary(decode_node="d"))
 
@@ -66,10 +73,10 @@ class _Relay(router_pb2_grpc.RouterServiceServicer):
             yield reply
 
 
-async def _serve(port: int, backend: str | None, messages: int) -> None:
+async def _serve(port: int, backend: str | None, messages: int, gap_s: float) -> None:
     server = grpc.aio.server()
     if backend is None:
-        servicer = _Backend(messages)
+        servicer = _Backend(messages, gap_s)
         router_pb2_grpc.add_RouterServiceServicer_to_server(servicer, server)
         prefill_pb2_grpc.add_PrefillServiceServicer_to_server(servicer, server)
     else:
@@ -79,14 +86,16 @@ async def _serve(port: int, backend: str | None, messages: int) -> None:
     await server.wait_for_termination()
 
 
-async def floor_ms(rate: float, requests: int, messages: int) -> float:
+async def floor_ms(rate: float, requests: int, messages: int, gap_s: float = 0.0) -> float:
     """The relay's CPU milliseconds per request, requests sent at `rate` a second (each its
-    own task, as the benchmark's clients send them)."""
+    own task, as the benchmark's clients send them), the backend's messages gap_s apart."""
     backend_port, relay_port = free_port(), free_port()
     here = [sys.executable, "-m", "bench.relay_floor"]
     procs = [
         await asyncio.create_subprocess_exec(
-            *here, "--serve", str(backend_port), "--messages", str(messages)
+            *here,
+            *("--serve", str(backend_port), "--messages", str(messages)),
+            *("--gap-ms", repr(1000 * gap_s)),
         ),
         await asyncio.create_subprocess_exec(
             *here, "--serve", str(relay_port), "--backend", f"127.0.0.1:{backend_port}"
@@ -101,7 +110,7 @@ async def floor_ms(rate: float, requests: int, messages: int) -> float:
                 async for _ in stub.Generate(request, timeout=30, wait_for_ready=True):
                     pass
 
-            for _ in range(20):  # connections made, code paths warm
+            for _ in range(20 if not gap_s else 2):  # connections made, code paths warm
                 await one()
             before = cpu_seconds([procs[1].pid])
             started = time.perf_counter()
@@ -124,14 +133,18 @@ def main() -> int:
     parser.add_argument("--rate", type=float, default=13.3)
     parser.add_argument("--requests", type=int, default=400)
     parser.add_argument("--messages", type=int, default=4)
+    parser.add_argument("--gap-ms", type=float, default=0.0)
     parser.add_argument("--serve", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--backend", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
-        asyncio.run(_serve(args.serve, args.backend, args.messages))
+        asyncio.run(_serve(args.serve, args.backend, args.messages, args.gap_ms / 1000))
         return 0
-    ms = asyncio.run(floor_ms(args.rate, args.requests, args.messages))
-    print(f"bare relay CPU per request at {args.rate:g}/s: {ms:.2f} ms")
+    ms = asyncio.run(floor_ms(args.rate, args.requests, args.messages, args.gap_ms / 1000))
+    print(
+        f"bare relay CPU per request at {args.rate:g}/s: {ms:.2f} ms "
+        f"({ms / args.messages:.3f} ms a message)"
+    )
     return 0
 
 
