@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import random
 import shutil
 import signal
 import threading
@@ -30,7 +31,16 @@ from disagg_mesh.proto.v1 import node_pb2, node_pb2_grpc
 from disagg_mesh.server.common.config.topology import load_topology
 from disagg_mesh.server.common.runtime.processes import MeshProcesses, free_port
 from disagg_mesh.server.common.types import HostUsage, NodeReport
-from disagg_mesh.server.router.dashboard.recent import Recent, busy_seconds, percentile
+from disagg_mesh.server.router.dashboard.recent import (
+    KEEP_S,
+    Done,
+    Failed,
+    Merged,
+    Recent,
+    Records,
+    busy_seconds,
+    percentile,
+)
 from disagg_mesh.server.router.dashboard.state import ASKS_PER_TICK, HISTORY, DashboardState
 from disagg_mesh.server.router.summary import FailedAttempt, RouteMethod, RouteSummary
 from tests.conftest import ROOT, engine_node, route, router_node, running_mesh
@@ -455,6 +465,55 @@ def test_parallel_efficiency_is_the_two_pipelines_overlap() -> None:
     figures = recent.figures(["code", "feedback"], 60)
     assert figures["code"].requests == 2 and figures["code"].prefix_cache_hit_rate == 0.6
     assert figures["code"].kv_megabytes_per_second == pytest.approx(100.0)
+
+
+def test_records_read_from_their_newest_end_say_what_a_scan_of_all_would() -> None:
+    """A window is read from the newest record back (a tick costs the window, not the hour):
+    with other routers' records arriving out of order, late, and the hour running out, the
+    windows, a peer's pull and the hour's counts equal what the definitions say."""
+    rng = random.Random(7)
+    now = [0.0]
+    own = Recent(clock=lambda: now[0])
+    peers = Records(clock=lambda: now[0])
+    mesh = Merged([own, peers], clock=lambda: now[0])
+    every_done: list[Done] = []
+    every_failed: list[Failed] = []
+    for step in range(5_000):
+        now[0] += rng.uniform(0.5, 3.0)
+        if rng.random() < 0.8:
+            own.served("code", summary(1.0, 0.2, failed_s=5.0 if rng.random() < 0.05 else 0))
+            every_done.append(own.done[-1])
+        else:
+            own.refused("code", "UNAVAILABLE")
+            every_failed.append(own.failed[-1])
+        if step % 3 == 0:  # another router's, pulled late: up to 4 s old, in its own order
+            done = [
+                Done("feedback", t - 1, t, 0.1, 1.0, 10, 5, 0, 0.0, 0, 0, 0, 0.0)
+                for t in sorted(now[0] - rng.uniform(0, 4) for _ in range(rng.randint(0, 3)))
+            ]
+            failed = [Failed("feedback", now[0] - rng.uniform(0, 4), "INTERNAL")]
+            peers.add(done, failed)
+            every_done += done
+            every_failed += failed
+        if step % 97 == 0:
+            for seconds in (60.0, 600.0, KEEP_S):
+                start = now[0] - seconds
+                done, failed = mesh.since(seconds)
+                assert sorted(d.ended for d in done) == sorted(
+                    d.ended for d in every_done if d.ended >= start
+                )
+                assert sorted(f.at for f in failed) == sorted(
+                    f.at for f in every_failed if f.at >= start
+                )
+            t = now[0] - rng.uniform(0, 30)
+            assert own.after(t)[0] == [d for d in own.done if d.ended > t]
+            hour = mesh.hour()
+            in_hour = [d for d in every_done if d.ended >= now[0] - KEEP_S]
+            assert hour.done == len(in_hour)
+            assert hour.failed == sum(1 for f in every_failed if f.at >= now[0] - KEEP_S)
+            longest = max((d.failover_s for d in in_hour if d.failover_s > 0), default=None)
+            assert hour.longest_failover_s == longest
+    assert now[0] > 2 * KEEP_S  # the hour ran out, more than once
 
 
 def report(name: str, ready: bool = True) -> NodeReport:

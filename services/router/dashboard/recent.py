@@ -13,6 +13,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from disagg_mesh.server.router.summary import RouteSummary
 
@@ -47,9 +48,13 @@ class Failed:
 
 def percentile(values: list[float], q: float) -> float | None:
     """The q-th percentile (0-100) by nearest rank; None without values."""
-    if not values:
+    return _ranked(sorted(values), q)
+
+
+def _ranked(ordered: list[float], q: float) -> float | None:
+    """percentile() of values already in order."""
+    if not ordered:
         return None
-    ordered = sorted(values)
     rank = max(1, math.ceil(q / 100 * len(ordered)))
     return ordered[min(rank, len(ordered)) - 1]
 
@@ -83,39 +88,64 @@ class ModelFigures:
     errors: dict[str, int] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class Hour:
+    """The last hour's counts: what the error-rate and failover targets read."""
+
+    done: int
+    failed: int
+    longest_failover_s: float | None  # None: no request failed over
+
+
+R = TypeVar("R", Done, Failed)
+
+
 class Records:
-    """Done and failed requests kept for an hour, and the figures over a window of them."""
+    """Done and failed requests kept for an hour, in the order they ended, and the figures
+    over a window of them. A window is read from its newest end, so a tick costs what the
+    window holds, not the hour (at 40 requests a second, 144,000 records)."""
 
     def __init__(self, clock: Callable[[], float] = time.time) -> None:
         self._clock = clock
         self.done: deque[Done] = deque()
         self.failed: deque[Failed] = deque()
+        # The done records with a failover, the only ones the hour's longest reads.
+        self._failed_over: deque[Done] = deque()
 
     def add(self, done: Iterable[Done], failed: Iterable[Failed]) -> None:
         """Records another router served (its dashboard's /api/dashboard/requests)."""
-        self.done.extend(done)
-        self.failed.extend(failed)
+        for d in done:
+            self._add_done(d)
+        for f in failed:
+            _place(self.failed, f)
         self._trim(self._clock())
 
-    def _trim(self, now: float) -> None:
-        for records in (self.done, self.failed):
-            while records and now - self._at(records[0]) > KEEP_S:
-                records.popleft()
+    def _add_done(self, record: Done) -> None:
+        _place(self.done, record)
+        if record.failover_s > 0:
+            _place(self._failed_over, record)
 
-    @staticmethod
-    def _at(record: Done | Failed) -> float:
-        return record.ended if isinstance(record, Done) else record.at
+    def _trim(self, now: float) -> None:
+        for records in (self.done, self.failed, self._failed_over):
+            while records and now - _at(records[0]) > KEEP_S:
+                records.popleft()
 
     def since(self, seconds: float) -> tuple[list[Done], list[Failed]]:
         start = self._clock() - seconds
-        return (
-            [d for d in self.done if d.ended >= start],
-            [f for f in self.failed if f.at >= start],
-        )
+        return _newer(self.done, start, True), _newer(self.failed, start, True)
 
     def after(self, t: float) -> tuple[list[Done], list[Failed]]:
         """Records that ended after t (what a peer router has not pulled yet)."""
-        return [d for d in self.done if d.ended > t], [f for f in self.failed if f.at > t]
+        return _newer(self.done, t, False), _newer(self.failed, t, False)
+
+    def hour(self) -> Hour:
+        """The counts over the last hour (KEEP_S)."""
+        self._trim(self._clock())
+        return Hour(
+            len(self.done),
+            len(self.failed),
+            max((d.failover_s for d in self._failed_over), default=None),
+        )
 
     def figures(self, models: list[str], window_s: float) -> dict[str, ModelFigures]:
         return figures(*self.since(window_s), models, window_s)
@@ -140,6 +170,14 @@ class Merged(Records):
             failed += f
         return done, failed
 
+    def hour(self) -> Hour:
+        hours = [part.hour() for part in self._parts]
+        return Hour(
+            sum(h.done for h in hours),
+            sum(h.failed for h in hours),
+            max((h.longest_failover_s for h in hours if h.longest_failover_s), default=None),
+        )
+
 
 class Recent(Records):
     """This router's own requests, recorded as they finish."""
@@ -150,7 +188,7 @@ class Recent(Records):
             [a.seconds for a in s.failed_attempts] + [m.resume_seconds for m in s.migrations],
             default=0.0,
         )
-        self.done.append(
+        self._add_done(
             Done(
                 model=model,
                 started=now - s.total_seconds,
@@ -173,7 +211,7 @@ class Recent(Records):
 
     def refused(self, model: str, code: str) -> None:
         now = self._clock()
-        self.failed.append(Failed(model, now, code))
+        _place(self.failed, Failed(model, now, code))
         self._trim(now)
 
 
@@ -222,5 +260,33 @@ def parallel_efficiency(done: list[Done]) -> float | None:
     return sum(busy_seconds(spans) for spans in by_model.values()) / union
 
 
+def _at(record: Done | Failed) -> float:
+    return record.ended if isinstance(record, Done) else record.at
+
+
+def _place(records: deque[R], record: R) -> None:
+    """Add a record in end order: at the end, or (ended before the newest: another router's,
+    or the clock stepped back) searched for from the end."""
+    at = _at(record)
+    i = len(records)
+    while i and _at(records[i - 1]) > at:
+        i -= 1
+    records.insert(i, record)
+
+
+def _newer(records: deque[R], t: float, inclusive: bool) -> list[R]:
+    """The records that ended after t (at t too if inclusive), oldest first, read from the
+    newest end."""
+    out = []
+    for record in reversed(records):
+        at = _at(record)
+        if at < t or (at == t and not inclusive):
+            break
+        out.append(record)
+    out.reverse()
+    return out
+
+
 def _quantiles(values: list[float]) -> dict[str, float | None]:
-    return {f"p{q}": percentile(values, q) for q in (50, 95, 99)}
+    ordered = sorted(values)
+    return {f"p{q}": _ranked(ordered, q) for q in (50, 95, 99)}

@@ -347,7 +347,7 @@ class DashboardState:
     def _targets(self, done: list[Done]) -> list[dict[str, Any]]:
         """The seeds' targets: latency, rate and overlap over the window's `done`; errors
         and failovers over the hour."""
-        hour_done, hour_failed = self._recent.since(KEEP_S)
+        hour = self._recent.hour()
         values: dict[str, float | None] = {
             "end_to_end_p95": percentile([d.total_s for d in done], 95),
             "requests_per_second": len(done) / WINDOW_S if done else None,
@@ -358,11 +358,11 @@ class DashboardState:
                 else None
             ),
             "error_rate": (
-                100.0 * len(hour_failed) / (len(hour_done) + len(hour_failed))
-                if hour_done or hour_failed
+                100.0 * hour.failed / (hour.done + hour.failed)
+                if hour.done or hour.failed
                 else None
             ),
-            "failover": max((d.failover_s for d in hour_done if d.failover_s > 0), default=None),
+            "failover": hour.longest_failover_s,
         }
         rows = []
         for key, what, goal, unit, lower in TARGETS:
