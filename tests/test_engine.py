@@ -16,6 +16,7 @@ import pytest
 import pytest_asyncio
 
 from disagg_mesh.server.common.engines.base import Generation, PrefillOutput
+from disagg_mesh.server.common.engines.limits import LimitClock
 from disagg_mesh.server.common.engines.llama_cpp import EngineSettings, LlamaCppEngine
 from disagg_mesh.server.common.engines.llama_cpp.context import (
     ONE_THREAD,
@@ -33,7 +34,7 @@ from disagg_mesh.server.common.engines.llama_cpp.step_plan import (
     plan_step,
     prompt_pieces,
 )
-from disagg_mesh.server.common.errors import DeadlineExceeded, ResourceExhausted
+from disagg_mesh.server.common.errors import DeadlineExceeded, MeshError, ResourceExhausted
 from disagg_mesh.server.common.models import resolve_model_path
 from disagg_mesh.server.common.types import (
     GenerationEnd,
@@ -144,6 +145,35 @@ async def test_a_generations_own_bounds_count_the_wait_for_a_slot_apart_from_its
     with pytest.raises(DeadlineExceeded, match="work_timeout"):
         await drain(engine.generate(Prompt(count), LONG, limits=StageLimits(work_s=0.5)))
     await running[1].aclose()
+
+
+async def test_a_bound_alarm_puts_its_error_once_and_a_replaced_bounds_is_stale() -> None:
+    """A stream's bounds as one timer each (BoundAlarm): the wait's bound puts its
+    ResourceExhausted among the events when it passes; armed again on admission, the work's
+    bound replaces it, the wait's error already queued reads as stale, and the work's
+    DeadlineExceeded comes when its own time passes; cancelled, nothing more comes."""
+    clock = LimitClock(StageLimits(queue_s=0.05, work_s=0.2), "generation", "decode-x")
+    events: list[MeshError] = []
+    alarm = clock.alarm(events.append)
+    alarm.arm()
+    await asyncio.sleep(0.15)
+    (waited,) = events
+    assert isinstance(waited, ResourceExhausted) and alarm.passed(waited)
+    assert not alarm.stale(waited)
+    clock.admitted()  # the admission was queued before the wait's error: it wins
+    alarm.arm()
+    assert alarm.stale(waited) and not alarm.passed(waited)
+    assert not alarm.stale(ResourceExhausted("another"))
+    await asyncio.sleep(0.1)
+    assert len(events) == 1  # the work's bound runs from the admission
+    await asyncio.sleep(0.2)
+    worked = events[-1]
+    assert isinstance(worked, DeadlineExceeded) and "work_timeout" in str(worked)
+    assert alarm.passed(worked) and not alarm.stale(worked) and alarm.stale(waited)
+    alarm.arm()  # passed: armed again at once
+    alarm.cancel()
+    await asyncio.sleep(0.05)
+    assert len(events) == 2
 
 
 async def test_a_full_kv_cache_ends_only_the_newest_stream() -> None:

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from typing import TypeGuard
 
 from disagg_mesh.server.common.errors import DeadlineExceeded, MeshError, ResourceExhausted
 from disagg_mesh.server.common.types import StageLimits
@@ -71,3 +72,50 @@ class LimitClock:
             if timeout.expired():
                 raise self.expired() from None
             raise
+
+    def alarm(self, put: Callable[[MeshError], None]) -> BoundAlarm:
+        """The running bound's passing as an event: see BoundAlarm."""
+        return BoundAlarm(self, put)
+
+
+class BoundAlarm:
+    """A clock's running bound as one timer that puts its error among the request's events
+    when it passes (`put`), for a stream read event by event: a timeout around each wait
+    (`LimitClock.bound`) cost a timer and a context manager at every token. `arm()` when
+    the request starts and again once admitted (the work bound replaces the wait's);
+    `stale(event)` says an event is a replaced bound's error, to be skipped: the wait's
+    bound may pass just after the admission was queued, as an event already queued came
+    before a wait's timeout; `passed(event)` that it is the running bound's (the request's
+    end). `cancel()` when the stream ends."""
+
+    def __init__(self, clock: LimitClock, put: Callable[[MeshError], None]) -> None:
+        self._clock = clock
+        self._put = put
+        self._timer: asyncio.TimerHandle | None = None
+        self._rung: list[MeshError] = []
+        self._current: MeshError | None = None
+
+    def arm(self) -> None:
+        self.cancel()
+        self._current = None
+        left = self._clock.left()
+        if left is not None:
+            self._timer = asyncio.get_running_loop().call_later(left, self._ring)
+
+    def _ring(self) -> None:
+        self._timer = None
+        self._current = self._clock.expired()
+        self._rung.append(self._current)
+        self._put(self._current)
+
+    def stale(self, event: object) -> bool:
+        return event is not self._current and any(event is e for e in self._rung)
+
+    def passed(self, event: object) -> TypeGuard[MeshError]:
+        """Whether the event is the running bound's error (it passed)."""
+        return self._current is not None and event is self._current
+
+    def cancel(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None

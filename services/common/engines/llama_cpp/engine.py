@@ -415,19 +415,22 @@ class LlamaCppEngine:
         self._scheduler.submit(job)
         finished = False
         held: Event | None = None
+        # The wait's bound, then the work's, as an event in the queue (one timer a bound).
+        alarm = clock.alarm(queue.put_nowait) if clock is not None and job.tell_admitted else None
+        if alarm is not None:
+            alarm.arm()
         try:
             while True:
                 if held is not None:
                     event, held = held, None
-                elif job.tell_admitted:
-                    assert clock is not None
-                    async with clock.bound():
-                        event = await queue.get()
                 else:
                     event = await queue.get()
+                if alarm is not None and alarm.stale(event):
+                    continue
                 if isinstance(event, Admitted):
-                    assert clock is not None
+                    assert clock is not None and alarm is not None
                     clock.admitted()
+                    alarm.arm()
                     continue
                 while isinstance(event, TextChunk) and not queue.empty():
                     after = queue.get_nowait()
@@ -435,6 +438,8 @@ class LlamaCppEngine:
                         held = after
                         break
                     event = event + after
+                if alarm is not None and alarm.passed(event):
+                    raise event  # the job still waits or runs: cancelled below
                 if isinstance(event, MeshError):
                     finished = True
                     raise event
@@ -443,6 +448,8 @@ class LlamaCppEngine:
                 if finished:
                     return
         finally:
+            if alarm is not None:
+                alarm.cancel()
             if not finished:
                 self._scheduler.cancel(job)
 
