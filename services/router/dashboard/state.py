@@ -111,7 +111,9 @@ class DashboardState:
         # joins them: encoding them all again took ~35 ms on the user's topology).
         self._history: deque[str] = deque(maxlen=HISTORY)
         self.current: dict[str, Any] = {}
-        # GET /api/dashboard's body for this tick, built by the first GET after it.
+        # This tick's state as JSON (the feed's update and GET /api/dashboard's body both
+        # hold it), and the body, each built once a tick by the first that needs it.
+        self._current_json: str | None = None
         self._snapshot_json: str | None = None
         self._feeds: set[asyncio.Queue[str | None]] = set()
         self._closed = False
@@ -153,10 +155,10 @@ class DashboardState:
         )
         sample = dumps(self._sample(now))
         self._history.append(sample)
-        self._snapshot_json = None
+        self._current_json = self._snapshot_json = None
         if not self._feeds:
             return
-        update = _with_key(dumps(self.current), "sample", sample)  # encoded once for all
+        update = _with_key(self._encoded_current(), "sample", sample)  # once for all pages
         for feed in list(self._feeds):
             if feed.full():  # a page that stopped reading loses its oldest update
                 with contextlib.suppress(asyncio.QueueEmpty):
@@ -251,8 +253,13 @@ class DashboardState:
             return _with_key(dumps(self._snapshot(self._clock(), [])), "history", "[]")
         if self._snapshot_json is None:
             history = "[" + ",".join(self._history) + "]"
-            self._snapshot_json = _with_key(dumps(self.current), "history", history)
+            self._snapshot_json = _with_key(self._encoded_current(), "history", history)
         return self._snapshot_json
+
+    def _encoded_current(self) -> str:
+        if self._current_json is None:
+            self._current_json = dumps(self.current)
+        return self._current_json
 
     def close(self) -> None:
         """End every page's feed (the router is stopping: an open page must not hold its
