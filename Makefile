@@ -75,13 +75,28 @@ lint: venv  ## ruff and mypy
 	$(VENV)/bin/ruff check services disagg_mesh scripts tests examples bench deploy
 	$(VENV)/bin/mypy
 
+# Files from llama.cpp's own tree, for the tests only: the chat templates of real models
+# (models/templates/, e.g. Qwen3-Coder's and Qwen2.5's) and the Qwen2 vocabulary
+# (models/ggml-vocab-qwen2.gguf), which tests/tiny_models.py puts in tiny random Qwen
+# models. They ship in llama-cpp-python's source archive (the version pinned above), not in
+# what it installs: fetched from the package index once and kept beside the venv.
+LLAMA_CPP_FILES := $(VENV)/share/$(subst ==,-,$(LLAMA_CPP))
+$(LLAMA_CPP_FILES)/.extracted: | $(STAMP)
+	@echo ">> llama.cpp's chat templates and Qwen vocabulary for the tests, from the $(LLAMA_CPP) source archive, into $(LLAMA_CPP_FILES)"
+	rm -rf $(LLAMA_CPP_FILES) $(LLAMA_CPP_FILES).download && mkdir -p $(LLAMA_CPP_FILES) $(LLAMA_CPP_FILES).download
+	$(PY) -m pip download --quiet --no-deps --no-binary :all: -d $(LLAMA_CPP_FILES).download $(LLAMA_CPP)
+	tar -xzf $(LLAMA_CPP_FILES).download/*.tar.gz -C $(LLAMA_CPP_FILES) --strip-components=3 --wildcards \
+	  '*/vendor/llama.cpp/models/templates/*' '*/vendor/llama.cpp/models/ggml-vocab-qwen2.gguf'
+	rm -rf $(LLAMA_CPP_FILES).download
+	@touch $@
+
 # Tools some tests drive, from Debian: chromium (the dashboard's browser test; Playwright's
 # own browsers cannot be downloaded here) and prometheus with promtool (tests/test_deploy.py).
 # Installed with apt-get where this machine allows it (root, or sudo without a password);
 # else those tests are skipped and this says what to install.
 APT_GET := $(shell if [ "$$(id -u)" = 0 ]; then echo apt-get; elif sudo -n true 2>/dev/null; then echo "sudo apt-get"; fi)
 TEST_TOOLS := chromium:chromium promtool:prometheus
-test-tools:  ## Debian's chromium and prometheus for the dashboard's and deploy/'s tests (apt-get where it can)
+test-tools: $(LLAMA_CPP_FILES)/.extracted  ## Debian's chromium and prometheus (apt-get where it can), llama.cpp's chat templates and Qwen vocabulary, for the tests
 	@mkdir -p .run; for pair in $(TEST_TOOLS); do tool=$${pair%%:*}; package=$${pair##*:}; \
 	  if command -v $$tool >/dev/null 2>&1; then \
 	    echo ">> $$tool for the tests: $$(command -v $$tool)"; \

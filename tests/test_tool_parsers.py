@@ -1,9 +1,11 @@
 """Tool-call parsers (#43): Qwen3-Coder's XML-style calls and Hermes-style JSON calls, fed
-whole, cut at every character, and token by token as a real tokenizer cuts the text; what
-the pieces put together must be the same every way, and what does not parse is text."""
+whole, cut at every character, and token by token as Qwen's real vocabulary cuts the text;
+what the pieces put together must be the same every way, and what does not parse is text.
+llama.cpp's own cases for both formats are the oracle of what each text means."""
 
 from __future__ import annotations
 
+import codecs
 import json
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -11,7 +13,6 @@ from typing import Any
 import llama_cpp
 import pytest
 
-from disagg_mesh.server.common.models import resolve_model_path
 from disagg_mesh.server.common.tools.calls import (
     ArgumentsPiece,
     CallStart,
@@ -22,7 +23,7 @@ from disagg_mesh.server.common.tools.calls import (
 )
 from disagg_mesh.server.common.tools.hermes import HermesParser
 from disagg_mesh.server.common.tools.qwen3_coder import Qwen3CoderParser
-from tests.conftest import MODEL, ROOT
+from tests.tiny_models import write_qwen3moe
 
 RUN_TESTS = Tool(
     "run_tests",
@@ -86,13 +87,21 @@ def parse(make: Callable[[], ToolCallParser], pieces: Iterator[str] | list[str])
     return text, [(c.name, c.parsed_arguments()) for c in calls], out
 
 
-def token_pieces(text: str) -> list[str]:
-    """The text as a real tokenizer (SmolLM2's) cuts it, one token's text at a time."""
-    vocab: Any = llama_cpp.Llama(
-        model_path=str(resolve_model_path(MODEL, ROOT)), vocab_only=True, verbose=False
-    )
-    tokens = vocab.tokenize(text.encode(), add_bos=False, special=False)
-    pieces = [vocab.detokenize([t]).decode("utf-8", errors="surrogateescape") for t in tokens]
+@pytest.fixture(scope="module")
+def qwen_vocabulary(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """Qwen3's (and Qwen3-Coder's) real vocabulary, in which <tool_call> and </tool_call>
+    are tokens of their own."""
+    path = write_qwen3moe(tmp_path_factory.mktemp("qwen") / "tiny.gguf", vocabulary="qwen")
+    return llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
+
+
+def token_pieces(vocabulary: Any, text: str) -> list[str]:
+    """The text as the engine streams it when a model writes it: this vocabulary's tokens,
+    each token's bytes decoded as they come (a character cut between tokens waits for the
+    token that ends it)."""
+    tokens = vocabulary.tokenize(text.encode(), add_bos=False, special=True)
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    pieces = [decoder.decode(vocabulary.detokenize([t])) for t in tokens]
     assert "".join(pieces) == text
     return pieces
 
@@ -106,6 +115,7 @@ def token_pieces(text: str) -> list[str]:
     ids=["qwen3-coder", "hermes"],
 )
 def test_calls_are_the_same_whole_cut_anywhere_and_token_by_token(
+    qwen_vocabulary: Any,
     make: Callable[[], ToolCallParser],
     text: str,
     expected_text: str,
@@ -124,7 +134,7 @@ def test_calls_are_the_same_whole_cut_anywhere_and_token_by_token(
     for cut in range(len(text) + 1):
         assert parse(make, [text[:cut], text[cut:]])[:2] == (expected_text, expected_calls), cut
     assert parse(make, iter(text))[:2] == (expected_text, expected_calls)  # a character at a time
-    assert parse(make, token_pieces(text))[:2] == (expected_text, expected_calls)
+    assert parse(make, token_pieces(qwen_vocabulary, text))[:2] == (expected_text, expected_calls)
 
 
 def test_qwen3_coder_streams_each_parameter_as_it_ends() -> None:
@@ -164,6 +174,179 @@ def test_qwen3_coder_edge_cases() -> None:
     # Not a call: text, whole.
     for text in ("<tool_call>hello", "a <function=not a name\nreally", "x <tool_ca", "<tool_call>"):
         assert q(text) == (text, []), text
+
+
+# llama.cpp's own cases for Qwen3-Coder's format (tests/test-chat.cpp, its Qwen3-Coder block,
+# in the llama.cpp this project builds): the model's text, the tools offered, and the answer's
+# text and calls llama.cpp's parser reads from it (arguments in the order written).
+def _tool(name: str, properties: dict[str, Any], required: list[str]) -> Tool:
+    return Tool(name, "", {"type": "object", "properties": properties, "required": required})
+
+
+INTEGER, STRING = {"type": "integer"}, {"type": "string"}
+LLAMA_CPP_TOOLS = {
+    t.name: t
+    for t in (
+        _tool("special_function", {"arg1": INTEGER}, ["arg1"]),
+        _tool("special_function_with_opt", {"arg1": INTEGER, "arg2": INTEGER}, ["arg1"]),
+        _tool("python", {"code": STRING}, ["code"]),
+        _tool("html", {"markup": STRING}, ["markup"]),
+        _tool("todo_list", {"todos": {"type": "array"}}, ["todos"]),
+        _tool("edit", {"filename": STRING, "oldString": STRING, "newString": STRING}, []),
+        _tool(
+            "tool_2req_4opt",
+            {"req1": STRING, "req2": INTEGER, "opt1": STRING, "opt2": INTEGER},
+            ["req1", "req2"],
+        ),
+        _tool("set_nullable_str", {"name": {"type": ["string", "null"]}}, ["name"]),
+        _tool("set_nullable_int", {"count": {"type": ["integer", "null"]}}, ["count"]),
+        _tool(
+            "set_union",
+            {"value": {"type": ["string", "object"]}, "amount": {"type": ["string", "integer"]}},
+            ["value", "amount"],
+        ),
+        _tool("set_unit", {"unit": {"enum": ["celsius", "fahrenheit"]}}, ["unit"]),
+    )
+}
+SPECIAL = "<function=special_function>\n<parameter=arg1>\n1\n</parameter>\n</function>\n"
+WITH_OPT = (
+    "<function=special_function_with_opt>\n<parameter=arg1>\n1\n</parameter>\n"
+    "<parameter=arg2>\n2\n</parameter>\n</function>\n"
+)
+
+
+def _call(function: str, *parameters: tuple[str, str]) -> str:
+    written = "".join(f"<parameter={p}>\n{v}\n</parameter>\n" for p, v in parameters)
+    return f"<tool_call>\n<function={function}>\n{written}</function>\n</tool_call>"
+
+
+LLAMA_CPP_CASES: list[tuple[str, str, list[tuple[str, str]]]] = [
+    ("Hello, world!\nWhat's up?", "Hello, world!\nWhat's up?", []),
+    (f"<tool_call>\n{SPECIAL}</tool_call>", "", [("special_function", '{"arg1": 1}')]),
+    # Some models leave out the opening <tool_call>.
+    (f"{SPECIAL}</tool_call>", "", [("special_function", '{"arg1": 1}')]),
+    (
+        f"Let me call it.\n{SPECIAL}</tool_call>",
+        "Let me call it.\n",
+        [("special_function", '{"arg1": 1}')],
+    ),
+    (
+        f"{SPECIAL}</tool_call>\n<tool_call>\n{WITH_OPT}</tool_call>",
+        "",
+        [
+            ("special_function", '{"arg1": 1}'),
+            ("special_function_with_opt", '{"arg1": 1, "arg2": 2}'),
+        ],
+    ),
+    (
+        f"<tool_call>\n{SPECIAL}</tool_call>\n<tool_call>\n{WITH_OPT}</tool_call>",
+        "",
+        [
+            ("special_function", '{"arg1": 1}'),
+            ("special_function_with_opt", '{"arg1": 1, "arg2": 2}'),
+        ],
+    ),
+    (
+        _call("python", ("code", 'def hello():\n    print("Hello, world!")\n\nhello()')),
+        "",
+        [("python", '{"code": "def hello():\\n    print(\\"Hello, world!\\")\\n\\nhello()"}')],
+    ),
+    (_call("python", ("code", "格")), "", [("python", '{"code": "格"}')]),
+    (
+        _call("html", ("markup", "<html>\n <head>\n  <title>Hello!</title>\n </head>\n</html>")),
+        "",
+        [("html", '{"markup": "<html>\\n <head>\\n  <title>Hello!</title>\\n </head>\\n</html>"}')],
+    ),
+    (
+        _call(
+            "todo_list",
+            (
+                "todos",
+                '[{"item": "Check stuff", "selected": false}, '
+                '{"item": "Prepare stuff", "selected": true}]',
+            ),
+        ),
+        "",
+        [
+            (
+                "todo_list",
+                '{"todos": [{"item": "Check stuff", "selected": false}, '
+                '{"item": "Prepare stuff", "selected": true}]}',
+            )
+        ],
+    ),
+    (
+        _call("edit", ("newString", "#include"), ("filename", "foo.c"), ("oldString", "#iclunde")),
+        "",
+        [("edit", '{"newString": "#include", "filename": "foo.c", "oldString": "#iclunde"}')],
+    ),
+    (
+        _call("tool_2req_4opt", ("req2", "42"), ("req1", "hello"), ("opt2", "200")),
+        "",
+        [("tool_2req_4opt", '{"req2": 42, "req1": "hello", "opt2": 200}')],
+    ),
+    (
+        _call("set_nullable_str", ("name", "hello world")),
+        "",
+        [("set_nullable_str", '{"name": "hello world"}')],
+    ),
+    (_call("set_nullable_int", ("count", "42")), "", [("set_nullable_int", '{"count": 42}')]),
+    (_call("set_nullable_str", ("name", "null")), "", [("set_nullable_str", '{"name": null}')]),
+    (
+        _call("set_union", ("value", '{"a": 1}'), ("amount", "2 dollars")),
+        "",
+        [("set_union", '{"value": {"a": 1}, "amount": "2 dollars"}')],
+    ),
+    (
+        _call("set_union", ("value", "{not valid json"), ("amount", "42")),
+        "",
+        [("set_union", '{"value": "{not valid json", "amount": 42}')],
+    ),
+    (_call("set_unit", ("unit", "celsius")), "", [("set_unit", '{"unit": "celsius"}')]),
+]
+
+
+# llama.cpp's cases for the <tool_call> JSON format of Qwen2.5's template (and Hermes 2 Pro's).
+HERMES_CALL = '{"name": "special_function", "arguments": {"arg1": 1}}'
+LLAMA_CPP_HERMES_CASES: list[tuple[str, str, list[tuple[str, str]]]] = [
+    ("Hello, world!\nWhat's up?", "Hello, world!\nWhat's up?", []),
+    (f"<tool_call>\n{HERMES_CALL}\n</tool_call>", "", [("special_function", '{"arg1": 1}')]),
+    (f"<tool_call>\n{HERMES_CALL}</tool_call>", "", [("special_function", '{"arg1": 1}')]),
+    (
+        f"Hello, world!\nWhat's up?<tool_call>\n{HERMES_CALL}</tool_call>",
+        "Hello, world!\nWhat's up?",
+        [("special_function", '{"arg1": 1}')],
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("make", "text", "expected_text", "expected_calls"),
+    [(lambda: Qwen3CoderParser(LLAMA_CPP_TOOLS), *case) for case in LLAMA_CPP_CASES]
+    + [(HermesParser, *case) for case in LLAMA_CPP_HERMES_CASES],
+    ids=[f"qwen3-coder-{i}" for i in range(len(LLAMA_CPP_CASES))]
+    + [f"hermes-{i}" for i in range(len(LLAMA_CPP_HERMES_CASES))],
+)
+def test_the_qwen_formats_read_llama_cpps_own_cases_token_by_token(
+    qwen_vocabulary: Any,
+    make: Callable[[], ToolCallParser],
+    text: str,
+    expected_text: str,
+    expected_calls: list[tuple[str, str]],
+) -> None:
+    """Each of llama.cpp's cases gives llama.cpp's answer (its text, each call's name and
+    arguments, in the order written): whole, cut at every character, and streamed as the
+    real Qwen vocabulary cuts it, where <tool_call> is one token."""
+    expected = (expected_text, [(n, json.loads(a)) for n, a in expected_calls])
+
+    pieces = token_pieces(qwen_vocabulary, text)
+    assert (text.count("<tool_call>") == 0) or "<tool_call>" in pieces
+    for feed in ([text], iter(text), pieces):
+        got_text, calls, _ = parse(make, feed)
+        assert (got_text, calls) == expected
+        assert [list(args) for _, args in calls] == [list(args) for _, args in expected[1]]
+    for cut in range(len(text) + 1):
+        assert parse(make, [text[:cut], text[cut:]])[:2] == expected, cut
 
 
 def test_hermes_edge_cases() -> None:

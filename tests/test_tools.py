@@ -3,7 +3,9 @@ tools: the generic format, tools in a system message and the answer held to a JS
 with the real `openai` and `ollama` clients, the gRPC client and the CLI: named and required
 calls validate against their function's schema, greedy and seeded, disaggregated and
 decode_only; streamed pieces put together equal the whole answer; a full loop (call, tool
-result, answer); bad inputs get a 400 naming the field. (The parsers: test_tool_parsers.py.)"""
+result, answer); bad inputs get a 400 naming the field. Then Qwen2.5's and Qwen3-Coder's
+real templates on Qwen's real vocabulary (tiny random qwen3moe files): the prompt as the
+reference renders it, and calls held to each format. (The parsers: test_tool_parsers.py.)"""
 
 from __future__ import annotations
 
@@ -18,10 +20,12 @@ from typing import Any
 
 import grpc
 import httpx
+import jinja2.ext
 import jsonschema
 import ollama
 import openai
 import pytest
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 from openai.types.chat import ChatCompletionMessageFunctionToolCall
 
 from disagg_mesh.client import MeshClient
@@ -35,7 +39,7 @@ from disagg_mesh.server.common.types import ChatTurn, Prompt
 from tests.conftest import ROOT, Mesh, engine_node, route, router_node, running_mesh
 from tests.streams import collect
 from tests.test_http_api import http_url
-from tests.tiny_models import write_qwen3moe
+from tests.tiny_models import QWEN_TOOL_CALL, QWEN_TOOL_RESPONSE, llama_cpp_template, write_qwen3moe
 
 QWEN = "qwen3-coder:30b"
 DECODE_ONLY = "test/decode-only"
@@ -388,56 +392,14 @@ def test_the_tool_grader_example_calls_runs_the_tests_and_grades(mesh: Mesh) -> 
     assert result.startswith("3 of 4 passed") and "FAIL average([]) ZeroDivisionError" in result
 
 
-# -- a template with tools: Hermes-style <tool_call> -------------------------------------------
+# -- real Qwen templates on the real Qwen vocabulary -------------------------------------------
 
-# The end of both test templates: tool results as a user turn, other turns as ChatML.
-CHATML_TURNS = """\
-{% elif m.role == "tool" -%}
-<|im_start|>user
-<tool_response>
-{{ m.content }}
-</tool_response><|im_end|>
-{% else -%}
-<|im_start|>{{ m.role }}
-{{ m.content }}<|im_end|>
-{% endif -%}
-{%- endfor -%}
-{%- if add_generation_prompt %}<|im_start|>assistant
-{% endif -%}
-"""
-
-# A ChatML template that writes its calls as Hermes templates do (written for this test: the
-# format is chosen because the template writes `<tool_call>`).
-HERMES_STYLE_TEMPLATE = (
-    """\
-{%- if tools -%}
-<|im_start|>system
-{% if messages[0].role == "system" %}{{ messages[0].content }}
-
-{% endif %}# Tools
-
-Functions you may call:
-<tools>
-{% for tool in tools %}{{ tool | tojson }}
-{% endfor %}</tools>
-
-To call one, answer with a JSON object inside <tool_call></tool_call> tags:
-<tool_call>
-{"name": <function-name>, "arguments": <args-json-object>}
-</tool_call><|im_end|>
-{% elif messages[0].role == "system" -%}
-<|im_start|>system
-{{ messages[0].content }}<|im_end|>
-{% endif -%}
-{%- for m in messages if m.role != "system" -%}
-{%- if m.role == "assistant" and m.tool_calls -%}
-<|im_start|>assistant
-{% for call in m.tool_calls %}<tool_call>
-{"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments | tojson }}}
-</tool_call>{% endfor %}<|im_end|>
-"""
-    + CHATML_TURNS
-)
+# The templates of the real models, as llama.cpp keeps them (models/templates/): Qwen2.5's
+# writes its calls Hermes' way (<tool_call>{"name", "arguments"}</tool_call>), Qwen3-Coder's
+# in its XML. The tiny random qwen3moe files carry them and Qwen3's vocabulary, in which
+# <tool_call>, </tool_call> and <tool_response> are tokens of their own.
+HERMES_TEMPLATE = "Qwen-Qwen2.5-7B-Instruct"
+XML_TEMPLATE = "Qwen3-Coder"
 HERMES = "test/hermes"
 HERMES_ALONE = "test/hermes-decode-only"
 
@@ -445,11 +407,12 @@ HERMES_ALONE = "test/hermes-decode-only"
 def template_mesh(
     factory: pytest.TempPathFactory, template: str, split: str, alone: str
 ) -> Iterator[tuple[str, str]]:
-    """A tiny random qwen3moe with this chat template behind a prefill and a decode node:
-    the routes `split` (disaggregated) and `alone` (decode_only); the HTTP door's URL and
-    the model's path."""
+    """A tiny random qwen3moe with this real template and Qwen's vocabulary behind a prefill
+    and a decode node: the routes `split` (disaggregated) and `alone` (decode_only); the
+    HTTP door's URL and the model's path."""
     folder = factory.mktemp("template")
-    path = str(write_qwen3moe(folder / "tiny.gguf", template))
+    chat_template = llama_cpp_template(template)
+    path = str(write_qwen3moe(folder / "tiny.gguf", chat_template, vocabulary="qwen"))
     parts = [
         router_node(http_port=free_port()),
         engine_node("prefill", "prefill", 1, model=path),
@@ -482,8 +445,8 @@ def named_call(url: str, args: dict[str, Any]) -> tuple[str, str]:
 
 @pytest.fixture(scope="module")
 def hermes_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
-    """A template that writes <tool_call>: the Hermes format."""
-    yield from template_mesh(tmp_path_factory, HERMES_STYLE_TEMPLATE, HERMES, HERMES_ALONE)
+    """Qwen2.5's template, which writes <tool_call>: the Hermes format."""
+    yield from template_mesh(tmp_path_factory, HERMES_TEMPLATE, HERMES, HERMES_ALONE)
 
 
 @pytest.mark.parametrize("model", [HERMES, HERMES_ALONE])
@@ -511,63 +474,100 @@ def test_a_hermes_template_renders_the_tools_and_a_named_call_is_held_to_its_for
     assert free.choices[0].message.content is not None or free.choices[0].message.tool_calls
 
 
-def test_the_hermes_template_gets_the_tools_and_the_calls(hermes_mesh: tuple[str, str]) -> None:
-    model = LlamaModel(Path(hermes_mesh[1]))
+def render_as_transformers(template: str, messages: list[Any], tools: list[Any]) -> str:
+    """The reference rendering of a chat template: as transformers' apply_chat_template
+    renders it (a sandboxed jinja2 with trim_blocks, lstrip_blocks and loop controls; tojson
+    without ASCII escapes), given OpenAI's messages with each call's arguments an object."""
+    environment = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
+
+    def tojson(value: Any, indent: int | None = None, **_: Any) -> str:
+        return json.dumps(value, ensure_ascii=False, indent=indent)
+
+    environment.filters["tojson"] = tojson
+    return environment.from_string(template).render(
+        messages=messages, tools=tools, add_generation_prompt=True
+    )
+
+
+# A tool loop in OpenAI's shape; the call's code has characters JSON and XML escape.
+LOOP_CALL = {"code": "x = '<b>' if 1 < 2 else \"é\"", "timeout_s": 5}
+LOOP: list[Any] = [
+    {"role": "system", "content": "You grade Python homework."},
+    {"role": "user", "content": QUESTION},
+    {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {
+                "id": "call_1",
+                "type": "function",
+                "function": {"name": "run_tests", "arguments": json.dumps(LOOP_CALL)},
+            }
+        ],
+    },
+    {"role": "tool", "tool_call_id": "call_1", "content": "3 of 4 passed"},
+]
+
+
+@pytest.mark.parametrize("template", [HERMES_TEMPLATE, "Qwen-Qwen3-0.6B", XML_TEMPLATE])
+def test_a_real_qwen_template_gets_the_tools_and_the_loop_as_transformers_renders_them(
+    tmp_path: Path, template: str
+) -> None:
+    """A tool loop's prompt as the mesh tokenizes it = the real template rendered by the
+    reference (the calls' arguments objects, the tools in OpenAI's shape), in Qwen's tokens,
+    where <tool_call> and <tool_response> are one token each."""
+    chat_template = llama_cpp_template(template)
+    path = write_qwen3moe(tmp_path / "tiny.gguf", chat_template, vocabulary="qwen")
+    model = LlamaModel(path)
     try:
-        assert model.tool_format is ToolFormat.HERMES
-        turns = (
-            ChatTurn("user", "grade"),
-            ChatTurn("assistant", "", (ToolCall("call_1", "run_tests", '{"code": "x"}'),)),
-            ChatTurn("tool", "3 passed", tool_call_id="call_1"),
+        expected_format = (
+            ToolFormat.QWEN3_CODER if template == XML_TEMPLATE else ToolFormat.HERMES
         )
-        tokens = model.tokenize(Prompt(messages=turns), 4096, read_tools(TOOLS))
-        text = b"".join(model.piece(t) for t in tokens).decode()
+        assert model.tool_format is expected_format
+        conversation = tuple(
+            ChatTurn(
+                m["role"],
+                m["content"],
+                tuple(
+                    ToolCall(c["id"], c["function"]["name"], c["function"]["arguments"])
+                    for c in m.get("tool_calls", [])
+                ),
+                tool_call_id=m.get("tool_call_id", ""),
+            )
+            for m in LOOP
+        )
+        tokens = model.tokenize(Prompt(messages=conversation), 4096, read_tools(TOOLS))
+        reference = [
+            {
+                **m,
+                "tool_calls": [
+                    {
+                        **c,
+                        "function": {
+                            **c["function"],
+                            "arguments": json.loads(c["function"]["arguments"]),
+                        },
+                    }
+                    for c in m["tool_calls"]
+                ],
+            }
+            if "tool_calls" in m
+            else m
+            for m in LOOP
+        ]
+        expected = render_as_transformers(chat_template, reference, TOOLS)
+        assert tokens == model.tokenize_text(expected)
     finally:
         model.close()
-    assert '"name": "look_up_rubric"' in text and "<tools>" in text
-    assert '<tool_call>\n{"name": "run_tests", "arguments": {"code": "x"}}' in text
-    assert "<tool_response>\n3 passed" in text
+    # The tools' block shows both calls' names; the loop's call and its result.
+    assert tokens.count(QWEN_TOOL_CALL) >= 2 and tokens.count(QWEN_TOOL_RESPONSE) == 1
+    assert "look_up_rubric" in expected and "3 of 4 passed" in expected
 
 
-# -- a template with Qwen3-Coder's XML calls -----------------------------------------------
+# -- Qwen3-Coder's template: XML calls ---------------------------------------------------------
 
-# A ChatML template that shows its calls as Qwen3-Coder's does (written for this test: the
-# format is chosen because the template writes `<function=` and `<parameter=`).
-XML_STYLE_TEMPLATE = (
-    """\
-{%- if tools -%}
-<|im_start|>system
-# Tools
-
-<tools>
-{% for tool in tools %}<function>
-<name>{{ tool.function.name }}</name>
-<parameters>{{ tool.function.parameters | tojson }}</parameters>
-</function>
-{% endfor %}</tools>
-
-To call a function, answer with:
-<tool_call>
-<function=example_function_name>
-<parameter=example_parameter>
-value
-</parameter>
-</function>
-</tool_call><|im_end|>
-{% endif -%}
-{%- for m in messages -%}
-{%- if m.role == "assistant" and m.tool_calls -%}
-<|im_start|>assistant
-{% for call in m.tool_calls %}<tool_call>
-<function={{ call.function.name }}>
-{% for k, v in call.function.arguments.items() %}<parameter={{ k }}>
-{{ v }}
-</parameter>
-{% endfor %}</function>
-</tool_call>{% endfor %}<|im_end|>
-"""
-    + CHATML_TURNS
-)
 XML = "test/qwen3-coder-xml"
 XML_ALONE = "test/qwen3-coder-xml-decode-only"
 GRADE: dict[str, Any] = {
@@ -590,7 +590,7 @@ GRADE: dict[str, Any] = {
 
 @pytest.fixture(scope="module")
 def xml_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
-    yield from template_mesh(tmp_path_factory, XML_STYLE_TEMPLATE, XML, XML_ALONE)
+    yield from template_mesh(tmp_path_factory, XML_TEMPLATE, XML, XML_ALONE)
 
 
 @pytest.mark.parametrize("model", [XML, XML_ALONE])

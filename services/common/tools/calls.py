@@ -22,13 +22,13 @@ class Tool:
     description: str = ""
     parameters: dict[str, Any] = field(default_factory=dict)
 
-    def property_type(self, name: str) -> str:
-        """The JSON Schema type of one parameter ("string" when the schema does not say)."""
+    def property_types(self, name: str) -> tuple[str, ...]:
+        """The JSON Schema types of one parameter but null (a union's in its order;
+        ("string",) when the schema does not say)."""
         schema = self.parameters.get("properties", {}).get(name, {})
         kind = schema.get("type", "string") if isinstance(schema, dict) else "string"
-        if isinstance(kind, list):  # ["integer", "null"]: the first that is not null
-            kind = next((k for k in kind if k != "null"), "string")
-        return str(kind)
+        kinds = [str(k) for k in kind if k != "null"] if isinstance(kind, list) else [str(kind)]
+        return tuple(kinds) or ("string",)
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ name never closes comes back as text.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -42,23 +43,37 @@ PARAMETER_OPEN, PARAMETER_CLOSE = "<parameter=", "</parameter>"
 MAX_NAME = 256
 
 
-def convert(value: str, kind: str) -> Any:
-    """A parameter's text as its schema type says, or the text itself."""
+def convert(value: str, kinds: Sequence[str]) -> Any:
+    """A parameter's text as its schema's types say, or the text itself. A union's types
+    are tried in turn, string last: as llama.cpp's Qwen3-Coder parser reads a union with
+    string, another type's JSON is that type and anything else is text."""
     if value.strip().lower() == "null":
         return None
+    for kind in sorted(kinds, key=lambda k: k == "string"):
+        typed = _typed(value.strip(), kind)
+        if typed is not None:
+            return typed
+    return value
+
+
+def _typed(value: str, kind: str) -> Any:
+    """The value as this JSON Schema type, or None where it is not one."""
     try:
         if kind == "integer":
-            return int(value.strip())
+            return int(value)
         if kind == "number":
-            number = float(value.strip())
+            number = float(value)
+            if not math.isfinite(number):
+                return None
             return int(number) if number.is_integer() and "." not in value else number
-        if kind == "boolean" and value.strip().lower() in ("true", "false"):
-            return value.strip().lower() == "true"
+        if kind == "boolean" and value.lower() in ("true", "false"):
+            return value.lower() == "true"
         if kind in ("object", "array"):
-            return json.loads(value)
+            parsed = json.loads(value)
+            return parsed if isinstance(parsed, dict if kind == "object" else list) else None
     except ValueError:
         pass
-    return value
+    return None
 
 
 class Qwen3CoderParser:
@@ -231,11 +246,10 @@ class Qwen3CoderParser:
             value = value[1:]
         if value.endswith("\n"):
             value = value[:-1]
-        kind = self._tool.property_type(self._param) if self._tool is not None else "string"
-        known = self._tool is not None and self._param in self._tool.parameters.get(
-            "properties", {}
-        )
-        converted = convert(value, kind) if known else value
+        tool = self._tool
+        converted: Any = value  # a parameter the schema does not name stays text
+        if tool is not None and self._param in tool.parameters.get("properties", {}):
+            converted = convert(value, tool.property_types(self._param))
         lead = "{" if self._params == 0 else ", "
         out.append(
             ArgumentsPiece(
