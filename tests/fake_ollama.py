@@ -333,25 +333,25 @@ class FakeOllama:
 
     def _chat(self, h: BaseHTTPRequestHandler, body: dict[str, Any]) -> None:
         if body.get("tools"):
-            return self._tool_call(h, body, body["tools"][0]["function"])
+            return self._tool_calls(h, body, [t["function"] for t in body["tools"]])
         self._complete(h, body, self.model.render_chat(body.get("messages", [])), chat=True)
 
-    def _tool_call(
-        self, h: BaseHTTPRequestHandler, body: dict[str, Any], function: dict[str, Any]
+    def _tool_calls(
+        self, h: BaseHTTPRequestHandler, body: dict[str, Any], functions: list[dict[str, Any]]
     ) -> None:
-        """As Ollama answers a model that calls a tool: the call whole in one message
-        (arguments an object), then the final line, done_reason "stop"."""
-        schema = function.get("parameters") or {}
-        arguments = {
-            name: _example(spec)
-            for name, spec in (schema.get("properties") or {}).items()
-            if name in (schema.get("required") or ())
-        }
-        message = {
-            "role": "assistant",
-            "content": "",
-            "tool_calls": [{"function": {"name": function["name"], "arguments": arguments}}],
-        }
+        """As Ollama answers a model that calls tools: here one call of each tool offered,
+        in parallel, all whole in one message (arguments objects), then the final line,
+        done_reason "stop"."""
+        calls = []
+        for function in functions:
+            schema = function.get("parameters") or {}
+            arguments = {
+                name: _example(spec)
+                for name, spec in (schema.get("properties") or {}).items()
+                if name in (schema.get("required") or ())
+            }
+            calls.append({"function": {"name": function["name"], "arguments": arguments}})
+        message = {"role": "assistant", "content": "", "tool_calls": calls}
         stats = {
             "done_reason": "stop",
             "total_duration": 10_000_000,

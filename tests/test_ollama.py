@@ -8,8 +8,11 @@ import json
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
+import ollama
+import openai
 import pytest
 import pytest_asyncio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -53,7 +56,7 @@ def ollama_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[OllamaMesh
     dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     parts = [
         "[mesh]\ncooldown_s = 0.5\nhealth_check_every_s = 0.5\n",
-        router_node(),
+        router_node(http_port=free_port()),
         ollama_node("prefill-ollama", "prefill", nodes_ollama.url),
         ollama_node("decode-ollama", "decode", nodes_ollama.url),
         ollama_node("prefill-dead", "prefill", dead),
@@ -427,3 +430,60 @@ async def test_tools_reach_ollama_and_its_calls_come_back_as_calls(
     with pytest.raises(grpc.aio.AioRpcError) as refused:
         await collect(router.Generate(request(types_pb2.TOOL_CHOICE_FUNCTION)))
     assert "tool_choice" in (refused.value.details() or "")
+
+
+def test_parallel_calls_come_back_to_both_doors_each_with_its_index_and_id(
+    ollama_mesh: OllamaMesh,
+) -> None:
+    """A model that calls two tools at once (Ollama sends both in one message): the
+    `openai` client gets two calls, indices 0 and 1, each its own id, finish tool_calls,
+    and the streamed pieces put together are the same calls; the `ollama` client gets both
+    with arguments objects."""
+    router = ollama_mesh.topology.router
+    url = f"http://{router.host}:{router.http_port}"
+    tools: list[Any] = [
+        {
+            "type": "function",
+            "function": {
+                "name": name,
+                "parameters": {
+                    "type": "object",
+                    "properties": {field: {"type": kind}},
+                    "required": [field],
+                },
+            },
+        }
+        for name, field, kind in (
+            ("run_tests", "code", "string"),
+            ("record_grade", "points", "integer"),
+        )
+    ]
+    args: dict[str, Any] = {
+        "model": "ollama/decode-only",
+        "messages": [{"role": "user", "content": "Test it and grade it."}],
+        "tools": tools,
+        "parallel_tool_calls": True,
+        "max_tokens": 16,
+    }
+    client: Any = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+    whole = client.chat.completions.create(**args)
+    assert whole.choices[0].finish_reason == "tool_calls"
+    calls = whole.choices[0].message.tool_calls
+    expected = [("run_tests", {"code": "x"}), ("record_grade", {"points": 1})]
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == expected
+    assert len({c.id for c in calls}) == 2
+    streamed: dict[int, dict[str, str]] = {}
+    for chunk in client.chat.completions.create(**args, stream=True):
+        for piece in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+            call = streamed.setdefault(piece.index, {"id": "", "name": "", "arguments": ""})
+            call["id"] += piece.id or ""
+            call["name"] += (piece.function.name or "") if piece.function else ""
+            call["arguments"] += (piece.function.arguments or "") if piece.function else ""
+    assert sorted(streamed) == [0, 1]
+    assert [(streamed[i]["name"], json.loads(streamed[i]["arguments"])) for i in (0, 1)] == expected
+    assert streamed[0]["id"] != streamed[1]["id"]
+    answer = ollama.Client(host=url).chat(
+        model="ollama/decode-only", messages=args["messages"], tools=tools
+    )
+    got = answer.message.tool_calls or []
+    assert [(c.function.name, dict(c.function.arguments)) for c in got] == expected

@@ -474,6 +474,40 @@ def test_a_hermes_template_renders_the_tools_and_a_named_call_is_held_to_its_for
     assert free.choices[0].message.content is not None or free.choices[0].message.tool_calls
 
 
+def test_parallel_calls_held_by_the_hermes_grammar_each_validate_and_stream_whole(
+    hermes_mesh: tuple[str, str],
+) -> None:
+    """`required` with parallel_tool_calls: the grammar allows several <tool_call> blocks,
+    each of one of the tools with arguments its schema accepts; each call streams under its
+    own index and id, its pieces put together equal to the whole answer's."""
+    client: Any = openai.OpenAI(base_url=f"{hermes_mesh[0]}/v1", api_key="x", max_retries=0)
+    args: dict[str, Any] = {
+        "model": HERMES,
+        "messages": MESSAGES,
+        "tools": TOOLS,
+        "tool_choice": "required",
+        "parallel_tool_calls": True,
+        "temperature": 0,
+        "max_tokens": 160,
+    }
+    whole = client.chat.completions.create(**args)
+    calls = function_calls(whole.choices[0].message)
+    assert calls and whole.choices[0].finish_reason in ("tool_calls", "length")
+    for call in calls:
+        valid_call(call.function.name, call.function.arguments)
+    assert len({c.id for c in calls}) == len(calls)
+    streamed: dict[int, list[str]] = {}
+    for chunk in client.chat.completions.create(**args, stream=True):
+        for piece in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+            streamed.setdefault(piece.index, []).append(
+                piece.function.name or piece.function.arguments or ""
+            )
+    assert sorted(streamed) == list(range(len(calls)))
+    for i, call in enumerate(calls):
+        assert streamed[i][0] == call.function.name
+        assert "".join(streamed[i][1:]) == call.function.arguments
+
+
 def render_as_transformers(template: str, messages: list[Any], tools: list[Any]) -> str:
     """The reference rendering of a chat template: as transformers' apply_chat_template
     renders it (a sandboxed jinja2 with trim_blocks, lstrip_blocks and loop controls; tojson
@@ -522,9 +556,7 @@ def test_a_real_qwen_template_gets_the_tools_and_the_loop_as_transformers_render
     path = write_qwen3moe(tmp_path / "tiny.gguf", chat_template, vocabulary="qwen")
     model = LlamaModel(path)
     try:
-        expected_format = (
-            ToolFormat.QWEN3_CODER if template == XML_TEMPLATE else ToolFormat.HERMES
-        )
+        expected_format = ToolFormat.QWEN3_CODER if template == XML_TEMPLATE else ToolFormat.HERMES
         assert model.tool_format is expected_format
         conversation = tuple(
             ChatTurn(
