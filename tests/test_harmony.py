@@ -31,6 +31,7 @@ from disagg_mesh.proto.v1 import router_pb2, router_pb2_grpc, types_pb2
 from disagg_mesh.server.common.engines.llama_cpp.harmony import MAX_HEADER_TOKENS
 from disagg_mesh.server.common.engines.llama_cpp.model import LlamaModel
 from disagg_mesh.server.common.engines.llama_cpp.text import GeneratedToken, TextStream
+from disagg_mesh.server.common.errors import InvalidArgument
 from disagg_mesh.server.common.runtime.processes import MeshProcesses, free_port
 from disagg_mesh.server.common.tools.calls import CallStart, Piece, ToolCall, assemble
 from disagg_mesh.server.common.tools.requests import read_tools
@@ -38,7 +39,13 @@ from disagg_mesh.server.common.types import ChatTurn, FinishReason, Prompt, Text
 from tests.conftest import engine_node, route, router_node, running_mesh
 from tests.streams import collect, greedy
 from tests.test_client import disagg
-from tests.tiny_models import SCRIPTED_ANSWER, SCRIPTED_REASONING, write_gpt_oss
+from tests.tiny_models import (
+    SCRIPTED_ANSWER,
+    SCRIPTED_REASONING,
+    llama_cpp_template,
+    render_as_transformers,
+    write_gpt_oss,
+)
 
 EFFORTS = {
     "": oh.ReasoningEffort.MEDIUM,
@@ -464,19 +471,18 @@ RUN_TESTS_PARAMETERS = {
     },
     "required": ["code", "level"],
 }
-HARMONY_TOOLS = read_tools(
-    [
-        {
-            "type": "function",
-            "function": {
-                "name": "run_tests",
-                "description": "Run the tests.",
-                "parameters": RUN_TESTS_PARAMETERS,
-            },
+HARMONY_TOOL_LIST: list[Any] = [
+    {
+        "type": "function",
+        "function": {
+            "name": "run_tests",
+            "description": "Run the tests.",
+            "parameters": RUN_TESTS_PARAMETERS,
         },
-        {"type": "function", "function": {"name": "now"}},
-    ]
-)
+    },
+    {"type": "function", "function": {"name": "now"}},
+]
+HARMONY_TOOLS = read_tools(HARMONY_TOOL_LIST)
 
 
 def test_tools_calls_and_results_render_as_openai_harmony_renders_them(
@@ -528,6 +534,67 @@ def test_tools_calls_and_results_render_as_openai_harmony_renders_them(
         oh.Conversation.from_messages(messages[:3]), oh.Role.ASSISTANT
     )
     assert harmony.decode(alone).splitlines() == harmony.decode(reference).splitlines()
+
+
+def test_gpt_oss_real_template_gets_the_tools_and_the_loop_as_transformers_renders_them(
+    tmp_path: Path, harmony: oh.HarmonyEncoding
+) -> None:
+    """A gpt-oss file as llama.cpp's converter writes it carries OpenAI's own chat template
+    (llama.cpp's models/templates/openai-gpt-oss-120b.jinja): the mesh renders a tool loop
+    with it as transformers does, in o200k_harmony's tokens. That template is not quite
+    openai-harmony (a call's header `to=` first and `json` without <|constrain|>, a tool's
+    result as a JSON string, a blank line after the instructions): the model's own file is
+    what a GGUF's users get from llama-server too."""
+    template = llama_cpp_template("openai-gpt-oss-120b")
+    model = LlamaModel(write_gpt_oss(tmp_path / "real.gguf", chat_template=template))
+    turns = (
+        ChatTurn("system", "Grade strictly."),
+        ChatTurn("user", "Test it"),
+        ChatTurn("assistant", "", (ToolCall("call_1", "run_tests", '{"code": "x"}'),)),
+        ChatTurn("tool", "3 passed", tool_call_id="call_1"),
+    )
+    messages: list[Any] = [
+        {"role": "system", "content": "Grade strictly."},
+        {"role": "user", "content": "Test it"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "run_tests", "arguments": {"code": "x"}},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "3 passed"},
+    ]
+    # Every tool described: this template cannot render one without a description.
+    now = {"name": "now", "description": "The time.", "parameters": {"type": "object"}}
+    tools = [HARMONY_TOOL_LIST[0], {"type": "function", "function": now}]
+    try:
+        assert model.harmony is not None
+        for effort in ("", "high"):
+            prompt = Prompt(messages=turns, reasoning_effort=effort)
+            got = model.tokenize(prompt, 4096, read_tools(tools))
+            extra = {"reasoning_effort": effort} if effort else {}
+            expected = render_as_transformers(template, messages, tools, **extra)
+            assert got == harmony.encode(expected, allowed_special="all")
+        # What the template itself refuses is the caller's mistake, named as such.
+        tagged = (ChatTurn("user", "2+2?"), ChatTurn("assistant", "<|channel|>final<|message|>4"))
+        with pytest.raises(InvalidArgument) as refused:
+            model.tokenize(Prompt(messages=(*tagged, ChatTurn("user", "3+3?"))), 4096)
+        assert refused.value.field == "messages" and "<|channel|> tags" in str(refused.value)
+    finally:
+        model.close()
+    assert "Reasoning: high" in expected and "type run_tests = (_: {" in expected
+    assert (
+        "<|start|>assistant to=functions.run_tests<|channel|>commentary json<|message|>" in expected
+    )
+    assert (
+        '<|start|>functions.run_tests to=assistant<|channel|>commentary<|message|>"3 passed"'
+        in expected
+    )
 
 
 def _call_message(arguments: str) -> oh.Message:

@@ -20,12 +20,10 @@ from typing import Any
 
 import grpc
 import httpx
-import jinja2.ext
 import jsonschema
 import ollama
 import openai
 import pytest
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from openai.types.chat import ChatCompletionMessageFunctionToolCall
 
 from disagg_mesh.client import MeshClient
@@ -39,7 +37,13 @@ from disagg_mesh.server.common.types import ChatTurn, Prompt
 from tests.conftest import ROOT, Mesh, engine_node, route, router_node, running_mesh
 from tests.streams import collect
 from tests.test_http_api import http_url
-from tests.tiny_models import QWEN_TOOL_CALL, QWEN_TOOL_RESPONSE, llama_cpp_template, write_qwen3moe
+from tests.tiny_models import (
+    QWEN_TOOL_CALL,
+    QWEN_TOOL_RESPONSE,
+    llama_cpp_template,
+    render_as_transformers,
+    write_qwen3moe,
+)
 
 QWEN = "qwen3-coder:30b"
 DECODE_ONLY = "test/decode-only"
@@ -506,23 +510,6 @@ def test_parallel_calls_held_by_the_hermes_grammar_each_validate_and_stream_whol
     for i, call in enumerate(calls):
         assert streamed[i][0] == call.function.name
         assert "".join(streamed[i][1:]) == call.function.arguments
-
-
-def render_as_transformers(template: str, messages: list[Any], tools: list[Any]) -> str:
-    """The reference rendering of a chat template: as transformers' apply_chat_template
-    renders it (a sandboxed jinja2 with trim_blocks, lstrip_blocks and loop controls; tojson
-    without ASCII escapes), given OpenAI's messages with each call's arguments an object."""
-    environment = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
-    )
-
-    def tojson(value: Any, indent: int | None = None, **_: Any) -> str:
-        return json.dumps(value, ensure_ascii=False, indent=indent)
-
-    environment.filters["tojson"] = tojson
-    return environment.from_string(template).render(
-        messages=messages, tools=tools, add_generation_prompt=True
-    )
 
 
 # A tool loop in OpenAI's shape; the call's code has characters JSON and XML escape.

@@ -18,16 +18,21 @@ from __future__ import annotations
 import base64
 import functools
 import gzip
+import json
 import sys
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import bpe_openai
 import gguf
+import jinja2.exceptions
+import jinja2.ext
 import llama_cpp
 import numpy as np
 import numpy.typing as npt
 import pytest
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from disagg_mesh.server.common.engines.llama_cpp.harmony import HARMONY_TEMPLATE
 from disagg_mesh.server.common.models import resolve_model_path
@@ -144,7 +149,7 @@ def harmony_tokenizer() -> tuple[list[str], list[int], list[str]]:
     return tokens, types, merges
 
 
-def _harmony_tokenizer(writer: gguf.GGUFWriter, chat_template: bool) -> int:
+def _harmony_tokenizer(writer: gguf.GGUFWriter, chat_template: bool | str) -> int:
     tokens, types, merges = harmony_tokenizer()
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("gpt-4o")
@@ -156,7 +161,8 @@ def _harmony_tokenizer(writer: gguf.GGUFWriter, chat_template: bool) -> int:
     writer.add_pad_token_id(199999)
     writer.add_add_bos_token(False)
     if chat_template:
-        writer.add_chat_template(HARMONY_TEMPLATE)
+        template = chat_template if isinstance(chat_template, str) else HARMONY_TEMPLATE
+        writer.add_chat_template(template)
     return len(tokens)
 
 
@@ -174,6 +180,31 @@ def llama_cpp_file(relative: str) -> Path:
 def llama_cpp_template(name: str) -> str:
     """A real model's chat template as llama.cpp keeps it (models/templates/NAME.jinja)."""
     return llama_cpp_file(f"models/templates/{name}.jinja").read_text()
+
+
+def render_as_transformers(
+    template: str, messages: list[Any], tools: list[Any] | None = None, **extra: Any
+) -> str:
+    """The reference rendering of a chat template: as transformers' apply_chat_template
+    renders it (a sandboxed jinja2 with trim_blocks, lstrip_blocks and loop controls; tojson
+    without ASCII escapes; raise_exception and strftime_now), given OpenAI's messages with
+    each call's arguments an object, and a generation prompt."""
+    environment = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
+
+    def tojson(value: Any, indent: int | None = None, **_: Any) -> str:
+        return json.dumps(value, ensure_ascii=False, indent=indent)
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.exceptions.TemplateError(message)
+
+    environment.filters["tojson"] = tojson
+    environment.globals["raise_exception"] = raise_exception
+    environment.globals["strftime_now"] = lambda f: datetime.now().strftime(f)
+    return environment.from_string(template).render(
+        messages=messages, tools=tools, add_generation_prompt=True, **extra
+    )
 
 
 # Qwen2.5's, Qwen3's and Qwen3-Coder's tokens after the Qwen2 vocabulary's 151,643 ranks and
@@ -401,13 +432,18 @@ def _scripted_weights() -> dict[str, npt.NDArray[Any]]:
 
 
 def write_gpt_oss(
-    path: Path, ollama_layout: bool = False, chat_template: bool = True, scripted: bool = False
+    path: Path,
+    ollama_layout: bool = False,
+    chat_template: bool | str = True,
+    scripted: bool = False,
 ) -> Path:
     """A tiny gpt-oss as llama.cpp's converter writes it, or (ollama_layout) as Ollama
     publishes its gpt-oss models: architecture `gptoss` and keys under `gptoss.*`, no
     experts' width or RoPE scaling type, the generic pre-tokenizer, and three tensor names of
     its own (services/common/models/gptoss.py has the table). Same weights either way.
-    chat_template False: no template in the file (as Ollama's blobs). scripted: weights that
+    chat_template False: no template in the file (as Ollama's blobs); True: harmony's own
+    (HARMONY_TEMPLATE); a string: that template (e.g. gpt-oss's real one, as llama.cpp's
+    converter copies it from the model's files). scripted: weights that
     answer in harmony (_scripted_weights) instead of random ones."""
     arch = "gptoss" if ollama_layout else "gpt-oss"
     writer = gguf.GGUFWriter(path, arch)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import jinja2
 import llama_cpp
 import structlog
 from llama_cpp import _internals, _logger
@@ -226,7 +227,14 @@ class LlamaModel:
                 extra["tools"] = described
             if prompt.reasoning_effort:
                 extra["reasoning_effort"] = prompt.reasoning_effort
-            rendered = self._chat(messages=turns, **extra)
+            try:
+                rendered = self._chat(messages=turns, **extra)
+            except (ValueError, jinja2.TemplateError) as exc:
+                # The template's own refusal (raise_exception), e.g. gpt-oss's of a message
+                # holding harmony's tags: the caller's messages, not the node, are wrong.
+                raise InvalidArgument(
+                    "messages", f"this model's chat template refuses them: {exc}"
+                ) from None
             tokens = self._tokenize(rendered.prompt.encode(), add_bos=False)
         elif tools is not None:
             raise InvalidArgument("tools", "need chat messages, not prompt text")
