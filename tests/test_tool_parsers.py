@@ -215,26 +215,30 @@ WITH_OPT = (
 )
 
 
+CONTENT = "Hello, world!\nWhat's up?"
+SPECIAL_CALL = ("special_function", '{"arg1": 1}')
+
+
 def _call(function: str, *parameters: tuple[str, str]) -> str:
     written = "".join(f"<parameter={p}>\n{v}\n</parameter>\n" for p, v in parameters)
     return f"<tool_call>\n<function={function}>\n{written}</function>\n</tool_call>"
 
 
 LLAMA_CPP_CASES: list[tuple[str, str, list[tuple[str, str]]]] = [
-    ("Hello, world!\nWhat's up?", "Hello, world!\nWhat's up?", []),
-    (f"<tool_call>\n{SPECIAL}</tool_call>", "", [("special_function", '{"arg1": 1}')]),
+    (CONTENT, CONTENT, []),
+    (f"<tool_call>\n{SPECIAL}</tool_call>", "", [SPECIAL_CALL]),
     # Some models leave out the opening <tool_call>.
-    (f"{SPECIAL}</tool_call>", "", [("special_function", '{"arg1": 1}')]),
+    (f"{SPECIAL}</tool_call>", "", [SPECIAL_CALL]),
     (
         f"Let me call it.\n{SPECIAL}</tool_call>",
         "Let me call it.\n",
-        [("special_function", '{"arg1": 1}')],
+        [SPECIAL_CALL],
     ),
     (
         f"{SPECIAL}</tool_call>\n<tool_call>\n{WITH_OPT}</tool_call>",
         "",
         [
-            ("special_function", '{"arg1": 1}'),
+            SPECIAL_CALL,
             ("special_function_with_opt", '{"arg1": 1, "arg2": 2}'),
         ],
     ),
@@ -242,7 +246,7 @@ LLAMA_CPP_CASES: list[tuple[str, str, list[tuple[str, str]]]] = [
         f"<tool_call>\n{SPECIAL}</tool_call>\n<tool_call>\n{WITH_OPT}</tool_call>",
         "",
         [
-            ("special_function", '{"arg1": 1}'),
+            SPECIAL_CALL,
             ("special_function_with_opt", '{"arg1": 1, "arg2": 2}'),
         ],
     ),
@@ -309,13 +313,13 @@ LLAMA_CPP_CASES: list[tuple[str, str, list[tuple[str, str]]]] = [
 # llama.cpp's cases for the <tool_call> JSON format of Qwen2.5's template (and Hermes 2 Pro's).
 HERMES_CALL = '{"name": "special_function", "arguments": {"arg1": 1}}'
 LLAMA_CPP_HERMES_CASES: list[tuple[str, str, list[tuple[str, str]]]] = [
-    ("Hello, world!\nWhat's up?", "Hello, world!\nWhat's up?", []),
-    (f"<tool_call>\n{HERMES_CALL}\n</tool_call>", "", [("special_function", '{"arg1": 1}')]),
-    (f"<tool_call>\n{HERMES_CALL}</tool_call>", "", [("special_function", '{"arg1": 1}')]),
+    (CONTENT, CONTENT, []),
+    (f"<tool_call>\n{HERMES_CALL}\n</tool_call>", "", [SPECIAL_CALL]),
+    (f"<tool_call>\n{HERMES_CALL}</tool_call>", "", [SPECIAL_CALL]),
     (
-        f"Hello, world!\nWhat's up?<tool_call>\n{HERMES_CALL}</tool_call>",
-        "Hello, world!\nWhat's up?",
-        [("special_function", '{"arg1": 1}')],
+        f"{CONTENT}<tool_call>\n{HERMES_CALL}</tool_call>",
+        CONTENT,
+        [SPECIAL_CALL],
     ),
 ]
 
