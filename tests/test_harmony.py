@@ -654,13 +654,22 @@ def test_a_prompt_with_earlier_calls_numbers_this_answers_calls_from_zero(
     assert isinstance(first, CallStart) and first.index == 0 and first.name == "run_tests"
 
 
-@pytest.mark.parametrize("model", [SPLIT, ALONE])
+@pytest.mark.parametrize(
+    ("model", "tool_choice", "seed"),
+    [
+        (SPLIT, "named", None),
+        (ALONE, "named", None),
+        (SPLIT, "required", 7),
+        (ALONE, "required", 7),
+    ],
+)
 def test_a_named_function_makes_gpt_oss_call_it_through_the_openai_door(
-    scripted: ScriptedMesh, model: str
+    scripted: ScriptedMesh, model: str, tool_choice: str, seed: int | None
 ) -> None:
     """A grammar holds gpt-oss to a commentary message to functions.look_up_rubric whose
-    JSON its schema allows (its reasoning free), disaggregated and decode_only; streamed,
-    the same call."""
+    JSON its schema allows (its reasoning free), disaggregated and decode_only, greedy, and
+    seeded under `required` (one of the tools: here the only one); streamed, the same
+    call."""
     client = openai.OpenAI(base_url=f"{scripted.http}/v1", api_key="unused", max_retries=0)
     rubric: Any = {
         "type": "function",
@@ -678,8 +687,11 @@ def test_a_named_function_makes_gpt_oss_call_it_through_the_openai_door(
         "model": model,
         "messages": OPENAI_QUESTION,
         "tools": [rubric],
-        "tool_choice": {"type": "function", "function": {"name": "look_up_rubric"}},
-        "temperature": 0,
+        "tool_choice": "required"
+        if tool_choice == "required"
+        else {"type": "function", "function": {"name": "look_up_rubric"}},
+        "temperature": 0 if seed is None else 0.9,
+        "seed": seed,
         "max_tokens": 300,  # the scripted model spells the header a character a token
     }
     reply = client.chat.completions.create(**args)

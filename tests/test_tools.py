@@ -46,6 +46,7 @@ from tests.tiny_models import (
 )
 
 QWEN = "qwen3-coder:30b"
+GPT_OSS = "gpt-oss:120b"  # the session's mesh serves it with SmolLM2 too: the generic format
 DECODE_ONLY = "test/decode-only"
 
 RUN_TESTS = {
@@ -97,7 +98,7 @@ def valid_call(name: str, arguments: str) -> dict[str, Any]:
     return dict(value)
 
 
-@pytest.mark.parametrize("model", [QWEN, DECODE_ONLY])
+@pytest.mark.parametrize("model", [QWEN, GPT_OSS, DECODE_ONLY])
 def test_a_named_function_is_called_with_arguments_its_schema_accepts(
     mesh: Mesh, model: str
 ) -> None:
