@@ -9,7 +9,8 @@ and through the prefix cache's delta, for prompts shorter and longer than a slid
   that window, so these prompts' states cover positions the window layers no longer hold.
 - gpt-oss and qwen3moe: tiny random-weight files written here (tests/tiny_models.py): gpt-oss's
   attention sinks, 128-position window on every other layer and MXFP4 experts; qwen3moe's
-  experts and q/k norms.
+  experts and q/k norms, with Qwen3-Coder's vocabulary and chat template, whose XML tool
+  calls go on across a migration too.
 - gpt-oss from Ollama's store: the same tiny gpt-oss in the layout of Ollama's own gpt-oss
   blobs (architecture `gptoss`), which the nodes rewrite for llama.cpp once
   (services/common/models/gptoss.py); the reference loads llama.cpp's layout of it.
@@ -27,17 +28,23 @@ import grpc
 import llama_cpp
 import pytest
 
-from disagg_mesh.proto.v1 import router_pb2, router_pb2_grpc
+from disagg_mesh.proto.v1 import router_pb2, router_pb2_grpc, types_pb2
 from disagg_mesh.server.common.engines.llama_cpp.model import LlamaModel
 from disagg_mesh.server.common.models import resolve_model_path
 from disagg_mesh.server.common.runtime.processes import MeshProcesses
 from tests.conftest import MODEL as SMOLLM2
 from tests.conftest import N_CTX, ROOT, engine_node, route, router_node, running_mesh
 from tests.streams import reference_tokens, request
-from tests.test_migration import MigrationMesh, kill_serving
+from tests.test_migration import RUN_TESTS, MigrationMesh, kill_serving
 from tests.test_ollama_store import ollama_gpt_oss_store
 from tests.test_prefix_cache import SamePieces
-from tests.tiny_models import GEMMA3_WINDOW, write_gemma3, write_gpt_oss, write_qwen3moe
+from tests.tiny_models import (
+    GEMMA3_WINDOW,
+    llama_cpp_template,
+    write_gemma3,
+    write_gpt_oss,
+    write_qwen3moe,
+)
 
 DISAGGREGATED = "disaggregated"  # migrations: the decode node taking over evaluates
 DECODE_ONLY = "decode-only"
@@ -89,11 +96,16 @@ def _ollama_gpt_oss(folder: Path) -> tuple[str, Path, dict[str, object]]:
     return "ollama:gpt-oss:120b", native, {"ollama_models": str(store)}
 
 
+def _qwen3_coder(path: Path) -> Path:
+    """qwen3moe as Qwen3-Coder's files are: its vocabulary and chat template."""
+    return write_qwen3moe(path, llama_cpp_template("Qwen3-Coder"), vocabulary="qwen")
+
+
 FAMILIES = [
     Family("llama", lambda _: _file(SMOLLM2), 0),
     Family("gemma3", lambda _: _file(gemma3_path()), 512),
     Family("gpt-oss", lambda f: _file(write_gpt_oss(f / "tiny-gpt-oss.gguf")), 128, 1024),
-    Family("qwen3moe", lambda f: _file(write_qwen3moe(f / "tiny-qwen3moe.gguf")), 0, 1024),
+    Family("qwen3moe", lambda f: _file(_qwen3_coder(f / "tiny-qwen3moe.gguf")), 0, 1024),
     Family("gpt-oss-ollama-blob", _ollama_gpt_oss, 128, 1024),
 ]
 
@@ -224,6 +236,59 @@ async def test_a_migration_past_the_window_keeps_the_answer(
     (migration,) = got.summary.migrations
     assert migration.failed_node == killed[0]
     assert migration.via_prefill_node == ("prefill" if model == VIA_PREFILL else "")
+
+
+async def call_pieces(
+    router: str, model: str, action: Callable[[], Awaitable[None]] | None = None
+) -> tuple[list[tuple[int, str, str]], router_pb2.GenerateSummary]:
+    """A named call of run_tests (greedy) through the router: its pieces and the summary;
+    action() runs after the 5th delta."""
+    sampling = types_pb2.SamplingParams(
+        max_tokens=400,
+        temperature=0.0,
+        tools=types_pb2.ToolSet(
+            definitions=[RUN_TESTS],
+            choice=types_pb2.TOOL_CHOICE_FUNCTION,
+            function_name="run_tests",
+        ),
+    )
+    question = types_pb2.ChatMessage(role="user", content="Test: def add(a, b): return a - b")
+    pieces: list[tuple[int, str, str]] = []
+    summary = None
+    deltas = 0
+    async with grpc.aio.insecure_channel(router) as channel:
+        stub = router_pb2_grpc.RouterServiceStub(channel)
+        generate = router_pb2.GenerateRequest(model=model, messages=[question], sampling=sampling)
+        async for reply in stub.Generate(generate, timeout=240):
+            if reply.HasField("summary"):
+                summary = reply.summary
+                continue
+            deltas += 1
+            pieces += [(p.index, p.name, p.arguments_json) for p in reply.delta.tool_calls]
+            if deltas == 5 and action is not None:
+                await action()
+    assert summary is not None and deltas > 5
+    return pieces, summary
+
+
+async def test_a_qwen3_coder_call_goes_on_across_a_migration(family_mesh: FamilyMesh) -> None:
+    """Qwen3-Coder's XML call, held by its grammar, on the real vocabulary: the decode node
+    taking over feeds the delivered text to its parser and grammar, and the call comes out
+    as uninterrupted, once. (SmolLM2's generic format: tests/test_migration.py.)"""
+    if family_mesh.family.name != "qwen3moe":
+        pytest.skip("the XML format is Qwen3-Coder's template's")
+    alone, alone_summary = await call_pieces(family_mesh.router, DISAGGREGATED)
+    assert not alone_summary.migrations
+    mesh = MigrationMesh(family_mesh.processes)
+    killed: list[str] = []
+    kill = kill_serving(mesh, signal.SIGKILL, killed, names=DECODE_NODES)
+    try:
+        got, summary = await call_pieces(family_mesh.router, DISAGGREGATED, kill)
+    finally:
+        await mesh.restart(*killed)
+    assert killed and len(summary.migrations) == 1
+    assert got == alone and [name for _, name, _ in got if name] == ["run_tests"]
+    assert summary.finish_reason == alone_summary.finish_reason
 
 
 async def test_only_the_delta_moves_and_the_text_is_the_same_pieces_answer(
