@@ -510,19 +510,23 @@ RUN_TESTS = types_pb2.ToolDefinition(
 
 
 async def tool_call_stream(
-    router: str, action: Callable[[], Awaitable[None]] | None = None, seed: int | None = None
+    router: str,
+    action: Callable[[], Awaitable[None]] | None = None,
+    seed: int | None = None,
+    model: str = "m",
+    max_tokens: int = LONG,
 ) -> tuple[list[types_pb2.ToolCallDelta], router_pb2.GenerateSummary, int]:
     """A named call of run_tests through the router: its call pieces, the summary and the
     deltas seen; action() runs after the 5th delta."""
     request = router_pb2.GenerateRequest(
-        model="m",
+        model=model,
         messages=[
             types_pb2.ChatMessage(
                 role="user", content="Run the tests of: def add(a, b): return a - b"
             )
         ],
         sampling=types_pb2.SamplingParams(
-            max_tokens=LONG,
+            max_tokens=max_tokens,
             temperature=0.0 if seed is None else 0.9,
             seed=seed,
             tools=types_pb2.ToolSet(

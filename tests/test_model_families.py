@@ -28,14 +28,14 @@ import grpc
 import llama_cpp
 import pytest
 
-from disagg_mesh.proto.v1 import router_pb2, router_pb2_grpc, types_pb2
+from disagg_mesh.proto.v1 import router_pb2, router_pb2_grpc
 from disagg_mesh.server.common.engines.llama_cpp.model import LlamaModel
 from disagg_mesh.server.common.models import resolve_model_path
 from disagg_mesh.server.common.runtime.processes import MeshProcesses
 from tests.conftest import MODEL as SMOLLM2
 from tests.conftest import N_CTX, ROOT, engine_node, route, router_node, running_mesh
 from tests.streams import reference_tokens, request
-from tests.test_migration import RUN_TESTS, MigrationMesh, kill_serving
+from tests.test_migration import MigrationMesh, kill_serving, tool_call_stream
 from tests.test_ollama_store import ollama_gpt_oss_store
 from tests.test_prefix_cache import SamePieces
 from tests.tiny_models import (
@@ -238,56 +238,26 @@ async def test_a_migration_past_the_window_keeps_the_answer(
     assert migration.via_prefill_node == ("prefill" if model == VIA_PREFILL else "")
 
 
-async def call_pieces(
-    router: str, model: str, action: Callable[[], Awaitable[None]] | None = None
-) -> tuple[list[tuple[int, str, str]], router_pb2.GenerateSummary]:
-    """A named call of run_tests (greedy) through the router: its pieces and the summary;
-    action() runs after the 5th delta."""
-    sampling = types_pb2.SamplingParams(
-        max_tokens=400,
-        temperature=0.0,
-        tools=types_pb2.ToolSet(
-            definitions=[RUN_TESTS],
-            choice=types_pb2.TOOL_CHOICE_FUNCTION,
-            function_name="run_tests",
-        ),
-    )
-    question = types_pb2.ChatMessage(role="user", content="Test: def add(a, b): return a - b")
-    pieces: list[tuple[int, str, str]] = []
-    summary = None
-    deltas = 0
-    async with grpc.aio.insecure_channel(router) as channel:
-        stub = router_pb2_grpc.RouterServiceStub(channel)
-        generate = router_pb2.GenerateRequest(model=model, messages=[question], sampling=sampling)
-        async for reply in stub.Generate(generate, timeout=240):
-            if reply.HasField("summary"):
-                summary = reply.summary
-                continue
-            deltas += 1
-            pieces += [(p.index, p.name, p.arguments_json) for p in reply.delta.tool_calls]
-            if deltas == 5 and action is not None:
-                await action()
-    assert summary is not None and deltas > 5
-    return pieces, summary
-
-
 async def test_a_qwen3_coder_call_goes_on_across_a_migration(family_mesh: FamilyMesh) -> None:
     """Qwen3-Coder's XML call, held by its grammar, on the real vocabulary: the decode node
     taking over feeds the delivered text to its parser and grammar, and the call comes out
     as uninterrupted, once. (SmolLM2's generic format: tests/test_migration.py.)"""
     if family_mesh.family.name != "qwen3moe":
         pytest.skip("the XML format is Qwen3-Coder's template's")
-    alone, alone_summary = await call_pieces(family_mesh.router, DISAGGREGATED)
-    assert not alone_summary.migrations
+    router, model = family_mesh.router, DISAGGREGATED
+    alone, alone_summary, deltas = await tool_call_stream(router, model=model, max_tokens=400)
+    assert deltas > 5 and not alone_summary.migrations
     mesh = MigrationMesh(family_mesh.processes)
     killed: list[str] = []
     kill = kill_serving(mesh, signal.SIGKILL, killed, names=DECODE_NODES)
     try:
-        got, summary = await call_pieces(family_mesh.router, DISAGGREGATED, kill)
+        got, summary, _ = await tool_call_stream(router, kill, model=model, max_tokens=400)
     finally:
         await mesh.restart(*killed)
     assert killed and len(summary.migrations) == 1
-    assert got == alone and [name for _, name, _ in got if name] == ["run_tests"]
+    pieces = [(p.index, p.name, p.arguments_json) for p in got]
+    assert pieces == [(p.index, p.name, p.arguments_json) for p in alone]
+    assert [p.name for p in got if p.name] == ["run_tests"]
     assert summary.finish_reason == alone_summary.finish_reason
 
 
