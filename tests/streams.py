@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterable
+from collections.abc import AsyncIterable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +28,34 @@ class Collected:
     tool_calls: list[Any] = field(default_factory=list)
     first_delta_at: float = 0.0
     summary_at: float = 0.0
+
+
+@dataclass
+class StreamedCall:
+    id: str
+    name: str
+    arguments: str = ""
+
+
+def streamed_calls(chunks: Iterable[Any]) -> tuple[list[StreamedCall], str | None]:
+    """An OpenAI chat stream's tool calls (the `openai` client's chunks), put together as
+    OpenAI sends them: a call's first piece has the next index, its id, type "function" and
+    its whole name, its other pieces parts of its arguments; and the finish reason."""
+    calls: list[StreamedCall] = []
+    finish = None
+    for chunk in chunks:
+        if not chunk.choices:
+            continue
+        finish = chunk.choices[0].finish_reason or finish
+        for piece in chunk.choices[0].delta.tool_calls or []:
+            assert piece.function is not None
+            if piece.id is not None:  # a call's first piece
+                assert piece.index == len(calls) and piece.type == "function", piece
+                calls.append(StreamedCall(piece.id, piece.function.name or ""))
+            else:
+                assert not piece.function.name, piece  # the name came whole, first
+            calls[piece.index].arguments += piece.function.arguments or ""
+    return calls, finish
 
 
 async def collect(call: AsyncIterable[Any]) -> Collected:

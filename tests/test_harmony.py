@@ -37,7 +37,7 @@ from disagg_mesh.server.common.tools.calls import CallStart, Piece, ToolCall, as
 from disagg_mesh.server.common.tools.requests import read_tools
 from disagg_mesh.server.common.types import ChatTurn, FinishReason, Prompt, TextChunk
 from tests.conftest import engine_node, route, router_node, running_mesh
-from tests.streams import collect, greedy
+from tests.streams import collect, greedy, streamed_calls
 from tests.test_client import disagg
 from tests.tiny_models import (
     SCRIPTED_ANSWER,
@@ -701,11 +701,5 @@ def test_a_named_function_makes_gpt_oss_call_it_through_the_openai_door(
     assert call.type == "function" and call.function.name == "look_up_rubric"
     assert json.loads(call.function.arguments)["assignment"] in ("hw1", "hw2")
     assert (choice.message.model_extra or {})["reasoning_content"] == SCRIPTED_REASONING
-    pieces: dict[int, list[str]] = {}
-    for chunk in client.chat.completions.create(**args, stream=True):
-        for piece in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
-            assert piece.function is not None
-            pieces.setdefault(piece.index, []).append(
-                piece.function.name or piece.function.arguments or ""
-            )
-    assert "".join(pieces[0][1:]) == call.function.arguments and pieces[0][0] == "look_up_rubric"
+    (streamed,), _ = streamed_calls(client.chat.completions.create(**args, stream=True))
+    assert (streamed.name, streamed.arguments) == ("look_up_rubric", call.function.arguments)

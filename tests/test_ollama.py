@@ -31,7 +31,7 @@ from disagg_mesh.server.common.runtime.processes import MeshProcesses, free_port
 from tests import conftest
 from tests.conftest import route, router_node, running_mesh
 from tests.fake_ollama import FakeOllama
-from tests.streams import collect
+from tests.streams import collect, streamed_calls
 
 MODEL = "qwen3-coder:30b"
 PROMPT = "def add(a, b):"
@@ -472,16 +472,9 @@ def test_parallel_calls_come_back_to_both_doors_each_with_its_index_and_id(
     expected = [("run_tests", {"code": "x"}), ("record_grade", {"points": 1})]
     assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == expected
     assert len({c.id for c in calls}) == 2
-    streamed: dict[int, dict[str, str]] = {}
-    for chunk in client.chat.completions.create(**args, stream=True):
-        for piece in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
-            call = streamed.setdefault(piece.index, {"id": "", "name": "", "arguments": ""})
-            call["id"] += piece.id or ""
-            call["name"] += (piece.function.name or "") if piece.function else ""
-            call["arguments"] += (piece.function.arguments or "") if piece.function else ""
-    assert sorted(streamed) == [0, 1]
-    assert [(streamed[i]["name"], json.loads(streamed[i]["arguments"])) for i in (0, 1)] == expected
-    assert streamed[0]["id"] != streamed[1]["id"]
+    streamed, finish = streamed_calls(client.chat.completions.create(**args, stream=True))
+    assert [(c.name, json.loads(c.arguments)) for c in streamed] == expected
+    assert streamed[0].id != streamed[1].id and finish == "tool_calls"
     answer = ollama.Client(host=url).chat(
         model="ollama/decode-only", messages=args["messages"], tools=tools
     )

@@ -35,7 +35,7 @@ from disagg_mesh.server.common.tools.formats import ToolFormat, tool_format, tur
 from disagg_mesh.server.common.tools.requests import read_tools
 from disagg_mesh.server.common.types import ChatTurn, Prompt
 from tests.conftest import ROOT, Mesh, engine_node, route, router_node, running_mesh
-from tests.streams import collect
+from tests.streams import collect, streamed_calls
 from tests.test_http_api import http_url
 from tests.tiny_models import (
     QWEN_TOOL_CALL,
@@ -162,24 +162,11 @@ def test_streamed_call_pieces_put_together_are_the_whole_answer(mesh: Mesh) -> N
         "max_tokens": 200,
     }
     whole = client.chat.completions.create(**request)
-    calls: dict[int, dict[str, str]] = {}
-    finish = None
-    for chunk in client.chat.completions.create(**request, stream=True):
-        if not chunk.choices:
-            continue
-        delta = chunk.choices[0].delta
-        finish = chunk.choices[0].finish_reason or finish
-        for piece in delta.tool_calls or []:
-            if piece.id is not None:  # a call's first piece: id, type and name
-                assert piece.type == "function" and piece.function is not None
-                calls[piece.index] = {"name": piece.function.name or "", "arguments": ""}
-            assert piece.function is not None
-            calls[piece.index]["arguments"] += piece.function.arguments or ""
+    calls, finish = streamed_calls(client.chat.completions.create(**request, stream=True))
     expected = [
-        {"name": c.function.name, "arguments": c.function.arguments}
-        for c in function_calls(whole.choices[0].message)
+        (c.function.name, c.function.arguments) for c in function_calls(whole.choices[0].message)
     ]
-    assert [calls[i] for i in sorted(calls)] == expected and expected
+    assert [(c.name, c.arguments) for c in calls] == expected and expected
     assert finish == "tool_calls"
 
 
@@ -437,14 +424,8 @@ def named_call(url: str, args: dict[str, Any]) -> tuple[str, str]:
     whole = client.chat.completions.create(**args)
     assert whole.choices[0].finish_reason == "tool_calls", whole.choices[0]
     (call,) = function_calls(whole.choices[0].message)
-    streamed: dict[int, list[str]] = {}
-    for chunk in client.chat.completions.create(**args, stream=True):
-        for piece in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
-            streamed.setdefault(piece.index, []).append(
-                piece.function.name or piece.function.arguments or ""
-            )
-    assert streamed[0][0] == call.function.name
-    assert "".join(streamed[0][1:]) == call.function.arguments
+    (streamed,), _ = streamed_calls(client.chat.completions.create(**args, stream=True))
+    assert (streamed.name, streamed.arguments) == (call.function.name, call.function.arguments)
     return call.function.name, call.function.arguments
 
 
@@ -501,16 +482,11 @@ def test_parallel_calls_held_by_the_hermes_grammar_each_validate_and_stream_whol
     for call in calls:
         valid_call(call.function.name, call.function.arguments)
     assert len({c.id for c in calls}) == len(calls)
-    streamed: dict[int, list[str]] = {}
-    for chunk in client.chat.completions.create(**args, stream=True):
-        for piece in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
-            streamed.setdefault(piece.index, []).append(
-                piece.function.name or piece.function.arguments or ""
-            )
-    assert sorted(streamed) == list(range(len(calls)))
-    for i, call in enumerate(calls):
-        assert streamed[i][0] == call.function.name
-        assert "".join(streamed[i][1:]) == call.function.arguments
+    streamed, _ = streamed_calls(client.chat.completions.create(**args, stream=True))
+    assert [(c.name, c.arguments) for c in streamed] == [
+        (c.function.name, c.function.arguments) for c in calls
+    ]
+    assert len({c.id for c in streamed}) == len(streamed)
 
 
 # A tool loop in OpenAI's shape; the call's code has characters JSON and XML escape.
