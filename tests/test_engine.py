@@ -103,17 +103,20 @@ async def started(generation: Generation) -> Generation:
 
 async def test_full_slots_queue_then_refuse_at_once(engine: LlamaCppEngine) -> None:
     count = "Count: 1, 2, 3,"
+    loop = asyncio.get_running_loop()
+    before, measured_from = engine.load(), loop.time()
     running = [await started(engine.generate(Prompt(count), LONG)) for _ in range(2)]
+    both_from = loop.time()
     assert engine.load().slots_busy == 2
     queued = asyncio.create_task(drain(engine.generate(Prompt("Hi"), SHORT)))
     await asyncio.sleep(0.2)
     assert engine.load().queue_depth == 1
-    loop = asyncio.get_running_loop()
     began = loop.time()
     with pytest.raises(ResourceExhausted, match="all 2 slots in use and 1 requests already"):
         await drain(engine.generate(Prompt("Hi"), SHORT))
     assert loop.time() - began < 0.5  # at once, not after a wait
     # A caller going away frees its slot at the next step: the queued request runs.
+    both = loop.time() - both_from
     await running[0].aclose()
     _, end = await asyncio.wait_for(queued, 30)
     assert end.completion_tokens == 4
@@ -122,7 +125,14 @@ async def test_full_slots_queue_then_refuse_at_once(engine: LlamaCppEngine) -> N
         if engine.load().slots_busy == 0:
             break
         await asyncio.sleep(0.05)
-    assert (engine.load().slots_busy, engine.load().queue_depth) == (0, 0)
+    after = engine.load()
+    assert (after.slots_busy, after.queue_depth) == (0, 0)
+    # The slots' time, counted as they were taken and given back: both slots in use for at
+    # least `both`, never more than 2 at once, nothing counted before or after.
+    busy = after.busy_seconds - before.busy_seconds
+    slot_busy = after.slot_busy_seconds - before.slot_busy_seconds
+    assert both <= busy <= loop.time() - measured_from
+    assert 2 * both <= slot_busy <= 2 * busy + 1e-6
 
 
 async def test_a_generations_own_bounds_count_the_wait_for_a_slot_apart_from_its_work(

@@ -133,11 +133,14 @@ async def test_a_prefix_the_decode_node_holds_moves_once(sim_mesh: MeshProcesses
 
 async def test_streams_on_one_node_decode_together(sim_mesh: MeshProcesses) -> None:
     """Four streams on one simulated Mac share its steps (continuous batching: together in
-    well under four times one alone, as the profile's batch rates say)."""
+    well under four times one alone, as the profile's batch rates say). The node's busy
+    time counts its slots' time as they were held."""
+    mac = sim_mesh.topology.node("mac-1").address
+    before = await once_idle(mac)
     async with grpc.aio.insecure_channel(sim_mesh.topology.router.address) as channel:
         stub: Any = router_pb2_grpc.RouterServiceStub(channel)
         started = asyncio.get_running_loop().time()
-        await collect(stub.Generate(generate(ALONE, 40)))
+        alone = await collect(stub.Generate(generate(ALONE, 40)))
         one = asyncio.get_running_loop().time() - started
         started = asyncio.get_running_loop().time()
         four = await asyncio.gather(
@@ -146,6 +149,17 @@ async def test_streams_on_one_node_decode_together(sim_mesh: MeshProcesses) -> N
         together = asyncio.get_running_loop().time() - started
     assert all(g.summary.completion_tokens == 40 for g in four)
     assert together < 2.5 * one, (together, one)
+    after = await once_idle(mac)
+    busy = after.busy_seconds - before.busy_seconds
+    slot_busy = after.slot_busy_seconds - before.slot_busy_seconds
+
+    def decode_s(got: Any) -> float:
+        return float(got.summary.decode_duration.ToTimedelta().total_seconds())
+
+    # Each stream held its slot at least while it decoded (speedup 1: simulated = real);
+    # the lone one and the four came one after the other; 4 slots at most at once.
+    assert decode_s(alone) + max(map(decode_s, four)) <= busy <= one + together
+    assert decode_s(alone) + sum(map(decode_s, four)) <= slot_busy <= 4 * busy
 
 
 async def test_a_cancelled_stream_frees_its_slot(sim_mesh: MeshProcesses) -> None:

@@ -245,6 +245,11 @@ def test_disagg_simulate_runs_seed_toml_through_the_real_router(tmp_path: Path) 
         "mac-studio-2",
     }
     assert got["mesh"]["kv_bytes_moved"] > 0 and got["mesh"]["methods"]
+    # Each Mac decoded its model's answers: busy for part of the run, counted by the node
+    # however short the run (a few real seconds here), never above the whole of it.
+    for mac in ("mac-studio-1", "mac-studio-2"):
+        use = got["mesh"]["nodes"][mac]
+        assert 0 < use["slots_share"] <= use["active_share"] <= 1, (mac, use)
     written = tomllib.loads((logs / "simulated-topology.toml").read_text())
     assert {n["host"] for n in written["nodes"]} == {"127.0.0.1"}
     # Every address the nodes dialled or listened on is loopback.

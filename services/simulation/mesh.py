@@ -1,7 +1,7 @@
 """The workload through the real mesh: the simulated topology's processes (routers, and sim
 nodes: a process per host, hosts sharing them beyond PROCESSES), the requests sent as
-`disagg batch` sends them, each node's slots sampled while it runs. Times are real seconds
-times the speedup: simulated seconds."""
+`disagg batch` sends them, each node's use from its own busy-time counts. Times are real
+seconds times the speedup: simulated seconds."""
 
 from __future__ import annotations
 
@@ -21,7 +21,6 @@ from disagg_mesh.server.common.config.topology import Node, load_topology
 from disagg_mesh.server.common.runtime.processes import MeshProcesses
 from disagg_mesh.server.simulation.baseline import Served
 
-SAMPLE_EVERY_S = 0.2
 # The sim nodes of each host run in a process (they share the host's compute), up to this
 # many processes; beyond, hosts share them.
 PROCESSES = 16
@@ -29,19 +28,24 @@ PROCESSES = 16
 
 @dataclass
 class NodeUse:
-    """How busy a node was: the share of samples with a slot in use, and of its slots."""
+    """How busy a node was over the run: the share of the time it had a slot in use, and of
+    its slots' time, from its own counts (GetNodeInfo's busy_seconds and slot_busy_seconds,
+    read before and after the run)."""
 
-    samples: int = 0
-    active: int = 0
-    slots_used: float = 0.0
+    wall_seconds: float = 0.0
+    busy_seconds: float = 0.0
+    slot_busy_seconds: float = 0.0
+    slots: int = 0
 
     @property
     def active_share(self) -> float:
-        return self.active / self.samples if self.samples else 0.0
+        return min(self.busy_seconds / self.wall_seconds, 1.0) if self.wall_seconds else 0.0
 
     @property
     def slots_share(self) -> float:
-        return self.slots_used / self.samples if self.samples else 0.0
+        if not self.wall_seconds or not self.slots:
+            return 0.0
+        return min(self.slot_busy_seconds / (self.slots * self.wall_seconds), 1.0)
 
 
 @dataclass
@@ -81,10 +85,11 @@ async def run_mesh(
         await asyncio.to_thread(processes.wait_routers_see_serving)
         routers = [r.address for r in topology.routers]
         async with AsyncMeshClient(routers, timeout=24 * 3600) as client:
+            nodes = [n for n in topology.nodes if n.role != "router"]
+            before = await _busy(nodes)
+            began = time.monotonic()
             batch = await client.batch_run(requests, concurrency=concurrency)
             run = MeshRun(concurrency=batch.concurrency, model_concurrency=batch.model_concurrency)
-            nodes = [n for n in topology.nodes if n.role != "router"]
-            sampler = asyncio.create_task(_sample(nodes, run))
             started = time.monotonic()
             done = 0
             try:
@@ -96,8 +101,11 @@ async def run_mesh(
                         progress(f"{done}/{len(requests)} requests answered")
             finally:
                 run.wall_seconds = (time.monotonic() - started) * speedup
-                sampler.cancel()
-                await asyncio.gather(sampler, return_exceptions=True)
+            after = await _busy(nodes)
+            wall = time.monotonic() - began
+            for name, (busy, slot_busy, slots) in after.items():
+                was = before.get(name, (0.0, 0.0, slots))
+                run.use[name] = NodeUse(wall, busy - was[0], slot_busy - was[1], slots)
         return run
     finally:
         processes.stop()
@@ -119,22 +127,16 @@ def _served(result: Any, speedup: float) -> Served:
     )
 
 
-async def _sample(nodes: Sequence[Any], run: MeshRun) -> None:
-    """Each node's busy slots, every SAMPLE_EVERY_S."""
-    channels = {n.name: grpc.aio.insecure_channel(n.address) for n in nodes}
-    stubs: dict[str, Any] = {k: node_pb2_grpc.NodeServiceStub(c) for k, c in channels.items()}
-    try:
-        while True:
-            for name, stub in stubs.items():
-                try:
-                    info = await stub.GetNodeInfo(node_pb2.GetNodeInfoRequest(), timeout=1.0)
-                except grpc.aio.AioRpcError:
-                    continue
-                use = run.use.setdefault(name, NodeUse())
-                use.samples += 1
-                use.active += info.slots_busy > 0
-                use.slots_used += info.slots_busy / max(info.slots, 1)
-            await asyncio.sleep(SAMPLE_EVERY_S)
-    finally:
-        for channel in channels.values():
-            await channel.close()
+async def _busy(nodes: Sequence[Node]) -> dict[str, tuple[float, float, int]]:
+    """Each node's busy seconds, slot-seconds and slots so far (a node that does not answer
+    is left out)."""
+    out: dict[str, tuple[float, float, int]] = {}
+    for node in nodes:
+        async with grpc.aio.insecure_channel(node.address) as channel:
+            stub: Any = node_pb2_grpc.NodeServiceStub(channel)
+            try:
+                info = await stub.GetNodeInfo(node_pb2.GetNodeInfoRequest(), timeout=5.0)
+            except grpc.aio.AioRpcError:
+                continue
+            out[node.name] = (info.busy_seconds, info.slot_busy_seconds, info.slots)
+    return out

@@ -12,7 +12,7 @@ class GetNodeInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetNodeInfoResponse(_message.Message):
-    __slots__ = ("name", "role", "engine", "engine_model", "models", "fingerprint", "kv_transfer", "ready", "problem", "model_loaded_in_memory", "kv_store_handles", "kv_store_bytes", "slots", "slots_busy", "queue_depth", "max_queue", "prompt_tokens_per_second", "decode_tokens_per_second", "kv_cache_bytes", "kv_cache_used_bytes", "backend", "gpu_layers", "model_layers", "prefix_cache_tokens", "prefix_cache_max_tokens", "restarts", "uptime_seconds", "host")
+    __slots__ = ("name", "role", "engine", "engine_model", "models", "fingerprint", "kv_transfer", "ready", "problem", "model_loaded_in_memory", "kv_store_handles", "kv_store_bytes", "slots", "slots_busy", "queue_depth", "max_queue", "prompt_tokens_per_second", "decode_tokens_per_second", "kv_cache_bytes", "kv_cache_used_bytes", "backend", "gpu_layers", "model_layers", "prefix_cache_tokens", "prefix_cache_max_tokens", "restarts", "uptime_seconds", "host", "busy_seconds", "slot_busy_seconds")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
@@ -41,6 +41,8 @@ class GetNodeInfoResponse(_message.Message):
     RESTARTS_FIELD_NUMBER: _ClassVar[int]
     UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
+    BUSY_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SLOT_BUSY_SECONDS_FIELD_NUMBER: _ClassVar[int]
     name: str
     role: str
     engine: str
@@ -69,7 +71,9 @@ class GetNodeInfoResponse(_message.Message):
     restarts: int
     uptime_seconds: float
     host: HostUsage
-    def __init__(self, name: _Optional[str] = ..., role: _Optional[str] = ..., engine: _Optional[str] = ..., engine_model: _Optional[str] = ..., models: _Optional[_Iterable[str]] = ..., fingerprint: _Optional[_Union[_types_pb2.KvFingerprint, _Mapping]] = ..., kv_transfer: _Optional[_Union[_types_pb2.KvTransfer, str]] = ..., ready: _Optional[bool] = ..., problem: _Optional[str] = ..., model_loaded_in_memory: _Optional[bool] = ..., kv_store_handles: _Optional[int] = ..., kv_store_bytes: _Optional[int] = ..., slots: _Optional[int] = ..., slots_busy: _Optional[int] = ..., queue_depth: _Optional[int] = ..., max_queue: _Optional[int] = ..., prompt_tokens_per_second: _Optional[float] = ..., decode_tokens_per_second: _Optional[float] = ..., kv_cache_bytes: _Optional[int] = ..., kv_cache_used_bytes: _Optional[int] = ..., backend: _Optional[str] = ..., gpu_layers: _Optional[int] = ..., model_layers: _Optional[int] = ..., prefix_cache_tokens: _Optional[int] = ..., prefix_cache_max_tokens: _Optional[int] = ..., restarts: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., host: _Optional[_Union[HostUsage, _Mapping]] = ...) -> None: ...
+    busy_seconds: float
+    slot_busy_seconds: float
+    def __init__(self, name: _Optional[str] = ..., role: _Optional[str] = ..., engine: _Optional[str] = ..., engine_model: _Optional[str] = ..., models: _Optional[_Iterable[str]] = ..., fingerprint: _Optional[_Union[_types_pb2.KvFingerprint, _Mapping]] = ..., kv_transfer: _Optional[_Union[_types_pb2.KvTransfer, str]] = ..., ready: _Optional[bool] = ..., problem: _Optional[str] = ..., model_loaded_in_memory: _Optional[bool] = ..., kv_store_handles: _Optional[int] = ..., kv_store_bytes: _Optional[int] = ..., slots: _Optional[int] = ..., slots_busy: _Optional[int] = ..., queue_depth: _Optional[int] = ..., max_queue: _Optional[int] = ..., prompt_tokens_per_second: _Optional[float] = ..., decode_tokens_per_second: _Optional[float] = ..., kv_cache_bytes: _Optional[int] = ..., kv_cache_used_bytes: _Optional[int] = ..., backend: _Optional[str] = ..., gpu_layers: _Optional[int] = ..., model_layers: _Optional[int] = ..., prefix_cache_tokens: _Optional[int] = ..., prefix_cache_max_tokens: _Optional[int] = ..., restarts: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., host: _Optional[_Union[HostUsage, _Mapping]] = ..., busy_seconds: _Optional[float] = ..., slot_busy_seconds: _Optional[float] = ...) -> None: ...
 
 class HostUsage(_message.Message):
     __slots__ = ("hostname", "cpu_cores", "cpu_busy_percent", "memory_used_bytes", "memory_total_bytes", "gpu_name", "gpu_utilization_percent", "gpu_memory_used_bytes", "gpu_memory_total_bytes", "unavailable")

@@ -60,6 +60,9 @@ class EngineLoad:
     # Prompt tokens the prefix cache holds, and the most it may hold.
     prefix_cache_tokens: int = 0
     prefix_cache_max_tokens: int = 0
+    # Since the engine started: seconds with a slot in use, and slot-seconds in use (BusyTime).
+    busy_seconds: float = 0.0
+    slot_busy_seconds: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -101,6 +104,39 @@ class TokenRates:
     def _prune(self, now: float) -> None:
         while self._events and self._events[0][0] < now - self._window_s:
             self._events.popleft()
+
+
+class BusyTime:
+    """How long an engine's slots have been in use since it started, counted as they are
+    taken and given back (not sampled, so a run of any length reads it exactly):
+    seconds with at least one slot in use, and slot-seconds (their sum over the slots).
+    Thread-safe (an engine thread takes and frees slots, the event loop reads)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._busy = 0
+        self._since = time.monotonic()
+        self._any_s = 0.0
+        self._slot_s = 0.0
+
+    def change(self, slots: int) -> None:
+        """`slots` more slots in use from now (fewer when negative)."""
+        with self._lock:
+            self._advance()
+            self._busy += slots
+
+    def totals(self) -> tuple[float, float]:
+        """Seconds with a slot in use, and slot-seconds in use, up to now."""
+        with self._lock:
+            self._advance()
+            return self._any_s, self._slot_s
+
+    def _advance(self) -> None:
+        now = time.monotonic()
+        if self._busy > 0:
+            self._any_s += now - self._since
+            self._slot_s += self._busy * (now - self._since)
+        self._since = now
 
 
 class Engine(Protocol):

@@ -31,6 +31,7 @@ import httpx
 import ollama
 
 from disagg_mesh.server.common.engines.base import (
+    BusyTime,
     EngineLoad,
     Generation,
     Placement,
@@ -101,6 +102,7 @@ class OllamaEngine:
         self._client = ollama.AsyncClient(host=url, timeout=httpx.Timeout(timeout_s, connect=5.0))
         self._max_in_flight = max_in_flight
         self._in_flight = 0
+        self._busy_time = BusyTime()
         self._rates = TokenRates()
         # The model's digest is learned from the server (problem() refreshes it).
         self.fingerprint = Fingerprint("", n_ctx, ENGINE_VERSION)
@@ -321,6 +323,7 @@ class OllamaEngine:
         """Requests in flight to Ollama (its own parallelism is OLLAMA_NUM_PARALLEL on the
         server), and tokens per second from its replies' counts."""
         prompt_tps, decode_tps = self._rates.per_second()
+        busy_s, slot_busy_s = self._busy_time.totals()
         return EngineLoad(
             slots=self._max_in_flight,
             slots_busy=self._in_flight,
@@ -328,6 +331,8 @@ class OllamaEngine:
             max_queue=0,
             prompt_tokens_per_second=prompt_tps,
             decode_tokens_per_second=decode_tps,
+            busy_seconds=busy_s,
+            slot_busy_seconds=slot_busy_s,
         )
 
     # -- helpers ---------------------------------------------------------------------------
@@ -365,10 +370,12 @@ class OllamaEngine:
                 f"node busy: {self._in_flight} requests already in flight to Ollama; retry later"
             )
         self._in_flight += 1
+        self._busy_time.change(1)
         try:
             yield
         finally:
             self._in_flight -= 1
+            self._busy_time.change(-1)
 
     @asynccontextmanager
     async def _mapped_errors(self) -> AsyncIterator[None]:

@@ -125,6 +125,8 @@ class NodeServicer(node_pb2_grpc.NodeServiceServicer):
             kv_cache_used_bytes=load.kv_cache_used_bytes,
             prefix_cache_tokens=load.prefix_cache_tokens,
             prefix_cache_max_tokens=load.prefix_cache_max_tokens,
+            busy_seconds=load.busy_seconds,
+            slot_busy_seconds=load.slot_busy_seconds,
             backend=s.placement.backend,
             gpu_layers=s.placement.gpu_layers,
             model_layers=s.placement.layers,

@@ -49,7 +49,12 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from disagg_mesh.server.common.engines.base import EngineLoad, PrefillOutput, TokenRates
+from disagg_mesh.server.common.engines.base import (
+    BusyTime,
+    EngineLoad,
+    PrefillOutput,
+    TokenRates,
+)
 from disagg_mesh.server.common.engines.llama_cpp.context import Row, SlotContext
 from disagg_mesh.server.common.engines.llama_cpp.grammars import Grammar
 from disagg_mesh.server.common.engines.llama_cpp.host_threads import HostThreads, yield_to_io
@@ -263,6 +268,7 @@ class Scheduler:
         self._pending: deque[Job] = deque()
         self._slots: list[Slot | None] = [None] * context.slots
         self._busy = 0
+        self._busy_time = BusyTime()
         self._parked_cells = 0
         self._stopping = False
         self._order = itertools.count()
@@ -307,6 +313,7 @@ class Scheduler:
         prompt_tps, decode_tps = self._rates.per_second()
         with self._cv:
             busy, pending = self._busy, len(self._pending)
+        busy_s, slot_busy_s = self._busy_time.totals()
         return EngineLoad(
             slots=self._ctx.slots,
             slots_busy=busy,
@@ -318,6 +325,8 @@ class Scheduler:
             kv_cache_used_bytes=self._cells_used * self._kv_bytes_per_token,
             prefix_cache_tokens=self._cache.tokens if self._cache else 0,
             prefix_cache_max_tokens=self._cache.budget_tokens if self._cache else 0,
+            busy_seconds=busy_s,
+            slot_busy_seconds=slot_busy_s,
         )
 
     def stop(self) -> None:
@@ -427,6 +436,7 @@ class Scheduler:
             )
             self._slots[index] = slot
             self._busy += 1
+            self._busy_time.change(1)
             admitted.append(slot)
             if job.tell_admitted:
                 self._emit(job, ADMITTED)
@@ -847,6 +857,7 @@ class Scheduler:
         with self._cv:
             self._slots[slot.index] = None
             self._busy -= 1
+            self._busy_time.change(-1)
 
     def _free_parked(self) -> None:
         self._ctx.free_parked()

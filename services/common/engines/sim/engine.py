@@ -51,6 +51,7 @@ from typing import Literal
 
 from disagg_mesh.server.common.config.topology import SchemaLimits
 from disagg_mesh.server.common.engines.base import (
+    BusyTime,
     EngineLoad,
     Generation,
     Placement,
@@ -242,6 +243,7 @@ class SimEngine:
         self.kv_transfer = KvTransferKind.STATE
         self.loaded_in_memory = True
         self._free = list(range(settings.slots))
+        self._busy_time = BusyTime()
         self._waiting: deque[asyncio.Future[int]] = deque()
         # One compute per machine: the sim nodes of one host in this loop share it.
         self._compute = _host_compute(settings.host)
@@ -381,6 +383,7 @@ class SimEngine:
 
     def load(self) -> EngineLoad:
         prompt_tps, decode_tps = self._rates.per_second()
+        busy_s, slot_busy_s = self._busy_time.totals()
         return EngineLoad(
             slots=self._settings.slots,
             slots_busy=self._settings.slots - len(self._free),
@@ -392,6 +395,8 @@ class SimEngine:
             prefix_cache_max_tokens=self._settings.prefix_cache_tokens
             if self._settings.prefix_cache == "blocks"
             else 0,
+            busy_seconds=busy_s,
+            slot_busy_seconds=slot_busy_s,
         )
 
     async def close(self) -> None:
@@ -617,6 +622,7 @@ class SimEngine:
         if self._free:
             slot = self._slot_prompts.best(self._free, blocks)
             self._free.remove(slot)
+            self._busy_time.change(1)
         else:
             if len(self._waiting) >= self._settings.max_queue:
                 raise ResourceExhausted(
@@ -646,6 +652,7 @@ class SimEngine:
                 turn.set_result(slot)  # the slot goes to the next caller as it is
                 return
         self._free.append(slot)
+        self._busy_time.change(-1)
 
     def _state(self, seed: int, tokens: int, blocks: Blocks) -> bytes:
         """A KV state of `tokens` positions at the real size (or its header alone,
