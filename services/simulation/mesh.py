@@ -101,11 +101,13 @@ async def run_mesh(
                         progress(f"{done}/{len(requests)} requests answered")
             finally:
                 run.wall_seconds = (time.monotonic() - started) * speedup
-            after = await _busy(nodes)
             wall = time.monotonic() - began
+            after = await _busy(nodes)
             for name, (busy, slot_busy, slots) in after.items():
-                was = before.get(name, (0.0, 0.0, slots))
-                run.use[name] = NodeUse(wall, busy - was[0], slot_busy - was[1], slots)
+                was = before.get(name)
+                if was is not None and busy >= was[0]:  # else it started again: from its start
+                    busy, slot_busy = busy - was[0], slot_busy - was[1]
+                run.use[name] = NodeUse(wall, busy, slot_busy, slots)
         return run
     finally:
         processes.stop()
@@ -128,15 +130,17 @@ def _served(result: Any, speedup: float) -> Served:
 
 
 async def _busy(nodes: Sequence[Node]) -> dict[str, tuple[float, float, int]]:
-    """Each node's busy seconds, slot-seconds and slots so far (a node that does not answer
-    is left out)."""
-    out: dict[str, tuple[float, float, int]] = {}
-    for node in nodes:
+    """Each node's busy seconds, slot-seconds and slots so far, all asked at once (a node
+    that does not answer is left out)."""
+
+    async def one(node: Node) -> tuple[float, float, int] | None:
         async with grpc.aio.insecure_channel(node.address) as channel:
             stub: Any = node_pb2_grpc.NodeServiceStub(channel)
             try:
                 info = await stub.GetNodeInfo(node_pb2.GetNodeInfoRequest(), timeout=5.0)
             except grpc.aio.AioRpcError:
-                continue
-            out[node.name] = (info.busy_seconds, info.slot_busy_seconds, info.slots)
-    return out
+                return None
+            return info.busy_seconds, info.slot_busy_seconds, info.slots
+
+    got = await asyncio.gather(*(one(node) for node in nodes))
+    return {node.name: use for node, use in zip(nodes, got, strict=True) if use is not None}
