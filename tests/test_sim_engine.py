@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import grpc
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -24,7 +25,7 @@ from disagg_mesh.server.common.engines.sim.engine import prompt_tokens
 from disagg_mesh.server.common.engines.sim.profile import load_profile
 from disagg_mesh.server.common.runtime.processes import MeshProcesses, free_port
 from disagg_mesh.server.common.types import Prompt
-from tests.conftest import node_entry, route, router_node, running_mesh
+from tests.conftest import Mesh, node_entry, route, router_node, running_mesh
 from tests.streams import collect
 
 MODEL = "qwen3-coder:30b"
@@ -375,3 +376,82 @@ async def test_an_answer_ends_at_its_first_stop_string(sim_mesh: MeshProcesses) 
             client, model=model, messages=messages, max_tokens=60, stop=[stop]
         )
         assert streamed == text[: text.index(stop)]
+
+
+def shape(message: Any, path: str = "") -> set[str]:
+    """The fields a protobuf message sets, a nested message's fields by their path (a
+    duration is one value)."""
+    out: set[str] = set()
+    for field, value in message.ListFields():
+        name = path + field.name
+        out.add(name)
+        kind = field.message_type
+        if (
+            kind is not None
+            and not field.is_repeated
+            and kind.full_name != "google.protobuf.Duration"
+        ):
+            out |= shape(value, name + ".")
+    return out
+
+
+def keys(value: Any, path: str = "") -> set[str]:
+    """The keys of a JSON value, nested ones by their path (a list's by its first item)."""
+    if isinstance(value, list):
+        return keys(value[0], path + "[].") if value else set()
+    if not isinstance(value, dict):
+        return set()
+    out: set[str] = set()
+    for key, item in value.items():
+        out |= {path + key} | keys(item, path + key + ".")
+    return out
+
+
+async def test_sim_nodes_answer_in_the_shape_real_nodes_answer(
+    sim_mesh: MeshProcesses, mesh: Mesh
+) -> None:
+    """The contract, side by side: a request new to both meshes, through real nodes of the
+    embedded model and through sim nodes, each way of serving (KV handoff; the decode node
+    alone): over gRPC the same stream and the same summary fields set; through the OpenAI
+    door the same JSON, whole and streamed."""
+    ways = [("qwen3-coder:30b", MODEL, "disaggregated"), ("test/decode-only", ALONE, "alone")]
+    for real_route, sim_route, way in ways:
+        prompt = f"Grade submission {way}-{time.time_ns()}: def add(a, b): return a - b."
+        async with (
+            grpc.aio.insecure_channel(mesh.router_address) as real_channel,
+            grpc.aio.insecure_channel(sim_mesh.topology.router.address) as sim_channel,
+        ):
+            real_stub: Any = router_pb2_grpc.RouterServiceStub(real_channel)
+            sim_stub: Any = router_pb2_grpc.RouterServiceStub(sim_channel)
+            real = await collect(real_stub.Generate(generate(real_route, 8, prompt)))
+            sim = await collect(sim_stub.Generate(generate(sim_route, 8, prompt)))
+        assert real.summary is not None and sim.summary is not None
+        assert real.summary.method == sim.summary.method, way
+        assert real.deltas >= 1 and sim.deltas >= 1
+        assert shape(real.summary) == shape(sim.summary), (
+            way,
+            shape(real.summary) ^ shape(sim.summary),
+        )
+        for stream in (False, True):
+            got = []
+            for router, model in (
+                (mesh.topology.router, real_route),
+                (sim_mesh.topology.router, sim_route),
+            ):
+                body = {
+                    "model": model,
+                    "messages": [{"role": "user", "content": f"{prompt} {stream}"}],
+                    "max_tokens": 8,
+                    "stream": stream,
+                }
+                url = f"http://127.0.0.1:{router.http_port}/v1/chat/completions"
+                async with httpx.AsyncClient(timeout=60) as client:
+                    reply = await client.post(url, json=body)
+                assert reply.status_code == 200, reply.text
+                if stream:
+                    lines = [x[6:] for x in reply.text.splitlines() if x.startswith("data: ")]
+                    assert lines[-1] == "[DONE]"
+                    got.append(set().union(*(keys(json.loads(x)) for x in lines[:-1])))
+                else:
+                    got.append(keys(reply.json()))
+            assert got[0] == got[1], (way, stream, got[0] ^ got[1])
