@@ -119,11 +119,11 @@ class BusyTime:
         self._any_s = 0.0
         self._slot_s = 0.0
 
-    def change(self, slots: int) -> None:
-        """`slots` more slots in use from now (fewer when negative)."""
+    def set(self, busy: int) -> None:
+        """The engine's own count of slots in use, as it changes."""
         with self._lock:
             self._advance()
-            self._busy += slots
+            self._busy = busy
 
     def totals(self) -> tuple[float, float]:
         """Seconds with a slot in use, and slot-seconds in use, up to now."""

@@ -370,12 +370,12 @@ class OllamaEngine:
                 f"node busy: {self._in_flight} requests already in flight to Ollama; retry later"
             )
         self._in_flight += 1
-        self._busy_time.change(1)
+        self._busy_time.set(self._in_flight)
         try:
             yield
         finally:
             self._in_flight -= 1
-            self._busy_time.change(-1)
+            self._busy_time.set(self._in_flight)
 
     @asynccontextmanager
     async def _mapped_errors(self) -> AsyncIterator[None]:

@@ -436,7 +436,7 @@ class Scheduler:
             )
             self._slots[index] = slot
             self._busy += 1
-            self._busy_time.change(1)
+            self._busy_time.set(self._busy)
             admitted.append(slot)
             if job.tell_admitted:
                 self._emit(job, ADMITTED)
@@ -857,7 +857,7 @@ class Scheduler:
         with self._cv:
             self._slots[slot.index] = None
             self._busy -= 1
-            self._busy_time.change(-1)
+            self._busy_time.set(self._busy)
 
     def _free_parked(self) -> None:
         self._ctx.free_parked()

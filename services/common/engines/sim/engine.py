@@ -386,7 +386,7 @@ class SimEngine:
         busy_s, slot_busy_s = self._busy_time.totals()
         return EngineLoad(
             slots=self._settings.slots,
-            slots_busy=self._settings.slots - len(self._free),
+            slots_busy=self._slots_busy,
             queue_depth=len(self._waiting),
             max_queue=self._settings.max_queue,
             prompt_tokens_per_second=prompt_tps,
@@ -622,7 +622,7 @@ class SimEngine:
         if self._free:
             slot = self._slot_prompts.best(self._free, blocks)
             self._free.remove(slot)
-            self._busy_time.change(1)
+            self._busy_time.set(self._slots_busy)
         else:
             if len(self._waiting) >= self._settings.max_queue:
                 raise ResourceExhausted(
@@ -645,6 +645,10 @@ class SimEngine:
         finally:
             self._release(slot)
 
+    @property
+    def _slots_busy(self) -> int:
+        return self._settings.slots - len(self._free)
+
     def _release(self, slot: int) -> None:
         while self._waiting:
             turn = self._waiting.popleft()
@@ -652,7 +656,7 @@ class SimEngine:
                 turn.set_result(slot)  # the slot goes to the next caller as it is
                 return
         self._free.append(slot)
-        self._busy_time.change(-1)
+        self._busy_time.set(self._slots_busy)
 
     def _state(self, seed: int, tokens: int, blocks: Blocks) -> bytes:
         """A KV state of `tokens` positions at the real size (or its header alone,
