@@ -44,6 +44,7 @@ import grpc
 from bench.common import MODEL, ROOT, median, on_llama_thread, report_alone, say
 from bench.work import Work, figure, record, total
 from disagg_mesh.proto.v1 import decode_pb2, decode_pb2_grpc, types_pb2
+from disagg_mesh.server.common.engines.llama_cpp.model import KV_CACHE_TYPES
 from disagg_mesh.server.common.engines.llama_cpp.sampling import SlotSampler, end_tokens
 from disagg_mesh.server.common.models import resolve_model_path
 from disagg_mesh.server.common.runtime.processes import free_port, serving_mesh
@@ -83,7 +84,11 @@ class RawBatched:
     different one now and then, made one stream 2.7x slower here (36 against 98 tok/s, 2
     cores), and so did a thread of its own after row 2's passes on the main thread."""
 
-    def __init__(self, model_path: Path, threads: int) -> None:
+    def __init__(
+        self, model_path: Path, threads: int, *, stream_cells: int = 0, type_k: str = "f16"
+    ) -> None:
+        """stream_cells > 0: instead of the node's unified cache, one KV stream a sequence
+        (llama.cpp's non-unified cache, llama-server's default) of that many cells each."""
         self.llm: Any = llama_cpp.Llama(model_path=str(model_path), vocab_only=True, verbose=False)
         self.ends = end_tokens(self.llm._model.vocab, self.llm.n_vocab())
         params = llama_cpp.llama_model_default_params()
@@ -91,11 +96,12 @@ class RawBatched:
         ctx_params = llama_cpp.llama_context_default_params()
         # The node's own settings: slots x n_ctx cells, 512-token batches, flash attention,
         # one extra sequence (the node's parked cells).
-        ctx_params.n_ctx = SLOTS * N_CTX
+        ctx_params.n_ctx = (SLOTS + 1) * stream_cells if stream_cells else SLOTS * N_CTX
         ctx_params.n_batch = 512
         ctx_params.n_ubatch = 512
         ctx_params.n_seq_max = SLOTS + 1
-        ctx_params.kv_unified = True
+        ctx_params.kv_unified = not stream_cells
+        ctx_params.type_k = KV_CACHE_TYPES[type_k].ggml_type
         ctx_params.n_threads = ctx_params.n_threads_batch = threads
         ctx_params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
         self._ctx = llama_cpp.llama_init_from_model(self._model, ctx_params)

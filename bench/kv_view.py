@@ -1,13 +1,18 @@
 """How a decode step's time grows with KV cells that are not its streams' own.
 
     python -m bench.kv_view [--streams 16 1] [--other 0 4096 16384] [--repeats 2]
+        [--layouts unified streams] [--type-k f16]
 
-Raw llama.cpp in this process, in the node's unified context (bench/batching.py's
-RawBatched): `--other` cells of another sequence are evaluated first, then the streams'
-prompts, so every step's attention and mask span those cells too (as a node's prefix cache
-and parked cells do); then greedy steps of one token a stream. Reported per step: its time,
-the time llama_decode took to return (on a GPU: the graph built and queued, the mask
-included), and the wait for the first row's logits (on a GPU: the rest of the pass).
+Raw llama.cpp in this process (bench/batching.py's RawBatched), in the node's unified
+context or with one KV stream a sequence (`--layouts`: llama.cpp's non-unified cache,
+llama-server's default): `--other` cells of another sequence are evaluated first, then the
+streams' prompts; in the unified context every step's attention and mask span those cells
+too (as a node's prefix cache and parked cells do), in its own stream a sequence attends to
+its own cells only. Then greedy steps of one token a stream. Reported per step: its time
+(against the same layout with no other cells), the time llama_decode took to return (on a
+GPU: the graph built and queued, the mask included), and the wait for the first row's
+logits (on a GPU: the rest of the pass). The other cells are evaluated once a layout and
+count, then each repeat starts its streams afresh beside them.
 """
 
 from __future__ import annotations
@@ -22,24 +27,29 @@ import time
 import llama_cpp
 # isort: on
 
-from bench.batching import SLOTS, RawBatched, counting
+from bench.batching import N_CTX, SLOTS, RawBatched, counting
 from bench.common import MODEL, ROOT, median, say
+from disagg_mesh.server.common.engines.llama_cpp.model import KV_CACHE_TYPES
 from disagg_mesh.server.common.engines.llama_cpp.sampling import SlotSampler
 from disagg_mesh.server.common.models import resolve_model_path
 from disagg_mesh.server.common.types import Sampling
 
 OTHER_SEQ = SLOTS  # RawBatched's context has SLOTS + 1 sequences
+LAYOUTS = ("unified", "streams")
 
 
 def step_times(
     raw: RawBatched, streams: int, new_tokens: int, other: int
 ) -> tuple[float, float, float]:
     """Seconds a step: whole, llama_decode's return, the first row's logits after it."""
-    llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(raw._ctx), True)
-    for start in range(0, other, 512):
-        raw._decode(
-            [(100 + p % 1000, p, OTHER_SEQ, False) for p in range(start, min(other, start + 512))]
-        )
+    memory = llama_cpp.llama_get_memory(raw._ctx)
+    for s in range(OTHER_SEQ):
+        llama_cpp.llama_memory_seq_rm(memory, s, -1, -1)
+    if llama_cpp.llama_memory_seq_pos_max(memory, OTHER_SEQ) + 1 != other:
+        llama_cpp.llama_memory_clear(memory, True)
+        for start in range(0, other, 512):
+            end = min(other, start + 512)
+            raw._decode([(100 + p % 1000, p, OTHER_SEQ, False) for p in range(start, end)])
     greedy = Sampling(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     samplers = [SlotSampler(greedy, 0, raw.ends, raw.llm.n_vocab()) for _ in range(streams)]
     prompts = [
@@ -77,25 +87,34 @@ def main() -> int:
     parser.add_argument("--new-tokens", type=int, default=160)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--layouts", nargs="+", choices=LAYOUTS, default=["unified"])
+    parser.add_argument("--type-k", choices=sorted(KV_CACHE_TYPES), default="f16")
     args = parser.parse_args()
     threads = args.threads or os.cpu_count() or 1
-    raw = RawBatched(resolve_model_path(MODEL, ROOT), threads)
-    try:
-        for streams in args.streams:
-            base = 0.0
+    for layout in args.layouts:
+        # One stream a sequence: each as big as the other cells and a slot's n_ctx need.
+        cells = max([*args.other, N_CTX]) + 256 if layout == "streams" else 0
+        raw = RawBatched(
+            resolve_model_path(MODEL, ROOT), threads, stream_cells=cells, type_k=args.type_k
+        )
+        try:
+            base: dict[int, float] = {}
             for other in args.other:
-                runs = [
-                    step_times(raw, streams, args.new_tokens, other) for _ in range(args.repeats)
-                ]
-                step, returned, waited = (median([r[k] for r in runs]) for k in range(3))
-                base = base or step
-                say(
-                    f"{streams:>2} streams, {other:>5} other cells: step {step * 1e3:.2f} ms "
-                    f"({step / base:.2f}x), llama_decode returned after {returned * 1e3:.2f} ms, "
-                    f"first logits {waited * 1e3:.2f} ms after that"
-                )
-    finally:
-        raw.close()
+                for streams in args.streams:
+                    runs = [
+                        step_times(raw, streams, args.new_tokens, other)
+                        for _ in range(args.repeats)
+                    ]
+                    step, returned, waited = (median([r[k] for r in runs]) for k in range(3))
+                    base.setdefault(streams, step)
+                    say(
+                        f"{layout}, K {args.type_k}: {streams:>2} streams, {other:>5} other "
+                        f"cells: step {step * 1e3:.2f} ms ({step / base[streams]:.2f}x), "
+                        f"llama_decode returned after {returned * 1e3:.2f} ms, first logits "
+                        f"{waited * 1e3:.2f} ms after that"
+                    )
+        finally:
+            raw.close()
     return 0
 
 
