@@ -23,21 +23,16 @@ flash attention, 2 threads), each against a reference computed in the same run:
    cached prefix and a request's delta join into one state (`joined`) that loads in one
    call, and decodes as the same chunks evaluated in one process.
 
-The state layout read here is llama.cpp's (llama-kv-cache.cpp, `state_write`): a magic and
-the sequence id, then per cache the stream count and per stream its cell count, each cell's
-position and sequence ids, then K rows of every layer and V rows of every layer (not
-transposed with flash attention). A sliding-window model's state (gemma3) holds two such
-caches, one after the other.
+The state's bytes are read and rewritten by the engine's `kv_state.py`.
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
-import struct
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import replace
 from typing import Any
 
 # isort: off
@@ -48,93 +43,23 @@ import llama_cpp
 import numpy as np
 
 from bench.common import MODEL, ROOT, say
+from disagg_mesh.server.common.engines.llama_cpp.kv_state import caches, joined, with_streams
 from disagg_mesh.server.common.engines.llama_cpp.model import KV_CACHE_TYPES
 from disagg_mesh.server.common.models import resolve_model_path
 
 # A llama_context pointer as llama_cpp's bindings hand it out.
 Context = Any
-HEADER = 8  # llama.cpp's state magic and the exporting sequence's id
 CELLS_PER_SEQ = 2048
-
-
-@dataclass(frozen=True)
-class Stream:
-    """One stream's record of a state: its cells' metadata and, per layer, K then V rows."""
-
-    cells: int
-    meta: bytes
-    layout: bytes  # v_trans and the layer count
-    tensors: tuple[tuple[bytes, bytes], ...]  # (type and row size, rows) per K, then V
-
-    def encode(self) -> bytes:
-        body = b"".join(head + rows for head, rows in self.tensors)
-        return struct.pack("<I", self.cells) + self.meta + self.layout + body
-
-
-def streams(state: bytes) -> tuple[int, list[Stream]]:
-    """A one-cache state's stream count and its non-empty streams' records."""
-    view = memoryview(state)
-    (count,) = struct.unpack_from("<I", view, HEADER)
-    offset, found = HEADER + 4, []
-    for _ in range(count):
-        (cells,) = struct.unpack_from("<I", view, offset)
-        offset += 4
-        if not cells:
-            continue
-        meta = offset
-        for _ in range(cells):
-            _pos, n_seq = struct.unpack_from("<iI", view, offset)
-            offset += 8 + 4 * n_seq
-        meta_bytes = bytes(view[meta:offset])
-        v_trans, layers = struct.unpack_from("<II", view, offset)
-        if v_trans:
-            raise ValueError("a transposed V (flash attention off) is not read here")
-        layout = bytes(view[offset : offset + 8])
-        offset += 8
-        tensors = []
-        for _ in range(2 * layers):
-            _type, row = struct.unpack_from("<iQ", view, offset)
-            rows = offset + 12 + cells * row
-            tensors.append((bytes(view[offset : offset + 12]), bytes(view[offset + 12 : rows])))
-            offset = rows
-        found.append(Stream(cells, meta_bytes, layout, tuple(tensors)))
-    if offset != len(state):
-        raise ValueError(f"{len(state) - offset} bytes after the last stream: not one cache")
-    return count, found
-
-
-def with_streams(state: bytes, count: int) -> bytes:
-    """The same one-sequence state for a cache of `count` streams: what a context with one
-    stream a sequence loads into any of its slots. A one-sequence state has at most one
-    non-empty stream, so its bytes are found without reading the cells: the empty streams
-    are a zero count each, before and after it."""
-    (had,) = struct.unpack_from("<I", state, HEADER)
-    start = HEADER + 4
-    while had and start < len(state) and not struct.unpack_from("<I", state, start)[0]:
-        start, had = start + 4, had - 1
-    end = len(state) - 4 * max(had - 1, 0)
-    record = memoryview(state)[start:end]
-    empty = bytes(4 * (count - (1 if len(record) else 0)))
-    return b"".join((state[:HEADER], struct.pack("<I", count), record, empty))
-
-
-def joined(prefix: bytes, delta: bytes) -> bytes:
-    """A cached prefix's one-stream state and the state of the cells after it, as one."""
-    (_, [a]), (_, [b]) = streams(prefix), streams(delta)
-    if a.layout != b.layout or [h for h, _ in a.tensors] != [h for h, _ in b.tensors]:
-        raise ValueError("the two states come from caches of different layouts")
-    tensors = tuple((h, ra + rb) for (h, ra), (_, rb) in zip(a.tensors, b.tensors, strict=True))
-    both = Stream(a.cells + b.cells, a.meta + b.meta, a.layout, tensors)
-    return prefix[:HEADER] + struct.pack("<I", 1) + both.encode()
 
 
 class Raw:
     """SmolLM2 through llama.cpp's own API: contexts, greedy decoding, states."""
 
-    def __init__(self, type_k: str) -> None:
-        path = str(resolve_model_path(MODEL, ROOT)).encode()
+    def __init__(self, type_k: str, path: str | None = None) -> None:
+        """SmolLM2, or the GGUF at `path`."""
         self.model = llama_cpp.llama_model_load_from_file(
-            path, llama_cpp.llama_model_default_params()
+            (path or str(resolve_model_path(MODEL, ROOT))).encode(),
+            llama_cpp.llama_model_default_params(),
         )
         self.vocab = llama_cpp.llama_model_get_vocab(self.model)
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(self.vocab)
@@ -272,9 +197,10 @@ def check(type_k: str, new_tokens: int) -> bool:
         llama_cpp.llama_memory_seq_rm(memory, 2, -1, -1)
         raw.load(four, rewritten, 2)
         exported = raw.export(four, 2)
-        count, records = streams(exported)
+        [cache] = caches(exported)
+        count, records = cache.stream_count, [cache.cells] if cache.cells else []
         reduced = with_streams(exported, 1)
-        if streams(reduced) != (1, records):
+        if caches(reduced) != [replace(cache, stream_count=1)]:
             raise RuntimeError("with_streams changed the state's cells")
         other = raw.context(1, unified=True)
         back = (
