@@ -100,7 +100,7 @@ class RawBatched:
         ctx_params.n_batch = 512
         ctx_params.n_ubatch = 512
         ctx_params.n_seq_max = SLOTS + 1
-        ctx_params.kv_unified = not stream_cells
+        ctx_params.kv_unified = self.unified = not stream_cells
         ctx_params.type_k = KV_CACHE_TYPES[type_k].ggml_type
         ctx_params.n_threads = ctx_params.n_threads_batch = threads
         ctx_params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED

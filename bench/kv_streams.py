@@ -23,7 +23,7 @@ flash attention, 2 threads), each against a reference computed in the same run:
    cached prefix and a request's delta join into one state (`joined`) that loads in one
    call, and decodes as the same chunks evaluated in one process.
 
-The state's bytes are read and rewritten by the engine's `kv_state.py`.
+The state's bytes are read and rewritten by `kv_state.py`.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ import llama_cpp
 import numpy as np
 
 from bench.common import MODEL, ROOT, say
-from disagg_mesh.server.common.engines.llama_cpp.kv_state import caches, joined, with_streams
+from bench.kv_state import caches, joined, with_streams
 from disagg_mesh.server.common.engines.llama_cpp.model import KV_CACHE_TYPES
 from disagg_mesh.server.common.models import resolve_model_path
 

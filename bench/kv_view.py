@@ -18,6 +18,7 @@ count, then each repeat starts its streams afresh beside them.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import sys
 import time
@@ -39,9 +40,14 @@ LAYOUTS = ("unified", "streams")
 
 
 def step_times(
-    raw: RawBatched, streams: int, new_tokens: int, other: int
-) -> tuple[float, float, float]:
-    """Seconds a step: whole, llama_decode's return, the first row's logits after it."""
+    raw: RawBatched, streams: int, new_tokens: int, other: int, shared: int = 0
+) -> tuple[float, float, float, float]:
+    """Seconds a step: whole, llama_decode's return, the first row's logits after it; and
+    the seconds the shared prefix took to reach every stream.
+    `shared`: the streams' prompts begin with the same `shared` tokens (a rubric), evaluated
+    once and given to every stream as the node's prefix cache would: in the unified cache
+    the same cells (llama_memory_seq_cp), with one stream a sequence a copy each (the first
+    stream's state loaded into the others)."""
     memory = llama_cpp.llama_get_memory(raw._ctx)
     for s in range(OTHER_SEQ):
         llama_cpp.llama_memory_seq_rm(memory, s, -1, -1)
@@ -52,14 +58,22 @@ def step_times(
             raw._decode([(100 + p % 1000, p, OTHER_SEQ, False) for p in range(start, end)])
     greedy = Sampling(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     samplers = [SlotSampler(greedy, 0, raw.ends, raw.llm.n_vocab()) for _ in range(streams)]
+    prefix, given = rubric(raw, shared), 0.0
+    if prefix:
+        for start in range(0, len(prefix), 512):
+            piece = prefix[start : start + 512]
+            raw._decode([(t, start + i, 0, False) for i, t in enumerate(piece)])
+        given = share_prefix(raw, len(prefix), streams)
     prompts = [
-        raw.llm.tokenize(counting(i).encode(), add_bos=True, special=True) for i in range(streams)
+        raw.llm.tokenize(counting(i).encode(), add_bos=not prefix, special=True)
+        for i in range(streams)
     ]
     last = []
     for s, tokens in enumerate(prompts):
-        raw._decode([(t, p, s, p == len(tokens) - 1) for p, t in enumerate(tokens)])
+        at = len(prefix)
+        raw._decode([(t, at + p, s, p == len(tokens) - 1) for p, t in enumerate(tokens)])
         last.append(samplers[s].sample(raw._ctx, len(tokens) - 1))
-    positions = [len(t) for t in prompts]
+    positions = [len(prefix) + len(t) for t in prompts]
     returned = waited = 0.0
     started = time.perf_counter()
     for _ in range(new_tokens - 1):
@@ -75,7 +89,39 @@ def step_times(
     steps = new_tokens - 1
     for sampler in samplers:
         sampler.close()
-    return (time.perf_counter() - started) / steps, returned / steps, waited / steps
+    return (time.perf_counter() - started) / steps, returned / steps, waited / steps, given
+
+
+def rubric(raw: RawBatched, tokens: int) -> list[int]:
+    """A grader's rubric of `tokens` tokens (none for 0), BOS first."""
+    if not tokens:
+        return []
+    text = "You grade Python homework. Rubric: " + " ".join(
+        f"criterion {i}: the code handles case {i} correctly and clearly." for i in range(tokens)
+    )
+    ids: list[int] = raw.llm.tokenize(text.encode(), add_bos=True, special=True)
+    return ids[:tokens]
+
+
+def share_prefix(raw: RawBatched, tokens: int, streams: int) -> float:
+    """Sequence 0's first `tokens` positions given to sequences 1..streams-1; seconds it
+    took."""
+    memory = llama_cpp.llama_get_memory(raw._ctx)
+    started = time.perf_counter()
+    if raw.unified:
+        for s in range(1, streams):
+            llama_cpp.llama_memory_seq_cp(memory, 0, s, 0, tokens)
+        return time.perf_counter() - started
+    # One stream a sequence: whole buffers only between streams, so the state's bytes (its
+    # one stream with cells goes to whichever sequence loads it).
+    size = llama_cpp.llama_state_seq_get_size(raw._ctx, 0)
+    state = (ctypes.c_uint8 * size)()
+    if llama_cpp.llama_state_seq_get_data(raw._ctx, state, size, 0) != size:
+        raise RuntimeError("state export failed")
+    for s in range(1, streams):
+        if llama_cpp.llama_state_seq_set_data(raw._ctx, state, size, s) != size:
+            raise RuntimeError("state load failed")
+    return time.perf_counter() - started
 
 
 def main() -> int:
@@ -89,6 +135,9 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--layouts", nargs="+", choices=LAYOUTS, default=["unified"])
     parser.add_argument("--type-k", choices=sorted(KV_CACHE_TYPES), default="f16")
+    parser.add_argument(
+        "--shared", type=int, default=0, help="tokens every stream's prompt begins with"
+    )
     args = parser.parse_args()
     threads = args.threads or os.cpu_count() or 1
     for layout in args.layouts:
@@ -102,16 +151,18 @@ def main() -> int:
             for other in args.other:
                 for streams in args.streams:
                     runs = [
-                        step_times(raw, streams, args.new_tokens, other)
+                        step_times(raw, streams, args.new_tokens, other, args.shared)
                         for _ in range(args.repeats)
                     ]
-                    step, returned, waited = (median([r[k] for r in runs]) for k in range(3))
+                    step, returned, waited, given = (median([r[k] for r in runs]) for k in range(4))
                     base.setdefault(streams, step)
                     say(
-                        f"{layout}, K {args.type_k}: {streams:>2} streams, {other:>5} other "
-                        f"cells: step {step * 1e3:.2f} ms ({step / base[streams]:.2f}x), "
+                        f"{layout}, K {args.type_k}: {streams:>2} streams"
+                        f"{f' sharing {args.shared} tokens' if args.shared else ''}, {other:>5} "
+                        f"other cells: step {step * 1e3:.2f} ms ({step / base[streams]:.2f}x), "
                         f"llama_decode returned after {returned * 1e3:.2f} ms, first logits "
                         f"{waited * 1e3:.2f} ms after that"
+                        + (f"; the shared prefix given in {given * 1e3:.1f} ms" if given else "")
                     )
         finally:
             raw.close()

@@ -1,4 +1,4 @@
-"""kv_state.py (a one-sequence KV state's bytes, read and rewritten) and bench/kv_streams.py
+"""bench/kv_state.py (a one-sequence KV state's bytes, read and rewritten) and bench/kv_streams.py
 (what one KV stream a sequence keeps of the node's state guarantees, #42), against real
 llama.cpp states: SmolLM2's one cache and gemma3's two (full and sliding-window layers). If
 llama.cpp's state layout changes under a new version, these say so first."""
@@ -10,8 +10,7 @@ import struct
 import llama_cpp
 import pytest
 
-from bench.kv_streams import Raw, check
-from disagg_mesh.server.common.engines.llama_cpp.kv_state import (
+from bench.kv_state import (
     HEADER,
     StateLayoutError,
     caches,
@@ -19,6 +18,7 @@ from disagg_mesh.server.common.engines.llama_cpp.kv_state import (
     joined,
     with_streams,
 )
+from bench.kv_streams import Raw, check
 from tests.test_model_families import gemma3_path
 
 

@@ -1,5 +1,6 @@
-"""A one-sequence KV state's bytes, read and rewritten without llama.cpp (#42's layout of
-one KV stream a sequence: docs/batching.md, "A decode step does pay for them").
+"""A one-sequence KV state's bytes, read and rewritten without llama.cpp: what a node with
+one KV stream a sequence would need (#42; docs/batching.md, "A decode step does pay for
+them", says why the engine keeps its unified cache for now).
 
 llama.cpp's layout (llama-kv-cache.cpp, `state_write`; llama-context.cpp for the header): a
 magic and the exporting sequence's id, then each KV cache of the model (one; two for a
