@@ -1,7 +1,7 @@
 """How a decode step's time grows with KV cells that are not its streams' own.
 
     python -m bench.kv_view [--streams 16 1] [--other 0 4096 16384] [--repeats 2]
-        [--layouts unified streams] [--type-k f16]
+        [--layouts unified streams] [--type-k f16] [--shared 1500]
 
 Raw llama.cpp in this process (bench/batching.py's RawBatched), in the node's unified
 context or with one KV stream a sequence (`--layouts`: llama.cpp's non-unified cache,
@@ -12,7 +12,9 @@ its own cells only. Then greedy steps of one token a stream. Reported per step: 
 (against the same layout with no other cells), the time llama_decode took to return (on a
 GPU: the graph built and queued, the mask included), and the wait for the first row's
 logits (on a GPU: the rest of the pass). The other cells are evaluated once a layout and
-count, then each repeat starts its streams afresh beside them.
+count, then each repeat starts its streams afresh beside them. `--shared N`: every stream's
+prompt begins with the same N-token rubric (the grader's shape), evaluated once and given
+to the others as the node's prefix cache gives it (`share_prefix`).
 """
 
 from __future__ import annotations
