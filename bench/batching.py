@@ -65,6 +65,23 @@ def counting(i: int) -> str:
     return f"Count from {i} to one thousand, one number a line: {i}, {i + 1}, {i + 2},"
 
 
+def rubric_text(criteria: int) -> str:
+    """A grader's rubric of `criteria` criteria (~13 tokens each)."""
+    return "You grade Python homework. Rubric: " + " ".join(
+        f"criterion {i}: the code handles case {i} correctly and clearly." for i in range(criteria)
+    )
+
+
+def decode_rows(ctx: Any, batch: Any, rows: list[tuple[int, int, int, bool]]) -> None:
+    """llama_decode of (token, position, sequence, logits wanted) rows through `batch`."""
+    for i, (token, pos, seq, logits) in enumerate(rows):
+        batch.token[i], batch.pos[i], batch.n_seq_id[i] = token, pos, 1
+        batch.seq_id[i][0], batch.logits[i] = seq, logits
+    batch.n_tokens = len(rows)
+    if llama_cpp.llama_decode(ctx, batch) != 0:
+        raise RuntimeError("llama_decode failed")
+
+
 def long_prompt(llm: Any, tokens: int) -> str:
     lines = ["Review the following student submission and list its bugs.", ""]
     i = 0
@@ -108,13 +125,7 @@ class RawBatched:
         self._batch = llama_cpp.llama_batch_init(512, 0, 1)
 
     def _decode(self, rows: list[tuple[int, int, int, bool]]) -> None:
-        batch = self._batch
-        for i, (token, pos, seq, logits) in enumerate(rows):
-            batch.token[i], batch.pos[i], batch.n_seq_id[i] = token, pos, 1
-            batch.seq_id[i][0], batch.logits[i] = seq, logits
-        batch.n_tokens = len(rows)
-        if llama_cpp.llama_decode(self._ctx, batch) != 0:
-            raise RuntimeError("llama_decode failed")
+        decode_rows(self._ctx, self._batch, rows)
 
     def tokens_per_second(self, streams: int, new_tokens: int) -> tuple[float, Work]:
         """Generated tokens per second of `streams` sequences decoded together, and the

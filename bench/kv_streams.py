@@ -42,6 +42,7 @@ import llama_cpp
 
 import numpy as np
 
+from bench.batching import decode_rows, rubric_text
 from bench.common import MODEL, ROOT, say
 from bench.kv_state import caches, joined, with_streams
 from disagg_mesh.server.common.engines.llama_cpp.model import KV_CACHE_TYPES
@@ -50,6 +51,20 @@ from disagg_mesh.server.common.models import resolve_model_path
 # A llama_context pointer as llama_cpp's bindings hand it out.
 Context = Any
 CELLS_PER_SEQ = 2048
+
+
+def export_buffer(ctx: Context, seq: int) -> ctypes.Array[ctypes.c_uint8]:
+    """The sequence's state, as llama.cpp writes it."""
+    size = int(llama_cpp.llama_state_seq_get_size(ctx, seq))
+    buf = (ctypes.c_uint8 * size)()
+    if llama_cpp.llama_state_seq_get_data(ctx, buf, size, seq) != size:
+        raise RuntimeError("state export failed")
+    return buf
+
+
+def load_buffer(ctx: Context, buf: ctypes.Array[ctypes.c_uint8], seq: int) -> bool:
+    """Whether llama.cpp loaded the whole state into the sequence."""
+    return bool(llama_cpp.llama_state_seq_set_data(ctx, buf, len(buf), seq) == len(buf))
 
 
 class Raw:
@@ -87,13 +102,7 @@ class Raw:
         return list(buf[:n])
 
     def decode(self, ctx: Context, rows: list[tuple[int, int, int, bool]]) -> None:
-        batch = self.batch
-        for i, (token, pos, seq, logits) in enumerate(rows):
-            batch.token[i], batch.pos[i], batch.n_seq_id[i] = token, pos, 1
-            batch.seq_id[i][0], batch.logits[i] = seq, logits
-        batch.n_tokens = len(rows)
-        if llama_cpp.llama_decode(ctx, batch) != 0:
-            raise RuntimeError("llama_decode failed")
+        decode_rows(ctx, self.batch, rows)
 
     def pick(self, ctx: Context, row: int) -> int:
         logits = llama_cpp.llama_get_logits_ith(ctx, row)
@@ -111,7 +120,7 @@ class Raw:
                     for i, t in enumerate(piece)
                 ],
             )
-        return self.pick(ctx, len(tokens) - 1 - (len(tokens) - 1) // 512 * 512)
+        return self.pick(ctx, (len(tokens) - 1) % 512)
 
     def greedy(self, ctx: Context, starts: list[tuple[int, int, int]], n: int) -> list[list[int]]:
         """(sequence, first token, its position) decoded together, n steps: their tokens."""
@@ -125,15 +134,10 @@ class Raw:
         return texts
 
     def export(self, ctx: Context, seq: int) -> bytes:
-        size = llama_cpp.llama_state_seq_get_size(ctx, seq)
-        buf = (ctypes.c_uint8 * size)()
-        if llama_cpp.llama_state_seq_get_data(ctx, buf, size, seq) != size:
-            raise RuntimeError("state export failed")
-        return bytes(buf)
+        return bytes(export_buffer(ctx, seq))
 
     def load(self, ctx: Context, state: bytes, seq: int) -> bool:
-        buf = (ctypes.c_uint8 * len(state)).from_buffer_copy(state)
-        return bool(llama_cpp.llama_state_seq_set_data(ctx, buf, len(state), seq) == len(state))
+        return load_buffer(ctx, (ctypes.c_uint8 * len(state)).from_buffer_copy(state), seq)
 
     def close(self) -> None:
         for ctx in self.contexts:
@@ -143,9 +147,7 @@ class Raw:
 
 
 def rubric_and_submission() -> tuple[str, str]:
-    rubric = "You grade Python homework. Rubric: " + " ".join(
-        f"criterion {i}: the code handles case {i} correctly and clearly." for i in range(30)
-    )
+    rubric = rubric_text(30)
     return rubric, rubric + "\nSubmission 1: def f(x): return x * 3 + 9\nGrade:"
 
 

@@ -20,7 +20,6 @@ to the others as the node's prefix cache gives it (`share_prefix`).
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
 import sys
 import time
@@ -30,8 +29,9 @@ import time
 import llama_cpp
 # isort: on
 
-from bench.batching import N_CTX, SLOTS, RawBatched, counting
+from bench.batching import N_CTX, SLOTS, RawBatched, counting, rubric_text
 from bench.common import MODEL, ROOT, median, say
+from bench.kv_streams import export_buffer, load_buffer
 from disagg_mesh.server.common.engines.llama_cpp.model import KV_CACHE_TYPES
 from disagg_mesh.server.common.engines.llama_cpp.sampling import SlotSampler
 from disagg_mesh.server.common.models import resolve_model_path
@@ -98,10 +98,7 @@ def rubric(raw: RawBatched, tokens: int) -> list[int]:
     """A grader's rubric of `tokens` tokens (none for 0), BOS first."""
     if not tokens:
         return []
-    text = "You grade Python homework. Rubric: " + " ".join(
-        f"criterion {i}: the code handles case {i} correctly and clearly." for i in range(tokens)
-    )
-    ids: list[int] = raw.llm.tokenize(text.encode(), add_bos=True, special=True)
+    ids: list[int] = raw.llm.tokenize(rubric_text(tokens).encode(), add_bos=True, special=True)
     return ids[:tokens]
 
 
@@ -116,12 +113,9 @@ def share_prefix(raw: RawBatched, tokens: int, streams: int) -> float:
         return time.perf_counter() - started
     # One stream a sequence: whole buffers only between streams, so the state's bytes (its
     # one stream with cells goes to whichever sequence loads it).
-    size = llama_cpp.llama_state_seq_get_size(raw._ctx, 0)
-    state = (ctypes.c_uint8 * size)()
-    if llama_cpp.llama_state_seq_get_data(raw._ctx, state, size, 0) != size:
-        raise RuntimeError("state export failed")
+    state = export_buffer(raw._ctx, 0)
     for s in range(1, streams):
-        if llama_cpp.llama_state_seq_set_data(raw._ctx, state, size, s) != size:
+        if not load_buffer(raw._ctx, state, s):
             raise RuntimeError("state load failed")
     return time.perf_counter() - started
 
