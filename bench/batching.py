@@ -1,6 +1,6 @@
 """Benchmark: one decode node serving many streams at once, against raw llama.cpp.
 
-    python -m bench.batching [--quick] [--levels 1 4 8 16] [--threads N]
+    python -m bench.batching [--quick] [--levels 1 4 8 16] [--threads N] [--rows 7 8 13]
 
 Starts one decode node of its own (16 slots, the embedded engine, this machine's cores),
 then measures, each as a ratio within this one run:
@@ -405,28 +405,34 @@ async def decode_node(threads: int) -> AsyncIterator[Any]:
 
 
 async def measure(
-    levels: list[int], new_tokens: int, repeats: int, prompt_tokens: int, threads: int
+    levels: list[int],
+    new_tokens: int,
+    repeats: int,
+    prompt_tokens: int,
+    threads: int,
+    rows: frozenset[int] = frozenset({7, 8, 13}),
 ) -> dict[str, Any]:
+    """Rows 7, 8 and 13, or those of `rows`."""
     model_path = resolve_model_path(MODEL, ROOT)
     raw = RawBatched(model_path, threads)
+    result: dict[str, Any] = {"threads": threads, "slots": SLOTS, "new_tokens": new_tokens}
     try:
         async with decode_node(threads) as stub:
             await node_tokens_per_second(stub, 2, 8)  # warm-up
-            say(">> 7. batched decode on one decode node vs raw llama.cpp")
-            rows = await batched_decode(stub, raw, levels, new_tokens, repeats)
-            say(">> 8. a long prompt arriving while streams generate")
-            prompt = long_prompt(raw.llm, prompt_tokens)
-            # One run: its p99 is over thousands of gaps, and a run takes minutes here.
-            interfered = await interference(stub, prompt, prompt_tokens, repeats=1)
-            say(">> 13. structured output: JSON-constrained vs free decode")
-            return {
-                "threads": threads,
-                "slots": SLOTS,
-                "new_tokens": new_tokens,
-                "batched_decode": rows,
-                "interference": interfered,
-                "structured": await structured(stub, [1, 8], new_tokens, repeats),
-            }
+            if 7 in rows:
+                say(">> 7. batched decode on one decode node vs raw llama.cpp")
+                result["batched_decode"] = await batched_decode(
+                    stub, raw, levels, new_tokens, repeats
+                )
+            if 8 in rows:
+                say(">> 8. a long prompt arriving while streams generate")
+                prompt = long_prompt(raw.llm, prompt_tokens)
+                # One run: its p99 is over thousands of gaps, and a run takes minutes here.
+                result["interference"] = await interference(stub, prompt, prompt_tokens, repeats=1)
+            if 13 in rows:
+                say(">> 13. structured output: JSON-constrained vs free decode")
+                result["structured"] = await structured(stub, [1, 8], new_tokens, repeats)
+            return result
     finally:
         raw.close()
 
@@ -443,6 +449,14 @@ def main() -> int:
     parser.add_argument("--prompt-tokens", type=int, default=3000)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--quick", action="store_true", help="1 repeat, shorter runs")
+    parser.add_argument(
+        "--rows",
+        type=int,
+        nargs="+",
+        choices=[7, 8, 13],
+        default=[7, 8, 13],
+        help="only these rows (13 needs a model that writes JSON: not a random-weight one)",
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "bench/results")
     args = parser.parse_args()
     if args.quick:
@@ -450,7 +464,14 @@ def main() -> int:
 
     started = time.perf_counter()
     result = asyncio.run(
-        measure(args.levels, args.new_tokens, args.repeats, args.prompt_tokens, args.threads)
+        measure(
+            args.levels,
+            args.new_tokens,
+            args.repeats,
+            args.prompt_tokens,
+            args.threads,
+            frozenset(args.rows),
+        )
     )
     report_alone(args.out, "batching", args.repeats, started, result, table({"batching": result}))
     return 0
@@ -459,17 +480,18 @@ def main() -> int:
 def table(r: dict[str, Any]) -> str:
     b = r["batching"]
     rows = []
-    for row in b["batched_decode"]:
+    for row in b.get("batched_decode", []):
         rows.append(
             f"{row['streams']} streams on one decode node: tok/s over 1 stream / over raw "
             f"llama.cpp at {row['streams']}: {row['over_one_stream']:.2f}x / "
             f"{row['over_raw_llama_cpp']:.2f}x (raw: {row['raw_over_its_one_stream']:.2f}x)"
         )
-    i = b["interference"]
-    rows.append(
-        f"{i['prompt_tokens']}-token prompt while {i['streams']} stream: p99 inter-token / "
-        f"idle: {i['p99_over_idle']:.2f}x"
-    )
+    if "interference" in b:
+        i = b["interference"]
+        rows.append(
+            f"{i['prompt_tokens']}-token prompt while {i['streams']} stream: p99 inter-token / "
+            f"idle: {i['p99_over_idle']:.2f}x"
+        )
     rows += [f"{name}: {value}" for name, value, _ in structured_rows(b)]
     return "\n".join(rows)
 

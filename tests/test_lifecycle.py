@@ -15,6 +15,7 @@ import grpc
 import pytest
 
 from disagg_mesh.proto.v1 import router_pb2_grpc
+from disagg_mesh.server.common.config.topology import Node
 from disagg_mesh.server.common.runtime.processes import MeshProcesses
 from tests.conftest import engine_node, route, router_node, running_mesh
 from tests.streams import collect, request
@@ -100,3 +101,21 @@ def test_a_nodes_process_loads_llama_cpp_before_grpc_numpy_and_sentencepiece() -
     for name in ("grpc", "numpy", "sentencepiece", "google.protobuf"):
         if name in order:
             assert order.index(name) > first, f"{name} is imported before llama_cpp: {order}"
+
+
+def test_a_llama_cpp_nodes_process_hands_the_interpreter_lock_over_sooner() -> None:
+    """The engine thread waits for the interpreter's lock after every llama.cpp call while
+    the event loop sends tokens: a llama.cpp node's process shortens Python's 5 ms switch
+    interval (services/node.py says what it bought); a router's or simulated nodes' keeps it."""
+    from disagg_mesh.server import node
+
+    before = sys.getswitchinterval()
+    try:
+        node.share_the_interpreter([Node.model_construct(engine="sim")])
+        assert sys.getswitchinterval() == before
+        node.share_the_interpreter(
+            [Node.model_construct(engine="sim"), Node.model_construct(engine="llama_cpp")]
+        )
+        assert sys.getswitchinterval() == pytest.approx(node.ENGINE_SWITCH_INTERVAL_S)
+    finally:
+        sys.setswitchinterval(before)
