@@ -12,7 +12,8 @@
 #
 # Each stage has a time limit of its own (ROW7_S, ROW2_S, KV_VIEW_S, FAMILIES_S seconds), so
 # that the whole run ends inside one 10-minute call; what each stage printed is in $OUT/gpu.tar.gz
-# (and its summary on standard output) as soon as the stage ends.
+# (and its summary on standard output) as soon as the stage ends. BUILD=0 PY=.venv/bin/python
+# runs the stages with the llama.cpp already installed (a check of this script on a CPU).
 set -u
 command=${1:?prepare or run}; dir=${2:?a folder, e.g. .dev}
 py_version=3.12 # the lent machine's python3
@@ -51,26 +52,29 @@ say() { echo "[$(($(date +%s) - started)) s] $*"; }
 keep() { pkill -f disagg_mesh.server.node; tar czf "$OUT/gpu.tar.gz" -C "$logs" --exclude=build.log .; }
 quiet() { grep -v -E '^(llama|load|print_info|graph|init|sched|create_tensor|\.)' "$1" | tail -"$2"; }
 
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
-  "$dir"/whl/*.whl || exit 1
-export PYTHONPATH=/tmp/llama:/tmp/site:$PWD PATH=/tmp/site/bin:$PATH
-CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) CMAKE_ARGS="-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=90" \
-  python3 -m pip install -q --no-build-isolation --no-deps --no-cache-dir --target /tmp/llama \
-  "$dir/llama_cpp_python-$llama_version-slim.tar.gz" > "$logs/build.log" 2>&1 ||
-  { tail -40 "$logs/build.log"; exit 1; }
-say "llama-cpp-python built"
-python3 -m bench.shape_clone build "$dir/skel" /tmp/clone.gguf || exit 1
+py=${PY:-python3}
+if [ "${BUILD:-1}" = 1 ]; then
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
+    "$dir"/whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/llama:/tmp/site:$PWD PATH=/tmp/site/bin:$PATH
+  CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) CMAKE_ARGS="-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=90" \
+    "$py" -m pip install -q --no-build-isolation --no-deps --no-cache-dir --target /tmp/llama \
+    "$dir/llama_cpp_python-$llama_version-slim.tar.gz" > "$logs/build.log" 2>&1 ||
+    { tail -40 "$logs/build.log"; exit 1; }
+  say "llama-cpp-python built"
+fi
+"$py" -m bench.shape_clone build "$dir/skel" /tmp/clone.gguf || exit 1
 export BENCH_MODEL=/tmp/clone.gguf
 
-timeout "${ROW7_S:-150}" python3 -m bench.batching --rows 7 8 --repeats 2 --out "$logs" \
+timeout "${ROW7_S:-150}" "$py" -m bench.batching --rows 7 8 --repeats 2 --out "$logs" \
   > "$logs/row7.log" 2>&1
 say "rows 7 and 8: rc $?"; keep; quiet "$logs/row7.log" 12
-timeout "${ROW2_S:-120}" python3 -m bench.run --only overhead --out "$logs" > "$logs/row2.log" 2>&1
+timeout "${ROW2_S:-120}" "$py" -m bench.run --only overhead --out "$logs" > "$logs/row2.log" 2>&1
 say "row 2: rc $?"; keep; quiet "$logs/row2.log" 10
-timeout "${KV_VIEW_S:-60}" python3 -m bench.kv_view --layouts unified streams --shared 1500 \
+timeout "${KV_VIEW_S:-60}" "$py" -m bench.kv_view --layouts unified streams --shared 1500 \
   --streams 8 16 --other 0 4096 --repeats 3 --new-tokens 64 > "$logs/kv_view.log" 2>&1
 say "kv_view --shared: rc $?"; keep; quiet "$logs/kv_view.log" 10
-timeout "${FAMILIES_S:-90}" python3 -m bench.gpu_check --families llama,gemma3,gpt-oss,qwen3moe \
+timeout "${FAMILIES_S:-90}" "$py" -m bench.gpu_check --families llama,gemma3,gpt-oss,qwen3moe \
   --out "$logs" > "$logs/families.log" 2>&1
 say "gpu_check --families: rc $?"; keep; quiet "$logs/families.log" 12
