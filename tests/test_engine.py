@@ -236,19 +236,26 @@ async def test_short_prompts_admitted_together_share_a_pass_and_keep_their_text(
     assert max(slots_per_pass, default=0) >= 2, slots_per_pass
 
 
-async def test_a_steps_tokens_go_to_their_callers_after_every_row_is_sampled(
+async def test_a_steps_tokens_go_to_their_callers_right_before_the_next_pass(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The event loop is woken once a step's rows are all sampled, not after the first: woken
-    at once, its thread took the interpreter's lock turn about with the engine's for the rest
-    of the step (on an H200, one decode node at 16 streams made 2,500 instead of 3,100
-    tokens/s)."""
+    """The event loop is woken once a step's rows are all sampled and its bookkeeping done,
+    right before the next llama_decode, which leaves the interpreter's lock for the whole
+    pass. Woken after the first row, its thread took the lock turn about with the engine's
+    for the rest of the step (on an H200, one decode node at 16 streams made 2,500 instead
+    of 3,100 tokens/s); woken before the bookkeeping (the KV cells' bound, llama.cpp calls
+    that each leave the lock), it took the lock in between (docs/batching.md)."""
     seen: list[str] = []
-    decode, sample, put = SlotContext._decode, SlotSampler.sample, _Handoff.put
+    decode, pos_max = llama_cpp.llama_decode, llama_cpp.llama_memory_seq_pos_max
+    sample, put = SlotSampler.sample, _Handoff.put
 
-    def passed(self: SlotContext, rows: list[Row]) -> int:
+    def passed(ctx: object, batch: object) -> int:
         seen.append("pass")
-        return decode(self, rows)
+        return int(decode(ctx, batch))
+
+    def asked(memory: object, seq: int) -> int:
+        seen.append("call")
+        return int(pos_max(memory, seq))
 
     def sampled(self: SlotSampler, ctx: object, row: int) -> int:
         seen.append("sample")
@@ -258,7 +265,8 @@ async def test_a_steps_tokens_go_to_their_callers_after_every_row_is_sampled(
         seen.append("event")
         put(self, queue, event)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(SlotContext, "_decode", passed)
+    monkeypatch.setattr(llama_cpp, "llama_decode", passed)
+    monkeypatch.setattr(llama_cpp, "llama_memory_seq_pos_max", asked)
     monkeypatch.setattr(SlotSampler, "sample", sampled)
     monkeypatch.setattr(_Handoff, "put", handed)
     engine = await open_engine(slots=4, max_queue=4)
@@ -268,10 +276,11 @@ async def test_a_steps_tokens_go_to_their_callers_after_every_row_is_sampled(
         await asyncio.gather(*(drain(engine.generate(Prompt(p), count)) for p in prompts))
     finally:
         await engine.close()
-    # After each llama.cpp pass: its rows sampled, then their events; none in between.
+    # Between two llama.cpp passes: the rows sampled, the bookkeeping, then the events.
     passes = " ".join(seen).split("pass")
     assert sum(p.count("sample") >= 2 for p in passes) >= 20, passes
-    assert all("event sample" not in p for p in passes), passes
+    assert sum("call" in p for p in passes) >= 20, passes  # the bound is kept here
+    assert all("event sample" not in p and "event call" not in p for p in passes), passes
 
 
 async def test_a_burst_of_long_prompts_is_evaluated_oldest_first_each_as_alone() -> None:

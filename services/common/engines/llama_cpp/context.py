@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import ctypes
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -149,6 +150,10 @@ class LoneRows:
         )
 
 
+def _nothing() -> None:
+    pass
+
+
 class SlotContext:
     def __init__(self, model: LlamaModel, settings: ContextSettings) -> None:
         # One sequence for the parked cells, one for the scratch row, and the prefix cache's.
@@ -206,6 +211,9 @@ class SlotContext:
             settings.flash_attn and settings.cpu_attention and lone_row_may_split(settings)
         )
         self.lone_rows = LoneRows()
+        # Called right before each llama_decode, which leaves the interpreter's lock for
+        # the whole pass (the scheduler hands its callers their events then).
+        self.before_pass: Callable[[], None] = _nothing
         self.n_ctx = settings.n_ctx
         self.n_batch = settings.n_batch
         # Rows of a pass shared by several prompts: under ALIKE_ROWS on the CPU with flash
@@ -270,6 +278,7 @@ class SlotContext:
             batch.seq_id[i][0] = row.slot
             batch.logits[i] = row.logits
         batch.n_tokens = len(rows)
+        self.before_pass()
         return int(llama_cpp.llama_decode(self._ctx, batch))
 
     def _held(self) -> int:

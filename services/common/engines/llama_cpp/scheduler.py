@@ -258,6 +258,7 @@ class Scheduler:
         self._threads = threads
         self._model = model
         self._ctx = context
+        context.before_pass = self._deliver
         self._settings = settings
         self._kv_bytes_per_token = kv_bytes_per_token
         self._cache = prefix_cache
@@ -352,7 +353,6 @@ class Scheduler:
                         break
                 self._admit()
                 self._reap_cancelled()
-                self._deliver()  # the jobs refused at admission
                 if any(self._slots):
                     self._step()
                 if self._parked_cells and not any(self._slots):
@@ -360,7 +360,8 @@ class Scheduler:
                 self._cells_used = self._parked_cells + sum(
                     s.n_past for s in self._slots if s is not None
                 )
-                self._deliver()
+                if not any(self._slots):
+                    self._deliver()  # no pass follows soon (see _deliver)
         except BaseException as exc:  # a bug in the loop itself: say so, fail every job
             self.problem = f"the engine loop failed: {type(exc).__name__}: {exc}"
             log.exception("engine loop failed", node=self.name)
@@ -380,6 +381,8 @@ class Scheduler:
         """Queued jobs take free slots and start; whether any did."""
         with self._cv:
             admitted = self._take_pending()
+        if any(slot.job.kind is JobKind.CONTINUE for slot in admitted):
+            self._deliver()  # a state's load takes milliseconds
         for slot in admitted:
             self._start(slot)
         return bool(admitted)
@@ -610,6 +613,7 @@ class Scheduler:
             with self._cv:
                 prompts += sum(1 for j in self._pending if j.kind is not JobKind.CONTINUE)
         self._threads.set_prompts(prompts)
+        self._deliver()  # the wait for cores may be long
         waited = time.perf_counter()
         max_wait_s = (self._settings.max_itl_slowdown - 1) * (self._decode_pass_s or 0.0)
         self._ctx.set_threads(self._threads.acquire(max_wait_s, len(plan.decode)))
@@ -642,7 +646,6 @@ class Scheduler:
                 self._accept_replayed(slot)
             else:
                 self._accept(slot, slot.sampler.sample(self._ctx.ptr, i))
-        self._deliver()  # the streams' tokens go before the step's prompt passes
         prompt_tokens = sum(self._prompt_pass(group) for group in self._prompt_groups(plan.prompts))
         elapsed = time.perf_counter() - started
         self._rates.add(prompt_tokens, len(decoded))
@@ -882,13 +885,16 @@ class Scheduler:
         self._outbox.append((job, event))
 
     def _deliver(self) -> None:
-        """Hand over the events made since the last delivery, one right after another: after
-        a step's rows are all sampled, not each as its row is. Handed over one by one, the
-        first woke the event loop, whose thread then took the interpreter's lock turn about
-        with this one for the rest of the step's rows (a 16-row step's Python ~5 ms instead
-        of ~1 ms, 2 cores); now the loop sends them while the next pass runs in llama.cpp,
-        which leaves the lock. One decode node at 16 streams on an H200: 2,500 -> 3,100
-        tokens/s (docs/batching.md)."""
+        """Hand over the events made since the last delivery, one right after another, just
+        before this thread leaves the interpreter's lock for long: a llama.cpp pass (the
+        context's `before_pass`), a state's load, a wait for cores or for work. Handing one
+        over wakes the event loop, whose thread takes the lock whenever this one lets go of
+        it, and this one then waits for it back (services/node.py). Handed over as each row
+        was sampled, the loop took the lock turn about with this thread for the rest of the
+        step's rows (a 16-row step's Python ~5 ms instead of ~1 ms, 2 cores; one decode node
+        at 16 streams on an H200 2,500 -> 3,100 tokens/s); handed over once the rows were
+        sampled, it still took the lock during the step's bookkeeping and the next pass's
+        (docs/batching.md). Now the loop sends them while the next pass runs."""
         if not self._outbox:
             return
         outbox, self._outbox = self._outbox, []
