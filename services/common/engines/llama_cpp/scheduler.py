@@ -647,6 +647,8 @@ class Scheduler:
             else:
                 self._accept(slot, slot.sampler.sample(self._ctx.ptr, i))
         prompt_tokens = sum(self._prompt_pass(group) for group in self._prompt_groups(plan.prompts))
+        if not decoded and not prompt_tokens:
+            self._deliver()  # no pass ran, so none handed them over
         elapsed = time.perf_counter() - started
         self._rates.add(prompt_tokens, len(decoded))
         metrics.engine_step(elapsed, prompt_tokens, len(decoded))
