@@ -355,12 +355,13 @@ class Scheduler:
                 self._reap_cancelled()
                 if any(self._slots):
                     self._step()
-                if self._parked_cells and not any(self._slots):
+                idle = not any(self._slots)
+                if idle and self._parked_cells:
                     self._free_parked()
                 self._cells_used = self._parked_cells + sum(
                     s.n_past for s in self._slots if s is not None
                 )
-                if not any(self._slots):
+                if idle:
                     self._deliver()  # no pass follows soon (see _deliver)
         except BaseException as exc:  # a bug in the loop itself: say so, fail every job
             self.problem = f"the engine loop failed: {type(exc).__name__}: {exc}"
