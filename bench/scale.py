@@ -15,7 +15,9 @@ arrive at a fixed rate through 3 clients (one per router, each failing over to t
 - the routers' CPU per request (utime + stime of the 3 router processes over the run, by
   /proc, divided by the requests), goal <= 2 ms; and, after the steady run, the floor under
   it: a bare Python gRPC relay making the same calls with as many messages, at one router's
-  share of the rate (bench/relay_floor.py);
+  share of the rate (bench/relay_floor.py); beside it, in the steady run, what else loads
+  the same cores: the sim processes' CPU and the clients' (this process) per request, and
+  the share of the machine's cores all of them kept busy;
 - added latency: a request's time to first token at the client minus its prefill node's
   evaluation (the profile's seconds / speedup), p99, goal <= 20 ms;
 - the prefix-cache hit rate (prompt tokens from a cache / prompt tokens) against random
@@ -33,6 +35,7 @@ restarted 3 s later: nothing may be lost.
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import sys
 import tempfile
@@ -247,7 +250,11 @@ async def _load(mesh: MeshProcesses, requests: int, rate: int, kills: bool) -> d
     idle_from, idle_at = cpu_seconds(router_pids), time.perf_counter()
     await asyncio.sleep(5.0)
     idle_rate = (cpu_seconds(router_pids) - idle_from) / (time.perf_counter() - idle_at)
+    # The rest of this machine's load beside the routers': the sim processes and the clients
+    # (this process), over the same span.
+    sim_pids = sorted({p.pid for p in mesh.procs.values()} - set(router_pids))
     cpu_before = cpu_seconds(router_pids)
+    others_before = cpu_seconds(sim_pids), cpu_seconds([os.getpid()])
     sampler = asyncio.create_task(sample())
     duration = requests / rate
     chaos_task = asyncio.create_task(chaos(duration)) if kills else None
@@ -265,6 +272,8 @@ async def _load(mesh: MeshProcesses, requests: int, rate: int, kills: bool) -> d
     if chaos_task is not None:
         await chaos_task
     cpu = cpu_seconds([mesh.procs[r.name].pid for r in topology.routers]) - cpu_before
+    sims_cpu = cpu_seconds(sim_pids) - others_before[0]
+    clients_cpu = cpu_seconds([os.getpid()]) - others_before[1]
     sampler.cancel()
     for client in clients:
         await client.close()
@@ -279,6 +288,10 @@ async def _load(mesh: MeshProcesses, requests: int, rate: int, kills: bool) -> d
         "wall_seconds": round(wall, 1),
         "router_cpu_ms_per_request": round(1000 * cpu / max(len(results), 1), 3),
         "router_idle_cpu_ms_per_request": round(1000 * idle_rate * wall / max(len(results), 1), 3),
+        # With SIGKILLs, a killed sim process's CPU is not counted (its restart's is not either).
+        "sims_cpu_ms_per_request": round(1000 * sims_cpu / max(len(results), 1), 3),
+        "clients_cpu_ms_per_request": round(1000 * clients_cpu / max(len(results), 1), 3),
+        "machine_busy": round((cpu + sims_cpu + clients_cpu) / wall / (os.cpu_count() or 1), 3),
         "added_latency_p50_ms": round(1000 * pct([r["added"] for r in results], 0.50), 1),
         "added_latency_p99_ms": round(1000 * pct([r["added"] for r in results], 0.99), 1),
         # Those answered at the first try, and the retried ones' median (an ABORTED state:
@@ -338,6 +351,18 @@ def rows(m: dict[str, Any]) -> list[tuple[str, str, str]]:
                 )
             ]
             if "bare_relay_cpu_ms_per_request" in m
+            else []
+        ),
+        *(
+            [
+                (
+                    "  CPU per request beside: sim nodes, clients (the machine's cores busy)",
+                    f"{m['sims_cpu_ms_per_request']:.2f} ms, {m['clients_cpu_ms_per_request']:.2f}"
+                    f" ms ({100 * m['machine_busy']:.0f} %)",
+                    "-",
+                )
+            ]
+            if "sims_cpu_ms_per_request" in m and not m["killed"]
             else []
         ),
         (
