@@ -246,13 +246,17 @@ async def _load(mesh: MeshProcesses, requests: int, rate: int, kills: bool) -> d
             await asyncio.sleep(3.0)
             mesh.start_group(nodes)
 
-    # What the routers spend with no requests (their health checks of 200 nodes).
-    idle_from, idle_at = cpu_seconds(router_pids), time.perf_counter()
-    await asyncio.sleep(5.0)
-    idle_rate = (cpu_seconds(router_pids) - idle_from) / (time.perf_counter() - idle_at)
     # The rest of this machine's load beside the routers': the sim processes and the clients
     # (this process), over the same span.
     sim_pids = sorted({p.pid for p in mesh.procs.values()} - set(router_pids))
+    # What the routers and the sim processes spend with no requests (the routers' health
+    # streams to 200 nodes, their pings, the nodes' timers).
+    idle_from = cpu_seconds(router_pids), cpu_seconds(sim_pids)
+    idle_at = time.perf_counter()
+    await asyncio.sleep(5.0)
+    idle_s = time.perf_counter() - idle_at
+    idle_rate = (cpu_seconds(router_pids) - idle_from[0]) / idle_s
+    sims_idle_rate = (cpu_seconds(sim_pids) - idle_from[1]) / idle_s
     cpu_before = cpu_seconds(router_pids)
     others_before = cpu_seconds(sim_pids), cpu_seconds([os.getpid()])
     sampler = asyncio.create_task(sample())
@@ -290,6 +294,9 @@ async def _load(mesh: MeshProcesses, requests: int, rate: int, kills: bool) -> d
         "router_idle_cpu_ms_per_request": round(1000 * idle_rate * wall / max(len(results), 1), 3),
         # With SIGKILLs, a killed sim process's CPU is not counted (its restart's is not either).
         "sims_cpu_ms_per_request": round(1000 * sims_cpu / max(len(results), 1), 3),
+        "sims_idle_cpu_ms_per_request": round(
+            1000 * sims_idle_rate * wall / max(len(results), 1), 3
+        ),
         "clients_cpu_ms_per_request": round(1000 * clients_cpu / max(len(results), 1), 3),
         "machine_busy": round((cpu + sims_cpu + clients_cpu) / wall / (os.cpu_count() or 1), 3),
         "added_latency_p50_ms": round(1000 * pct([r["added"] for r in results], 0.50), 1),
@@ -356,9 +363,10 @@ def rows(m: dict[str, Any]) -> list[tuple[str, str, str]]:
         *(
             [
                 (
-                    "  CPU per request beside: sim nodes, clients (the machine's cores busy)",
-                    f"{m['sims_cpu_ms_per_request']:.2f} ms, {m['clients_cpu_ms_per_request']:.2f}"
-                    f" ms ({100 * m['machine_busy']:.0f} %)",
+                    "  CPU per request beside: sim nodes (of which idle), clients (cores busy)",
+                    f"{m['sims_cpu_ms_per_request']:.2f} ms "
+                    f"({m.get('sims_idle_cpu_ms_per_request', 0.0):.2f}), "
+                    f"{m['clients_cpu_ms_per_request']:.2f} ms ({100 * m['machine_busy']:.0f} %)",
                     "-",
                 )
             ]
