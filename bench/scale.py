@@ -16,8 +16,9 @@ arrive at a fixed rate through 3 clients (one per router, each failing over to t
   /proc, divided by the requests), goal <= 2 ms; and, after the steady run, the floor under
   it: a bare Python gRPC relay making the same calls with as many messages, at one router's
   share of the rate (bench/relay_floor.py); beside it, in the steady run, what else loads
-  the same cores: the sim processes' CPU and the clients' (this process) per request, and
-  the share of the machine's cores all of them kept busy;
+  the same cores: the sim processes' CPU per request (and their idle share, measured as the
+  routers') and the clients' (this process), and the share of the machine's cores all of
+  them kept busy;
 - added latency: a request's time to first token at the client minus its prefill node's
   evaluation (the profile's seconds / speedup), p99, goal <= 20 ms;
 - the prefix-cache hit rate (prompt tokens from a cache / prompt tokens) against random
@@ -246,8 +247,6 @@ async def _load(mesh: MeshProcesses, requests: int, rate: int, kills: bool) -> d
             await asyncio.sleep(3.0)
             mesh.start_group(nodes)
 
-    # The rest of this machine's load beside the routers': the sim processes and the clients
-    # (this process), over the same span.
     sim_pids = sorted({p.pid for p in mesh.procs.values()} - set(router_pids))
     # What the routers and the sim processes spend with no requests (the routers' health
     # streams to 200 nodes, their pings, the nodes' timers).
@@ -258,6 +257,8 @@ async def _load(mesh: MeshProcesses, requests: int, rate: int, kills: bool) -> d
     idle_rate = (cpu_seconds(router_pids) - idle_from[0]) / idle_s
     sims_idle_rate = (cpu_seconds(sim_pids) - idle_from[1]) / idle_s
     cpu_before = cpu_seconds(router_pids)
+    # The rest of this machine's load beside the routers': the sim processes and the clients
+    # (this process), over the same span.
     others_before = cpu_seconds(sim_pids), cpu_seconds([os.getpid()])
     sampler = asyncio.create_task(sample())
     duration = requests / rate
