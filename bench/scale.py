@@ -250,16 +250,16 @@ async def _load(mesh: MeshProcesses, requests: int, rate: int, kills: bool) -> d
     sim_pids = sorted({p.pid for p in mesh.procs.values()} - set(router_pids))
     # What the routers and the sim processes spend with no requests (the routers' health
     # streams to 200 nodes, their pings, the nodes' timers).
-    idle_from = cpu_seconds(router_pids), cpu_seconds(sim_pids)
+    routers_idle_from, sims_idle_from = cpu_seconds(router_pids), cpu_seconds(sim_pids)
     idle_at = time.perf_counter()
     await asyncio.sleep(5.0)
     idle_s = time.perf_counter() - idle_at
-    idle_rate = (cpu_seconds(router_pids) - idle_from[0]) / idle_s
-    sims_idle_rate = (cpu_seconds(sim_pids) - idle_from[1]) / idle_s
+    idle_rate = (cpu_seconds(router_pids) - routers_idle_from) / idle_s
+    sims_idle_rate = (cpu_seconds(sim_pids) - sims_idle_from) / idle_s
     cpu_before = cpu_seconds(router_pids)
     # The rest of this machine's load beside the routers': the sim processes and the clients
     # (this process), over the same span.
-    others_before = cpu_seconds(sim_pids), cpu_seconds([os.getpid()])
+    sims_before, clients_before = cpu_seconds(sim_pids), cpu_seconds([os.getpid()])
     sampler = asyncio.create_task(sample())
     duration = requests / rate
     chaos_task = asyncio.create_task(chaos(duration)) if kills else None
@@ -277,12 +277,17 @@ async def _load(mesh: MeshProcesses, requests: int, rate: int, kills: bool) -> d
     if chaos_task is not None:
         await chaos_task
     cpu = cpu_seconds([mesh.procs[r.name].pid for r in topology.routers]) - cpu_before
-    sims_cpu = cpu_seconds(sim_pids) - others_before[0]
-    clients_cpu = cpu_seconds([os.getpid()]) - others_before[1]
+    sims_cpu = cpu_seconds(sim_pids) - sims_before
+    clients_cpu = cpu_seconds([os.getpid()]) - clients_before
     sampler.cancel()
     for client in clients:
         await client.close()
     prompt_total = sum(r["prompt"] for r in results) or 1
+
+    def ms_each(seconds: float) -> float:
+        """CPU seconds over the run as milliseconds per request answered."""
+        return round(1000 * seconds / max(len(results), 1), 3)
+
     return {
         "requests": requests,
         "rate_per_second": rate,
@@ -291,14 +296,12 @@ async def _load(mesh: MeshProcesses, requests: int, rate: int, kills: bool) -> d
         "failures": failures[:10],
         "killed": killed,
         "wall_seconds": round(wall, 1),
-        "router_cpu_ms_per_request": round(1000 * cpu / max(len(results), 1), 3),
-        "router_idle_cpu_ms_per_request": round(1000 * idle_rate * wall / max(len(results), 1), 3),
+        "router_cpu_ms_per_request": ms_each(cpu),
+        "router_idle_cpu_ms_per_request": ms_each(idle_rate * wall),
         # With SIGKILLs, a killed sim process's CPU is not counted (its restart's is not either).
-        "sims_cpu_ms_per_request": round(1000 * sims_cpu / max(len(results), 1), 3),
-        "sims_idle_cpu_ms_per_request": round(
-            1000 * sims_idle_rate * wall / max(len(results), 1), 3
-        ),
-        "clients_cpu_ms_per_request": round(1000 * clients_cpu / max(len(results), 1), 3),
+        "sims_cpu_ms_per_request": ms_each(sims_cpu),
+        "sims_idle_cpu_ms_per_request": ms_each(sims_idle_rate * wall),
+        "clients_cpu_ms_per_request": ms_each(clients_cpu),
         "machine_busy": round((cpu + sims_cpu + clients_cpu) / wall / (os.cpu_count() or 1), 3),
         "added_latency_p50_ms": round(1000 * pct([r["added"] for r in results], 0.50), 1),
         "added_latency_p99_ms": round(1000 * pct([r["added"] for r in results], 0.99), 1),
@@ -366,12 +369,12 @@ def rows(m: dict[str, Any]) -> list[tuple[str, str, str]]:
                 (
                     "  CPU per request beside: sim nodes (of which idle), clients (cores busy)",
                     f"{m['sims_cpu_ms_per_request']:.2f} ms "
-                    f"({m.get('sims_idle_cpu_ms_per_request', 0.0):.2f}), "
+                    f"({m['sims_idle_cpu_ms_per_request']:.2f}), "
                     f"{m['clients_cpu_ms_per_request']:.2f} ms ({100 * m['machine_busy']:.0f} %)",
                     "-",
                 )
             ]
-            if "sims_cpu_ms_per_request" in m and not m["killed"]
+            if "sims_idle_cpu_ms_per_request" in m and not m["killed"]
             else []
         ),
         (
