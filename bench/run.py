@@ -53,8 +53,9 @@ repeated, median reported:
    one is being refused (bench/bad_requests.py, a mesh of its own);
 18. a class at once: 12 submissions x 2 models sharing a ~1,500-token rubric, all at once
    through the OpenAI door, against llama-server -np 8 -kvu: wall time, TTFT p50 over wall
-   time, the router's failed attempts, migrations and cool-downs (bench/burst.py, a mesh and
-   a server of their own);
+   time (beside the share of the prompt tokens the median answer needs evaluated first),
+   the router's failed attempts, migrations and cool-downs (bench/burst.py, a mesh and a
+   server of their own);
 19. a class of 200 at once: 100 submissions x 2 models the same way, the mesh alone: every
    request served or refused at once, the router's failed attempts, and the prompt tokens
    the nodes evaluated against the requests' uncached ones (bench/class_at_once.py, a mesh

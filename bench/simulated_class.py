@@ -1,6 +1,7 @@
 """Benchmark and workload: a class graded on the user's four machines, simulated.
 
     python -m bench.simulated_class --write class.jsonl [--submissions 200]
+        [--submission-tokens 300] [--answer-tokens 400]
     python -m bench.simulated_class [--submissions 200] [--speedup 20]
 
 A class: each submission (~300 tokens of Python) graded by both models with the shared
@@ -73,8 +74,11 @@ def class_lines(
     return lines
 
 
-def write(path: Path, submissions: int) -> None:
-    path.write_text("".join(json.dumps(line) + "\n" for line in class_lines(submissions)))
+def write(
+    path: Path, submissions: int, submission_tokens: int = 300, answer_tokens: int = 400
+) -> None:
+    lines = class_lines(submissions, 1500, submission_tokens, answer_tokens)
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
 
 
 async def measure(submissions: int, speedup: int) -> dict[str, Any]:
@@ -128,8 +132,10 @@ def main() -> int:
         parser = argparse.ArgumentParser(description=__doc__)
         parser.add_argument("--write", type=Path, required=True)
         parser.add_argument("--submissions", type=int, default=200)
+        parser.add_argument("--submission-tokens", type=int, default=300)
+        parser.add_argument("--answer-tokens", type=int, default=400)
         args = parser.parse_args()
-        write(args.write, args.submissions)
+        write(args.write, args.submissions, args.submission_tokens, args.answer_tokens)
         print(f"wrote {args.write}: {args.submissions * len(MODELS)} requests")
         return 0
     options = {"submissions": 200, "speedup": 20}
