@@ -20,7 +20,9 @@ differ on purpose (llama-server keeps one a slot, the mesh shares the rubric's b
 20. request throughput (requests answered per second) and goodput (answered within the SLO:
     time to first token <= SLO_TTFT_MS and inter-token latency <= SLO_ITL_MS) at each level,
     for both sides; goals: the mesh's goodput at 32 and 128 at once >= 0.9x its peak, and
-    mesh / llama-server request throughput >= 1.0x. Both sides answer the same requests
+    mesh / llama-server request throughput >= 1.0x. Beside the goodput, the cores the
+    mesh's processes and AIPerf's own kept busy at that level (CPU time over the level's
+    time: the load tool shares the machine's cores). Both sides answer the same requests
     (AIPerf's seed): the prompt and generated tokens per request are checked equal.
 
 Writes JSON to bench/results/ when run alone; `make bench` (bench/run.py) runs it as row 20.
@@ -32,17 +34,20 @@ import asyncio
 import json
 import os
 import re
+import resource
 import subprocess
 import sys
 import tempfile
+import time
 import venv
 from pathlib import Path
 from typing import Any
 
 import llama_cpp
+import psutil
 from gguf import GGUFReader
 
-from bench.common import MODEL, ROOT, run_alone, say
+from bench.common import MODEL, ROOT, cpu_seconds, run_alone, say
 from bench.llama_server import CannotBuild, llama_server_binary, local_topology, side_by_side
 from disagg_mesh.server.common.models import resolve_model_path
 from disagg_mesh.server.common.models.files import cache_dir
@@ -181,9 +186,11 @@ async def profile(
         *("--artifact-dir", str(out)),
     ]
     log = out / "run.log"
+    before, started = _children_cpu_s(), time.perf_counter()
     with log.open("wb") as sink:
         proc = await asyncio.create_subprocess_exec(*command, stdout=sink, stderr=sink)
         await proc.wait()
+    elapsed_s = time.perf_counter() - started
     summary = out / "profile_export_aiperf.json"
     if proc.returncode != 0 or not summary.exists():
         raise RuntimeError(f"aiperf exited {proc.returncode}: see {log}")
@@ -203,7 +210,17 @@ async def profile(
         "prompt_tokens": get("usage_prompt_tokens"),
         "completion_tokens": get("usage_completion_tokens"),
         "artifacts": str(out),
+        "elapsed_s": elapsed_s,
+        # AIPerf's own processes (it waits for its workers, and this process for it).
+        "tool_cores": (_children_cpu_s() - before) / elapsed_s,
     }
+
+
+def _children_cpu_s() -> float:
+    """User + system CPU seconds of this process's children that have ended, theirs
+    included."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 async def measure(seconds: int) -> dict[str, Any]:
@@ -217,17 +234,29 @@ async def measure(seconds: int) -> dict[str, Any]:
     threads = os.cpu_count() or 1
     say(f">> 20. AIPerf at {', '.join(map(str, LEVELS))} at once: the mesh and llama-server")
     sides: dict[str, dict[str, Any]] = {"mesh": {}, "llama-server": {}}
-    async with side_by_side(binary, threads, 8, "bench-aiperf-", mesh_topology()) as (_, targets):
+    async with side_by_side(binary, threads, 8, "bench-aiperf-", mesh_topology()) as (
+        mesh,
+        targets,
+    ):
         for name, (url, models) in targets.items():
+            # The side's own processes: the mesh's nodes, or llama-server.
+            server = (
+                [p.pid for p in mesh.procs.values()]
+                if name == "mesh"
+                else [p.pid for p in psutil.Process().children() if p.name() == "llama-server"]
+            )
             for level in LEVELS:
+                cpu = cpu_seconds(server)
                 got = await profile(
                     aiperf, tokenizer, url, models, level, seconds // 2 if level == 1 else seconds
                 )
+                got["server_cores"] = (cpu_seconds(server) - cpu) / got["elapsed_s"]
                 sides[name][str(level)] = got
                 say(
                     f"   {name} at {level}: {got['request_throughput']:.2f} req/s, goodput "
                     f"{got['goodput']:.2f}, {got['errors']:.0f} refused or failed, TTFT p50 "
-                    f"{got['ttft_p50_ms'] / 1000:.1f} s, ITL {got['itl_ms']:.0f} ms"
+                    f"{got['ttft_p50_ms'] / 1000:.1f} s, ITL {got['itl_ms']:.0f} ms; cores "
+                    f"busy: {name} {got['server_cores']:.2f}, AIPerf {got['tool_cores']:.2f}"
                 )
                 await asyncio.sleep(5)  # answers AIPerf gave up on end before the next level
     result: dict[str, Any] = {"threads": threads, "seconds": seconds, "sides": sides}
@@ -266,11 +295,18 @@ def rows(m: dict[str, Any]) -> list[tuple[str, str, str]]:
                 f"{SLO_ITL_MS} ms), the mesh's / its peak",
                 f"{mine['goodput'] / max(peak, 1e-9):.2f} ({mine['goodput']:.2f} of "
                 f"{peak:.2f} req/s; llama-server {other['goodput']:.2f}; the mesh refused "
-                f"{mine['errors']:.0f})",
+                f"{mine['errors']:.0f}{_cores(mine)})",
                 f">= {GOAL_GOODPUT}" if int(level) >= 32 else "",
             )
         )
     return out
+
+
+def _cores(level: dict[str, Any]) -> str:
+    """The cores the mesh's processes and AIPerf's kept busy at this level, if measured."""
+    if "server_cores" not in level:
+        return ""
+    return f"; cores busy: the mesh {level['server_cores']:.2f}, AIPerf {level['tool_cores']:.2f}"
 
 
 def main() -> int:
