@@ -102,19 +102,19 @@ async def one(
 async def burst(url: str, models: tuple[str, ...], texts: list[str]) -> dict[str, Any]:
     """Every request at once: wall time, TTFTs, work."""
     timeout = aiohttp.ClientTimeout(total=3600)
+    asked = [(m, t) for t in texts for m in models]
     async with aiohttp.ClientSession(timeout=timeout) as session:
         started = time.perf_counter()
-        got = await asyncio.gather(*(one(session, url, m, t) for t in texts for m in models))
+        got = await asyncio.gather(*(one(session, url, m, t) for m, t in asked))
         wall = time.perf_counter() - started
     ttfts = sorted(g[0] for g in got)
-    asked = [m for _ in texts for m in models]
     return {
         "wall_s": wall,
         "ttft_s": ttfts,
         "ttft_p50_s": ttfts[len(ttfts) // 2],
         "work": total([g[1] for g in got]),
         "by_model": {
-            m: total([g[1] for g, a in zip(got, asked, strict=True) if a == m]) for m in models
+            m: total([g[1] for g, (a, _) in zip(got, asked, strict=True) if a == m]) for m in models
         },
     }
 

@@ -77,7 +77,9 @@ def class_lines(
 def write(
     path: Path, submissions: int, submission_tokens: int = 300, answer_tokens: int = 400
 ) -> None:
-    lines = class_lines(submissions, 1500, submission_tokens, answer_tokens)
+    lines = class_lines(
+        submissions, submission_tokens=submission_tokens, answer_tokens=answer_tokens
+    )
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
 
 
