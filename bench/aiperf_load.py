@@ -44,7 +44,6 @@ from pathlib import Path
 from typing import Any
 
 import llama_cpp
-import psutil
 from gguf import GGUFReader
 
 from bench.common import MODEL, ROOT, cpu_seconds, run_alone, say
@@ -235,16 +234,12 @@ async def measure(seconds: int) -> dict[str, Any]:
     say(f">> 20. AIPerf at {', '.join(map(str, LEVELS))} at once: the mesh and llama-server")
     sides: dict[str, dict[str, Any]] = {"mesh": {}, "llama-server": {}}
     async with side_by_side(binary, threads, 8, "bench-aiperf-", mesh_topology()) as (
-        mesh,
+        _,
         targets,
+        pids,
     ):
         for name, (url, models) in targets.items():
-            # The side's own processes: the mesh's nodes, or llama-server.
-            server = (
-                [p.pid for p in mesh.procs.values()]
-                if name == "mesh"
-                else [p.pid for p in psutil.Process().children() if p.name() == "llama-server"]
-            )
+            server = pids[name]
             for level in LEVELS:
                 cpu = cpu_seconds(server)
                 got = await profile(

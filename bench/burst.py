@@ -176,7 +176,7 @@ async def measure(submissions: int) -> dict[str, Any]:
     ]
     say(f">> 18. {2 * submissions} requests at once: the mesh and llama-server -np 8 -kvu")
     runs: dict[str, list[dict[str, Any]]] = {"mesh": [], "llama-server": []}
-    async with side_by_side(binary, threads, 8, "bench-burst-") as (mesh, targets):
+    async with side_by_side(binary, threads, 8, "bench-burst-") as (mesh, targets, _):
         for i, texts in enumerate(rounds):
             order = list(targets) if i == 0 else list(reversed(targets))
             for name in order:

@@ -201,6 +201,11 @@ class LlamaServer:
                 assert time.monotonic() < deadline, f"llama-server never ready: see {self.log}"
                 await asyncio.sleep(0.2)
 
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None, "llama-server was not started"
+        return self.proc.pid
+
     def stop(self) -> None:
         if self.proc is not None:
             self.proc.terminate()
@@ -296,15 +301,17 @@ async def sides(targets: Targets, repeats: int, texts: list[str]) -> dict[str, d
 
 
 Targets = dict[str, tuple[str, tuple[str, ...]]]
+# Each side's own processes (the mesh's nodes; llama-server), by the side's name in Targets.
+Pids = dict[str, list[int]]
 
 
 @asynccontextmanager
 async def side_by_side(
     binary: Path, threads: int, slots: int, prefix: str, topology: str | None = None
-) -> AsyncIterator[tuple[MeshProcesses, Targets]]:
+) -> AsyncIterator[tuple[MeshProcesses, Targets, Pids]]:
     """make run's mesh (or `topology`) and llama-server (-np slots -kvu, the KV cache types
     of the mesh's engine nodes), both serving: each side's OpenAI URL and the models to ask
-    it for (llama-server has one)."""
+    it for (llama-server has one), and each side's processes."""
     async with serving_mesh(topology or local_topology(), prefix) as mesh:
         engines = [n for n in mesh.topology.nodes if n.engine == "llama_cpp"]
         types = {(n.type_k, n.type_v) for n in engines} or {("f16", "f16")}
@@ -321,6 +328,7 @@ async def side_by_side(
                     "mesh": (f"http://{router.host}:{router.http_port}", MODELS),
                     "llama-server": (server.url, ("smollm2",)),
                 },
+                {"mesh": [p.pid for p in mesh.procs.values()], "llama-server": [server.pid]},
             )
         finally:
             server.stop()
@@ -336,7 +344,7 @@ async def measure(repeats: int, submissions: int) -> dict[str, Any]:
     # The rubric's first line differs from row 10's and 15's: nothing of it is cached.
     texts = ["Course 16.\n" + t for t in grader_prompts(submissions, 1500, 200)]
     say(f">> 16. the mesh (topology/local.toml) and llama-server -np 16 -kvu -t {threads}")
-    async with side_by_side(binary, threads, 16, "bench-llama-server-") as (_, targets):
+    async with side_by_side(binary, threads, 16, "bench-llama-server-") as (_, targets, _):
         measured = await sides(targets, repeats, texts)
     ours, theirs = measured["mesh"], measured["llama-server"]
     levels = {}
