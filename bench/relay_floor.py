@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -32,6 +33,7 @@ from disagg_mesh.proto.v1 import (
     router_pb2_grpc,
     types_pb2,
 )
+from disagg_mesh.server.common.runtime.grpc_io import older_io_env
 from disagg_mesh.server.common.runtime.processes import free_port
 
 
@@ -91,14 +93,16 @@ async def floor_ms(rate: float, requests: int, messages: int, gap_s: float = 0.0
     own task, as the benchmark's clients send them), the backend's messages gap_s apart."""
     backend_port, relay_port = free_port(), free_port()
     here = [sys.executable, "-m", "bench.relay_floor"]
+    env = {**os.environ, **older_io_env()}  # gRPC's I/O path as the mesh's processes take it
     procs = [
         await asyncio.create_subprocess_exec(
             *here,
             *("--serve", str(backend_port), "--messages", str(messages)),
             *("--gap-ms", repr(1000 * gap_s)),
+            env=env,
         ),
         await asyncio.create_subprocess_exec(
-            *here, "--serve", str(relay_port), "--backend", f"127.0.0.1:{backend_port}"
+            *here, "--serve", str(relay_port), "--backend", f"127.0.0.1:{backend_port}", env=env
         ),
     ]
     try:

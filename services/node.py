@@ -11,6 +11,8 @@ import asyncio
 import os
 import sys
 
+from disagg_mesh.server.common.runtime.grpc_io import older_io_env
+
 # llama.cpp's CPU threads are OpenMP's (this build links libgomp, which reads its settings
 # when the library loads). By default a waiting thread spins ~300,000 rounds before it sleeps,
 # so engine nodes sharing a machine's cores spin against each other. Spinning 10,000 rounds
@@ -20,6 +22,9 @@ import sys
 # no spinning: 35 tok/s alone). A setting of the user's own wins (#24 goes on from here).
 if "OMP_WAIT_POLICY" not in os.environ:
     os.environ.setdefault("GOMP_SPINCOUNT", "10000")
+
+# gRPC's older I/O path (fewer threads woken a message): before grpc loads, below.
+os.environ.update(older_io_env())
 
 # llama.cpp's libraries load first, before grpc's: with grpc (or numpy, or sentencepiece)
 # loaded before it, a CUDA build of llama.cpp crashed the process (SIGSEGV while setting up

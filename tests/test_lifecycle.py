@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -119,3 +120,31 @@ def test_a_llama_cpp_nodes_process_hands_the_interpreter_lock_over_sooner() -> N
         assert sys.getswitchinterval() == pytest.approx(node.ENGINE_SWITCH_INTERVAL_S)
     finally:
         sys.setswitchinterval(before)
+
+
+ENVIRONMENT = (
+    "import json, os, sys; import disagg_mesh.server.node; "
+    "print(json.dumps([os.environ.get('GRPC_EXPERIMENTS'), 'grpc' in sys.modules]))"
+)
+
+
+@pytest.mark.parametrize("own", [None, "-event_engine_client"])
+def test_a_nodes_process_takes_grpcs_older_io_path_unless_told_otherwise(own: str | None) -> None:
+    """gRPC reads GRPC_EXPERIMENTS when it loads: a node's process sets it to the older I/O
+    path first (runtime/grpc_io.py says what it saves), and a setting of the user's own wins."""
+    from disagg_mesh.server.common.runtime.grpc_io import OLDER_IO
+
+    env = {k: v for k, v in os.environ.items() if k != "GRPC_EXPERIMENTS"}
+    if own is not None:
+        env["GRPC_EXPERIMENTS"] = own
+    done = subprocess.run(
+        [sys.executable, "-c", ENVIRONMENT],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+        cwd=Path(__file__).resolve().parent.parent,
+    )
+    setting, loaded = json.loads(done.stdout.strip().splitlines()[-1])
+    assert loaded, "the node's module imports grpc"
+    assert setting == (own or OLDER_IO)
