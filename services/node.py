@@ -11,7 +11,7 @@ import asyncio
 import os
 import sys
 
-from disagg_mesh.server.common.runtime.grpc_io import older_io_env
+from disagg_mesh.server.common.runtime.grpc_io import node_process_env
 
 # llama.cpp's CPU threads are OpenMP's (this build links libgomp, which reads its settings
 # when the library loads). By default a waiting thread spins ~300,000 rounds before it sleeps,
@@ -23,8 +23,9 @@ from disagg_mesh.server.common.runtime.grpc_io import older_io_env
 if "OMP_WAIT_POLICY" not in os.environ:
     os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 
-# gRPC's older I/O path (fewer threads woken a message): before grpc loads, below.
-os.environ.update(older_io_env())
+# gRPC's older I/O path in a process with no llama.cpp engine (fewer threads woken a
+# message): before grpc loads, below.
+os.environ.update(node_process_env(sys.argv[1:]))
 
 # llama.cpp's libraries load first, before grpc's: with grpc (or numpy, or sentencepiece)
 # loaded before it, a CUDA build of llama.cpp crashed the process (SIGSEGV while setting up

@@ -123,22 +123,33 @@ def test_a_llama_cpp_nodes_process_hands_the_interpreter_lock_over_sooner() -> N
 
 
 ENVIRONMENT = (
-    "import json, os, sys; import disagg_mesh.server.node; "
+    "import json, os, sys; sys.argv = ['node', '--topology', 'topology/local.toml', '--node', "
+    "{node!r}]; import disagg_mesh.server.node; "
     "print(json.dumps([os.environ.get('GRPC_EXPERIMENTS'), 'grpc' in sys.modules]))"
 )
 
 
-@pytest.mark.parametrize("own", [None, "-event_engine_client"])
-def test_a_nodes_process_takes_grpcs_older_io_path_unless_told_otherwise(own: str | None) -> None:
-    """gRPC reads GRPC_EXPERIMENTS when it loads: a node's process sets it to the older I/O
-    path first (runtime/grpc_io.py says what it saves), and a setting of the user's own wins."""
+@pytest.mark.parametrize(
+    ("node", "own", "expected"),
+    [
+        ("router", None, "older"),
+        ("router", "-event_engine_client", "-event_engine_client"),
+        ("prefill-qwen", None, None),
+    ],
+)
+def test_a_nodes_process_takes_grpcs_older_io_path_unless_it_runs_llama_cpp(
+    node: str, own: str | None, expected: str | None
+) -> None:
+    """gRPC reads GRPC_EXPERIMENTS when it loads: a router's process sets it to the older I/O
+    path first (runtime/grpc_io.py says what it saves), an embedded engine's keeps gRPC's
+    default, and a setting of the user's own wins."""
     from disagg_mesh.server.common.runtime.grpc_io import OLDER_IO
 
     env = {k: v for k, v in os.environ.items() if k != "GRPC_EXPERIMENTS"}
     if own is not None:
         env["GRPC_EXPERIMENTS"] = own
     done = subprocess.run(
-        [sys.executable, "-c", ENVIRONMENT],
+        [sys.executable, "-c", ENVIRONMENT.format(node=node)],
         capture_output=True,
         text=True,
         timeout=60,
@@ -147,4 +158,4 @@ def test_a_nodes_process_takes_grpcs_older_io_path_unless_told_otherwise(own: st
     )
     setting, loaded = json.loads(done.stdout.strip().splitlines()[-1])
     assert loaded, "the node's module imports grpc"
-    assert setting == (own or OLDER_IO)
+    assert setting == (OLDER_IO if expected == "older" else expected)
