@@ -36,14 +36,16 @@ def node_process_env(argv: Sequence[str]) -> dict[str, str]:
     one of its nodes runs a llama.cpp engine. Read from the topology's TOML as it is, before
     gRPC loads (the topology's own loader imports it); a file it cannot read changes nothing
     here, and the node's start says what is wrong with it."""
-    parser = argparse.ArgumentParser(add_help=False)
+    parser = argparse.ArgumentParser(add_help=False, exit_on_error=False)
     parser.add_argument("--topology", default="topology/local.toml")  # node.py's default
     parser.add_argument("--node", default="")
-    args, _ = parser.parse_known_args(list(argv))
     try:
+        args, _ = parser.parse_known_args(list(argv))
         with open(args.topology, "rb") as file:
             nodes = tomllib.load(file).get("nodes", [])
-    except (OSError, tomllib.TOMLDecodeError):
+    except (argparse.ArgumentError, OSError, tomllib.TOMLDecodeError):
+        return {}
+    if not isinstance(nodes, list):
         return {}
     names = {name.strip() for name in args.node.split(",")}
     if any(
