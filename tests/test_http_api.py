@@ -242,6 +242,31 @@ def test_openai_models_and_errors(mesh: Mesh) -> None:
     assert bad.value.status_code == 400 and "temperature" in str(bad.value)
     with pytest.raises(openai.BadRequestError, match="messages"):
         client.chat.completions.create(model=QWEN, messages=[])
+    hi: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hi"}]
+    # What the mesh does not apply is refused, naming the field, never silently ignored;
+    # the defaults that some clients send unasked are accepted.
+    unapplied: list[tuple[str, object]] = [
+        ("presence_penalty", 0.5),
+        ("frequency_penalty", -1.0),
+        ("logit_bias", {"42": 5}),
+        ("top_logprobs", 2),
+    ]
+    for field, value in unapplied:
+        with pytest.raises(openai.BadRequestError) as bad:
+            client.chat.completions.create(model=QWEN, messages=hi, extra_body={field: value})
+        assert bad.value.status_code == 400, field
+        assert bad.value.body["param"] == field, bad.value.body  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError, match="best_of"):
+        client.completions.create(model=QWEN, prompt="hi", best_of=2)
+    defaults = client.chat.completions.create(
+        model=QWEN,
+        messages=hi,
+        max_tokens=2,
+        presence_penalty=0,
+        frequency_penalty=0.0,
+        logit_bias={},
+    )
+    assert defaults.choices[0].finish_reason in ("length", "stop")
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(
             model="no-such-model", messages=[{"role": "user", "content": "hi"}]

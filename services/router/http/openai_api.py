@@ -112,12 +112,19 @@ class OpenAiApi:
         ]
 
     def _sampling(self, body: Fields) -> Sampling:
-        n = body.integer("n")
-        if n not in (None, 1):
-            raise InvalidArgument("n", f"only 1 choice per request is supported, got {n}")
+        for key, what in (("n", "choice"), ("best_of", "candidate")):
+            count = body.integer(key)
+            if count not in (None, 1):
+                raise InvalidArgument(key, f"only 1 {what} per request is supported, got {count}")
         for key, why in (
             ("functions", "the legacy functions field is not supported: use tools"),
             ("logprobs", "log probabilities are not returned"),
+            ("top_logprobs", "log probabilities are not returned"),
+            # Refused only when set to other than their defaults (0, no biases), which some
+            # clients send unasked: never an answer that ignored what the caller asked for.
+            ("presence_penalty", "repetition penalties are not applied"),
+            ("frequency_penalty", "repetition penalties are not applied"),
+            ("logit_bias", "token biases are not applied"),
         ):
             body.refuse(key, why)
         max_tokens = body.integer("max_completion_tokens")
