@@ -19,6 +19,7 @@ from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, w
 
 from disagg_mesh import AsyncMeshClient, GenerateCall, MeshError, Metrics, TlsFiles
 from disagg_mesh.errors import Unavailable
+from disagg_mesh.server.common.config import DEFAULT_TOPOLOGY
 from disagg_mesh.server.common.config.topology import TopologyError, load_topology
 from disagg_mesh.server.common.runtime.auth import TokenError, token_from_topology
 from disagg_mesh.server.common.runtime.processes import RESTARTS_ENV, MeshProcesses, MeshStartError
@@ -204,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--topology", default="topology/local.toml")
+    parser.add_argument("--topology", default=DEFAULT_TOPOLOGY)
     parser.add_argument("--log-dir", default=".run/logs")
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--start-timeout", type=float, default=300.0, help="seconds")

@@ -11,6 +11,7 @@ import asyncio
 import os
 import sys
 
+from disagg_mesh.server.common.config import DEFAULT_TOPOLOGY
 from disagg_mesh.server.common.runtime.grpc_io import node_process_env
 
 # llama.cpp's CPU threads are OpenMP's (this build links libgomp, which reads its settings
@@ -74,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--topology", default="topology/local.toml", help="topology TOML file")
+    parser.add_argument("--topology", default=DEFAULT_TOPOLOGY, help="topology TOML file")
     parser.add_argument(
         "--node",
         required=True,

@@ -17,6 +17,7 @@ import pytest
 
 from disagg_mesh.proto.v1 import router_pb2_grpc
 from disagg_mesh.server.common.config.topology import Node
+from disagg_mesh.server.common.runtime.grpc_io import OLDER_IO
 from disagg_mesh.server.common.runtime.processes import MeshProcesses
 from tests.conftest import engine_node, route, router_node, running_mesh
 from tests.streams import collect, request
@@ -132,7 +133,7 @@ ENVIRONMENT = (
 @pytest.mark.parametrize(
     ("node", "own", "expected"),
     [
-        ("router", None, "older"),
+        ("router", None, OLDER_IO),
         ("router", "-event_engine_client", "-event_engine_client"),
         ("prefill-qwen", None, None),
     ],
@@ -143,8 +144,6 @@ def test_a_nodes_process_takes_grpcs_older_io_path_unless_it_runs_llama_cpp(
     """gRPC reads GRPC_EXPERIMENTS when it loads: a router's process sets it to the older I/O
     path first (runtime/grpc_io.py says what it saves), an embedded engine's keeps gRPC's
     default, and a setting of the user's own wins."""
-    from disagg_mesh.server.common.runtime.grpc_io import OLDER_IO
-
     env = {k: v for k, v in os.environ.items() if k != "GRPC_EXPERIMENTS"}
     if own is not None:
         env["GRPC_EXPERIMENTS"] = own
@@ -158,4 +157,4 @@ def test_a_nodes_process_takes_grpcs_older_io_path_unless_it_runs_llama_cpp(
     )
     setting, loaded = json.loads(done.stdout.strip().splitlines()[-1])
     assert loaded, "the node's module imports grpc"
-    assert setting == (OLDER_IO if expected == "older" else expected)
+    assert setting == expected

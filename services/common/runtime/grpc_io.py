@@ -20,6 +20,8 @@ import tomllib
 from collections.abc import Sequence
 from importlib.metadata import version
 
+from disagg_mesh.server.common.config import DEFAULT_TOPOLOGY
+
 OLDER_IO = "-event_engine_client,-event_engine_listener"
 
 
@@ -37,7 +39,7 @@ def node_process_env(argv: Sequence[str]) -> dict[str, str]:
     gRPC loads (the topology's own loader imports it); a file it cannot read changes nothing
     here, and the node's start says what is wrong with it."""
     parser = argparse.ArgumentParser(add_help=False, exit_on_error=False)
-    parser.add_argument("--topology", default="topology/local.toml")  # node.py's default
+    parser.add_argument("--topology", default=DEFAULT_TOPOLOGY)
     parser.add_argument("--node", default="")
     try:
         args, _ = parser.parse_known_args(list(argv))
