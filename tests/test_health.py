@@ -158,6 +158,7 @@ async def test_prometheus_metrics(mesh: Mesh) -> None:
     # 4 slots of 4,096 tokens and a prefix cache of as many, 23,040 bytes a token.
     assert 'disagg_engine_kv_cache_bytes{state="total"} 4.718592e+08' in prefill
     assert 'disagg_engine_prefix_cache_tokens{state="max"} 4096.0' in prefill
+    assert 'disagg_engine_prefix_cache_tokens{state="stored"} ' in prefill
     assert "disagg_engine_step_seconds_count " in prefill
     # The same load under vLLM's names (llm-d's model-server protocol), by logical model;
     # the share of the KV cache holding tokens is used over total, as the engine says.

@@ -5,6 +5,7 @@ token budget evicts the least recently used prefix; the summary says what was ca
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator
 
 import llama_cpp
@@ -13,11 +14,11 @@ import pytest_asyncio
 
 from disagg_mesh.proto.v1 import router_pb2, router_pb2_grpc
 from disagg_mesh.server.common.engines.llama_cpp import EngineSettings, LlamaCppEngine
-from disagg_mesh.server.common.engines.llama_cpp.prefix_cache import PrefixCache
+from disagg_mesh.server.common.engines.llama_cpp.prefix_cache import Entry, PrefixCache
 from disagg_mesh.server.common.engines.prefix_keys import block_hashes
 from disagg_mesh.server.common.types import DecodeCandidate, GenerationEnd, Prompt, Sampling
 from tests.streams import collect, request
-from tests.test_engine import PATH, drain, open_engine
+from tests.test_engine import PATH, drain, open_engine, source_of
 
 RUBRIC = (
     "You grade Python homework. Rubric: correctness 40 points (every test passes, edge "
@@ -173,6 +174,12 @@ def test_a_lookup_always_leaves_a_token_to_evaluate() -> None:
         def pos_min(self, seq: int) -> int:
             return 0
 
+        def export_state(self, seq: int) -> memoryview:
+            return memoryview(b"")
+
+        def import_state(self, seq: int, state: memoryview) -> int:
+            return len(state)
+
     cache = PrefixCache(Nothing(), [10, 11], budget_tokens=1000, block_tokens=4)
     hashes = block_hashes("m", list(range(12)), 4)
     cache.keep(0, hashes[:2])  # 8 tokens
@@ -202,6 +209,12 @@ def test_a_window_model_uses_an_entry_only_while_its_window_layers_hold_enough()
         def pos_min(self, seq: int) -> int:
             return self.lowest.get(seq, -1)
 
+        def export_state(self, seq: int) -> memoryview:
+            raise AssertionError("a window model's entries stay resident")
+
+        def import_state(self, seq: int, state: memoryview) -> int:
+            raise AssertionError("a window model's entries stay resident")
+
     ctx = Windowed()
     cache = PrefixCache(ctx, [10, 11, 12], budget_tokens=1000, block_tokens=4, window=8)
     hashes = block_hashes("m", list(range(40)), 4)
@@ -226,6 +239,160 @@ def test_a_window_model_uses_an_entry_only_while_its_window_layers_hold_enough()
     assert cache.lookup(hashes, 40) == (cache._entries[1], 24)
     cache._entries[2].window_from = 25
     assert cache.lookup(hashes, 40) == (cache._entries[2], 32)
+
+
+class Cells:
+    """A context whose sequences hold a set of positions each, exported as bytes."""
+
+    def __init__(self) -> None:
+        self.held: dict[int, int] = {}  # sequence -> positions 0..n-1
+        self.refuse = False
+
+    def copy_prefix(self, source: int, target: int, tokens: int) -> None:
+        self.held[target] = min(tokens, self.held.get(source, 0))
+
+    def drop(self, seq: int) -> None:
+        self.held.pop(seq, None)
+
+    def pos_min(self, seq: int) -> int:
+        return 0 if self.held.get(seq) else -1
+
+    def export_state(self, seq: int) -> memoryview:
+        return memoryview(self.held[seq].to_bytes(4, "little"))
+
+    def import_state(self, seq: int, state: memoryview) -> int:
+        if self.refuse:
+            return 0
+        self.held[seq] = int.from_bytes(state, "little")
+        return len(state)
+
+
+def resident(entry: Entry) -> bool:
+    """Whether the entry's cells are in the context (not kept outside as its bytes)."""
+    return entry.stored is None
+
+
+def test_an_entry_no_slot_shares_leaves_the_context_and_comes_back_when_used() -> None:
+    """While a slot shares an entry's cells it stays; once none does, the next work moves it
+    out as its state's bytes (its cells freed), and a prompt starting with it loads it back.
+    A state llama.cpp refuses to load back (no room) drops the entry: the prompt evaluates
+    those tokens itself."""
+    ctx = Cells()
+    cache = PrefixCache(ctx, [10, 11], budget_tokens=1000, block_tokens=4)
+    hashes = block_hashes("m", list(range(12)), 4)
+    ctx.held[0] = 12  # slot 0 evaluated 12 tokens
+    assert cache.keep(0, hashes[:3]) == 12
+    (entry,) = cache._entries
+    assert cache.unshared() == []  # slot 0 shares its cells
+    cache.release(0)
+    assert cache.unshared() == [entry] and cache.unshared(keep=entry) == []
+    # A prompt running or starting with half its blocks or more keeps it in: its cells are
+    # mostly that prompt's too.
+    other = block_hashes("m", [0, 1, 2, 3, 9, 9, 9, 9], 4)
+    assert cache.unshared(live=[hashes[:2] + other[2:]]) == []
+    assert cache.unshared(live=[other]) == [entry]  # 1 block of 3 in common
+    cache.store(cache.unshared())
+    assert not resident(entry) and entry.seq not in ctx.held  # its cells are free
+    assert cache.stored_tokens == cache.tokens == 12
+    assert cache.lookup(hashes, 12) == (entry, 8)  # still held, outside the context
+    assert cache.use(entry, 1, 8)
+    assert resident(entry) and ctx.held[entry.seq] == 12 and ctx.held[1] == 8
+    assert entry.users == {1} and cache.unshared() == []
+    cache.release(1)
+    assert cache.free_cells()  # a pass without room: out of the context, not dropped
+    assert not resident(entry) and cache.lookup(hashes, 12) == (entry, 8)
+    assert not cache.free_cells()  # no entry holds cells any more
+    ctx.refuse = True
+    ctx.held.pop(1)  # slot 1 ended
+    assert not cache.use(entry, 1, 8)
+    assert cache._entries == [] and cache.tokens == cache.stored_tokens == 0
+    assert 1 not in ctx.held
+    # A window model's entries never leave: their window layers hold other positions.
+    windowed = PrefixCache(Cells(), [10], budget_tokens=1000, block_tokens=4, window=8)
+    windowed.keep(0, hashes[:3])
+    windowed.release(0)
+    assert windowed.unshared() == []
+
+
+async def test_a_rubric_kept_outside_the_context_comes_back_with_same_piece_texts(
+    reference_llm: llama_cpp.Llama,
+) -> None:
+    """Two rubrics in turn: each prompt's start moves the other rubric's entry out of the
+    context (its cells freed) and loads its own back; every text equals one process that
+    evaluated the prompt in the same pieces."""
+
+    def tokenize(text: str) -> list[int]:
+        return reference_llm.tokenize(text.encode(), add_bos=True, special=True)
+
+    rubrics = [RUBRIC[:2400], "Grade the essay below for argument and evidence. " * 40]
+    engine = await open_engine(n_ctx=2048, n_threads=2, prefix_cache_tokens=2048)
+    try:
+        cache = engine._scheduler._cache
+        assert cache is not None
+        for turn in range(4):
+            rubric = rubrics[turn % 2]
+            prompt = rubric + SUBMISSIONS[turn]
+            text, end = await run(engine, prompt)
+            tokens = tokenize(prompt)
+            if turn < 2:
+                assert end.cached_prompt_tokens == 0
+            else:
+                assert end.cached_prompt_tokens >= len(tokenize(rubric)) - 2 * BLOCK
+            # Its rubric's entries resident, the other rubric's outside, their cells free.
+            first_block = block_hashes(engine._salt, tokens, BLOCK)[0]
+            assert {e.hashes[0] == first_block for e in cache._entries} == {True, turn == 0}
+            for e in cache._entries:
+                assert (e.stored is None) == (e.hashes[0] == first_block)
+                held = llama_cpp.llama_memory_seq_pos_max(engine._context._mem, e.seq)
+                assert (held == -1) == (e.stored is not None)
+            stored = sum(len(e.hashes) * BLOCK for e in cache._entries if e.stored is not None)
+            assert engine.load().prefix_cache_stored_tokens == stored > 0 or turn == 0
+            first = tokenize(rubrics[turn % 2] + SUBMISSIONS[turn % 2])
+            assert text == SamePieces(reference_llm, first).text(tokens, end.cached_prompt_tokens)
+    finally:
+        await engine.close()
+
+
+async def test_a_decode_nodes_prefix_kept_outside_comes_back_for_the_delta() -> None:
+    """A decode node holds a rubric's blocks from a whole state; another rubric's state
+    moves them out of its context; a state of the first rubric that leaves them out (the
+    delta) loads them back and answers as a node that kept them in its context all along."""
+    other = RUBRIC.replace("Python", "Go").replace("PEP 8", "gofmt")
+    prefill = await open_engine(n_ctx=2048, n_threads=2, prefix_cache_tokens=2048)
+    decode = await open_engine(n_ctx=2048, n_threads=2, prefix_cache_tokens=2048)
+    kept = await open_engine(n_ctx=2048, n_threads=2, prefix_cache_tokens=2048)
+    try:
+        first = await prefill.prefill(Prompt(text=RUBRIC + SUBMISSIONS[0]), GREEDY)
+        second = await prefill.prefill(Prompt(text=other + SUBMISSIONS[1]), GREEDY)
+        for engine, outs in ((decode, (first, second)), (kept, (first,))):
+            for out in outs:
+                await drain(
+                    engine.continue_from_state(out.kv_state, source_of(engine, out), GREEDY)
+                )
+        assert decode.load().prefix_cache_stored_tokens >= 960  # the first rubric's, outside
+        assert kept.load().prefix_cache_stored_tokens == 0
+        holder = DecodeCandidate("decode", frozenset(first.block_hashes))
+        delta = await prefill.prefill(Prompt(text=RUBRIC + SUBMISSIONS[2]), GREEDY, [holder])
+        assert delta.kv_prefix_tokens >= 960 and len(delta.kv_state) < 0.2 * delta.kv_state_bytes
+        texts = []
+        for engine in (decode, kept):
+            reference = dataclasses.replace(
+                source_of(engine, delta), kv_prefix_tokens=delta.kv_prefix_tokens
+            )
+            text, end = await drain(engine.continue_from_state(delta.kv_state, reference, GREEDY))
+            assert end.cached_prompt_tokens == delta.kv_prefix_tokens
+            texts.append(text)
+        assert texts[0] == texts[1]
+        # The first rubric's entry came back; the other's went out in its turn.
+        cache = decode._scheduler._cache
+        assert cache is not None
+        assert {e.hashes[0] == first.block_hashes[0]: e.stored is None for e in cache._entries} == {
+            True: True,
+            False: False,
+        }
+    finally:
+        for engine in (prefill, decode, kept):
+            await engine.close()
 
 
 async def test_the_router_summary_says_how_many_prompt_tokens_were_cached(

@@ -60,6 +60,8 @@ class EngineLoad:
     # Prompt tokens the prefix cache holds, and the most it may hold.
     prefix_cache_tokens: int = 0
     prefix_cache_max_tokens: int = 0
+    # Of prefix_cache_tokens, those kept outside the KV cache as states' bytes (host memory).
+    prefix_cache_stored_tokens: int = 0
     # Since the engine started: seconds with a slot in use, and slot-seconds in use (BusyTime).
     busy_seconds: float = 0.0
     slot_busy_seconds: float = 0.0

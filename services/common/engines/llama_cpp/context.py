@@ -374,23 +374,25 @@ class SlotContext:
         self.check_slot(slot)
         return int(llama_cpp.llama_memory_seq_pos_max(self._mem, slot))
 
-    def export_state(self, slot: int) -> memoryview:
-        self.check_slot(slot)
-        size = llama_cpp.llama_state_seq_get_size(self._ctx, slot)
+    def export_state(self, seq: int) -> memoryview:
+        """A slot's or a prefix cache entry's KV as a one-sequence state's bytes."""
+        self._check_seq(seq)
+        size = llama_cpp.llama_state_seq_get_size(self._ctx, seq)
         buffer = (ctypes.c_uint8 * size)()
-        written = llama_cpp.llama_state_seq_get_data(self._ctx, buffer, size, slot)
+        written = llama_cpp.llama_state_seq_get_data(self._ctx, buffer, size, seq)
         if written == 0 or written > size:
             raise RuntimeError(f"llama.cpp wrote {written} bytes of a {size}-byte KV state")
         return memoryview(buffer).cast("B")[:written]
 
-    def import_state(self, slot: int, state: memoryview) -> int:
-        """Load a one-sequence state into the slot; the bytes llama.cpp read (0 if refused)."""
-        self.check_slot(slot)
+    def import_state(self, seq: int, state: memoryview) -> int:
+        """Load a one-sequence state into a slot or a prefix cache entry's sequence; the
+        bytes llama.cpp read (0 if refused)."""
+        self._check_seq(seq)
         held = self._held_before_placing() if self._guard_lone_rows else 0
         buffer = (ctypes.c_uint8 * len(state)).from_buffer(state)
-        read = int(llama_cpp.llama_state_seq_set_data(self._ctx, buffer, len(state), slot))
+        read = int(llama_cpp.llama_state_seq_set_data(self._ctx, buffer, len(state), seq))
         if self._guard_lone_rows:  # its cells were placed as a decode's are
-            self._note_cells(int(llama_cpp.llama_memory_seq_pos_max(self._mem, slot)) + 1, held)
+            self._note_cells(int(llama_cpp.llama_memory_seq_pos_max(self._mem, seq)) + 1, held)
         return read
 
     def close(self) -> None:

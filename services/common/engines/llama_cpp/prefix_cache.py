@@ -24,6 +24,16 @@ every position a token at n attends to (`attended_from`), which the cache checks
 lookup; entries are not folded into longer ones there, since a longer entry no longer holds
 the window of a shorter one.
 
+An entry no running slot shares is kept outside the context once other work starts (the
+third way of #42, docs/batching.md): its sequence is exported as a one-sequence state's
+bytes (llama.cpp's `llama_state_seq_get_data`, as a KV handoff's) and its cells freed, so
+that a prompt or a stream that does not use it does not attend over its cells, masked out;
+a prompt starting with it loads the bytes back into its sequence first (an 11 MB state in
+1-5 ms on a 2-core AMD EPYC) and shares its cells as before. An entry mostly like a prompt
+running or starting stays (its cells are mostly that prompt's too). Not for sliding-window models,
+whose window layers' cells an entry's state does not describe alone (`Entry.window_from`):
+theirs stay resident.
+
 Only the engine thread changes a PrefixCache; `tokens` is a plain int that other threads may
 read (the engine's load()).
 """
@@ -32,7 +42,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from disagg_mesh.server.common.engines.llama_cpp.model import attended_from
@@ -52,6 +62,10 @@ class Sequences(Protocol):
 
     def pos_min(self, seq: int) -> int: ...
 
+    def export_state(self, seq: int) -> memoryview: ...
+
+    def import_state(self, seq: int, state: memoryview) -> int: ...
+
 
 @dataclass(eq=False)
 class Entry:
@@ -64,6 +78,10 @@ class Entry:
     # that the cache can count on (a state loaded with a prefix from elsewhere holds that
     # prefix's old window cells, then a gap up to its own window).
     window_from: int = 0
+    # The slots sharing its cells now (it was copied into them, or kept from them).
+    users: set[int] = field(default_factory=set)
+    # Its KV as a one-sequence state's bytes, its cells freed (None: resident).
+    stored: memoryview | None = None
 
 
 class PrefixCache:
@@ -74,16 +92,21 @@ class PrefixCache:
         budget_tokens: int,
         block_tokens: int = PREFIX_BLOCK_TOKENS,
         window: int = 0,
+        store: bool = True,
     ) -> None:
+        """store: keep entries no slot shares outside the context (not for window models)."""
         self._ctx = context
         self.window = window
+        self._store = store and not window
         self._free = list(seqs)
         self.budget_tokens = budget_tokens
         self.block_tokens = block_tokens
         self._entries: list[Entry] = []
         self._clock = itertools.count()
-        # Tokens held (a prefix held by two entries counts twice).
+        # Tokens held (a prefix held by two entries counts twice), and those of them kept
+        # outside the context.
         self.tokens = 0
+        self.stored_tokens = 0
 
     def lookup(self, hashes: Sequence[bytes], prompt_tokens: int) -> tuple[Entry | None, int]:
         """The entry sharing the most whole blocks with a prompt of these block hashes, and
@@ -128,10 +151,59 @@ class PrefixCache:
             None,
         )
 
-    def use(self, entry: Entry, slot: int, tokens: int) -> None:
-        """Put the entry's first `tokens` into the slot."""
+    def use(self, entry: Entry, slot: int, tokens: int) -> bool:
+        """Put the entry's first `tokens` into the slot; False when the entry was kept
+        outside the context and llama.cpp found no room to load it back (it is gone)."""
+        if not self.restore(entry):
+            return False
         self._ctx.copy_prefix(entry.seq, slot, tokens)
         entry.used = next(self._clock)
+        entry.users.add(slot)
+        return True
+
+    def restore(self, entry: Entry) -> bool:
+        """The entry's cells back in the context if it was kept outside; False (and the
+        entry dropped) when llama.cpp refused its state (no room for it)."""
+        state = entry.stored
+        if state is None:
+            return True
+        entry.stored = None
+        self.stored_tokens -= self._tokens(entry)
+        if self._ctx.import_state(entry.seq, state) != len(state):
+            self._drop(entry)
+            return False
+        return True
+
+    def unshared(
+        self, keep: Entry | None = None, live: Sequence[Sequence[bytes]] = ()
+    ) -> list[Entry]:
+        """The resident entries no slot shares, but `keep`, and but those starting with
+        half their blocks or more as one of the `live` prompts' block hashes (the prompts
+        running or starting now, whose cells are then mostly theirs too: moving such an
+        entry out would copy it all and free few cells): those `store` would move out."""
+        if not self._store:
+            return []
+        return [
+            e
+            for e in self._entries
+            if e.stored is None
+            and not e.users
+            and e is not keep
+            and all(2 * common_prefix(e.hashes, h) < len(e.hashes) for h in live)
+        ]
+
+    def store(self, entries: Sequence[Entry]) -> None:
+        """Move these entries (of `unshared`) out of the context: each as its state's
+        bytes, its cells freed."""
+        for entry in entries:
+            entry.stored = self._ctx.export_state(entry.seq)
+            self._ctx.drop(entry.seq)
+            self.stored_tokens += self._tokens(entry)
+
+    def release(self, slot: int) -> None:
+        """The slot has ended: it shares no entry's cells any more."""
+        for entry in self._entries:
+            entry.users.discard(slot)
 
     def keep(self, slot: int, hashes: Sequence[bytes], window_from: int = 0) -> int:
         """Keep the slot's first len(hashes) whole blocks resident (they hold those tokens),
@@ -153,7 +225,7 @@ class PrefixCache:
             return 0
         seq = self._free.pop()
         self._ctx.copy_prefix(slot, seq, n)
-        self._entries.append(Entry(seq, held, next(self._clock), window_from))
+        self._entries.append(Entry(seq, held, next(self._clock), window_from, {slot}))
         self.tokens += n
         return n
 
@@ -164,8 +236,28 @@ class PrefixCache:
         self._drop(min(self._entries, key=lambda e: e.used))
         return True
 
+    def free_cells(self) -> bool:
+        """Free KV cells for a pass that found none: the least recently used resident entry
+        no slot shares moves out of the context, else the least recently used resident
+        entry is dropped; False when no entry holds cells."""
+        unshared = self.unshared()
+        if unshared:
+            self.store([min(unshared, key=lambda e: e.used)])
+            return True
+        resident = [e for e in self._entries if e.stored is None]
+        if not resident:
+            return False
+        self._drop(min(resident, key=lambda e: e.used))
+        return True
+
+    def _tokens(self, entry: Entry) -> int:
+        return len(entry.hashes) * self.block_tokens
+
     def _drop(self, entry: Entry) -> None:
         self._entries.remove(entry)
-        self.tokens -= len(entry.hashes) * self.block_tokens
+        self.tokens -= self._tokens(entry)
+        if entry.stored is not None:
+            self.stored_tokens -= self._tokens(entry)
+            entry.stored = None
         self._ctx.drop(entry.seq)
         self._free.append(entry.seq)

@@ -326,6 +326,7 @@ class Scheduler:
             kv_cache_used_bytes=self._cells_used * self._kv_bytes_per_token,
             prefix_cache_tokens=self._cache.tokens if self._cache else 0,
             prefix_cache_max_tokens=self._cache.budget_tokens if self._cache else 0,
+            prefix_cache_stored_tokens=self._cache.stored_tokens if self._cache else 0,
             busy_seconds=busy_s,
             slot_busy_seconds=slot_busy_s,
         )
@@ -495,10 +496,11 @@ class Scheduler:
             origin = job.piece_origin
             if origin is not None and n >= origin:  # back to the original's grid
                 n = origin + (n - origin) // self._ctx.n_batch * self._ctx.n_batch
+            self._store_unshared(job, entry if n else None)
             if cache is not None and entry is not None and n:
                 slot.window_from = cache.window_from(entry)
-                self._cache_use(entry, slot, n)
-                slot.evaluated = slot.n_past = n
+                if self._cache_use(entry, slot, n):
+                    slot.evaluated = slot.n_past = n
             return
         loaded = job.loaded
         assert loaded is not None and loaded.state is not None
@@ -506,6 +508,10 @@ class Scheduler:
         prefix = None
         if job.prefix_tokens:
             prefix = self._cache.find(job.hashes, job.prefix_tokens) if self._cache else None
+        self._store_unshared(job, prefix)
+        if job.prefix_tokens:
+            if prefix is not None and self._cache is not None and not self._cache.restore(prefix):
+                prefix = None
             if prefix is None:
                 self._fail(
                     slot,
@@ -857,6 +863,8 @@ class Scheduler:
         self._free(slot)
 
     def _free(self, slot: Slot) -> None:
+        if self._cache is not None:
+            self._cache.release(slot.index)
         self._parked_cells += self._ctx.pos_max(slot.index) + 1
         self._ctx.park(slot.index)
         slot.sampler.close()
@@ -869,19 +877,36 @@ class Scheduler:
         self._ctx.free_parked()
         self._parked_cells = 0
 
-    def _cache_use(self, entry: Entry, slot: Slot, tokens: int) -> None:
+    def _cache_use(self, entry: Entry, slot: Slot, tokens: int) -> bool:
+        """The entry's first tokens into the slot; False when it was kept outside the
+        context and could not be loaded back (the slot then evaluates them)."""
         assert self._cache is not None
-        self._cache.use(entry, slot.index, tokens)
+        if not self._cache.use(entry, slot.index, tokens):
+            return False
         slot.cached = tokens
         metrics.engine_cached(tokens)
+        return True
+
+    def _store_unshared(self, job: Job, keep: Entry | None) -> None:
+        """Before a slot places new cells for this job: the prefix cache's entries no slot
+        shares (but `keep`, which it is about to use, and those mostly like this job's
+        prompt or a running one's) leave the context for its bytes, so that the new work's
+        passes do not attend over their cells (prefix_cache.py)."""
+        if self._cache is None:
+            return
+        live = [s.job.hashes for s in self._slots if s is not None and s.job.hashes]
+        entries = self._cache.unshared(keep, [job.hashes, *live])
+        if entries:
+            self._deliver()  # exporting takes milliseconds
+            self._cache.store(entries)
 
     def _make_room(self) -> bool:
-        """Free KV cells for a step that found none: the parked cells, else the least
-        recently used prefix cache entry. False when there is nothing left to free."""
+        """Free KV cells for a step that found none: the parked cells, else a prefix cache
+        entry's (PrefixCache.free_cells). False when there is nothing left to free."""
         if self._parked_cells:
             self._free_parked()
             return True
-        return self._cache is not None and self._cache.evict()
+        return self._cache is not None and self._cache.free_cells()
 
     def _emit(self, job: Job, event: Event) -> None:
         """An event for the job's caller, handed over at the next `_deliver`."""

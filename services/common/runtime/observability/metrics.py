@@ -102,7 +102,9 @@ ENGINE_TOKENS = Counter(
 )
 ENGINE_PREFIX_CACHE_TOKENS = Gauge(
     "disagg_engine_prefix_cache_tokens",
-    "Embedded engine: prompt tokens the prefix cache holds, and the most it may hold",
+    "Embedded engine: prompt tokens the prefix cache holds (held), of them those kept "
+    "outside the KV cache as states' bytes in host memory (stored), and the most it may "
+    "hold (max)",
     ["state"],
 )
 ENGINE_STEP_SECONDS = Histogram(
@@ -206,6 +208,7 @@ def watch_engine(load: Callable[[], EngineLoad | None], models: list[str]) -> No
     ENGINE_KV_CACHE_BYTES.labels("used").set_function(field("kv_cache_used_bytes"))
     ENGINE_PREFIX_CACHE_TOKENS.labels("held").set_function(field("prefix_cache_tokens"))
     ENGINE_PREFIX_CACHE_TOKENS.labels("max").set_function(field("prefix_cache_max_tokens"))
+    ENGINE_PREFIX_CACHE_TOKENS.labels("stored").set_function(field("prefix_cache_stored_tokens"))
 
 
 def engine_cached(prompt_tokens: int) -> None:
