@@ -302,6 +302,14 @@ def test_an_entry_no_slot_shares_leaves_the_context_and_comes_back_when_used() -
     assert cache.free_cells()  # a pass without room: out of the context, not dropped
     assert not resident(entry) and cache.lookup(hashes, 12) == (entry, 8)
     assert not cache.free_cells()  # no entry holds cells any more
+    # A slot that holds the same blocks (a whole state loaded) shares them with the entry
+    # instead of the entry loading its bytes back later.
+    ctx.held[2] = 12
+    assert cache.keep(2, hashes[:3]) == 12
+    assert resident(entry) and entry.users == {2} and ctx.held[entry.seq] == 12
+    assert cache.stored_tokens == 0 and len(cache._entries) == 1
+    cache.release(2)
+    cache.store(cache.unshared())
     ctx.refuse = True
     ctx.held.pop(1)  # slot 1 ended
     assert not cache.use(entry, 1, 8)

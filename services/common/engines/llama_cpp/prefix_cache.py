@@ -215,6 +215,12 @@ class PrefixCache:
         for entry in self._entries:
             if common_prefix(entry.hashes, held) == len(held) and self.serves(entry, n):
                 entry.used = next(self._clock)  # already held
+                if entry.stored is not None and len(entry.hashes) == len(held):
+                    # Outside the context, and the slot holds the same cells: share those.
+                    entry.stored = None
+                    self.stored_tokens -= n
+                    self._ctx.copy_prefix(slot, entry.seq, n)
+                    entry.users.add(slot)
                 return n
         if not self.window:
             for entry in [e for e in self._entries if held[: len(e.hashes)] == e.hashes]:
