@@ -30,6 +30,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from disagg_mesh.server.common.config import DEFAULT_TOPOLOGY
 from disagg_mesh.server.common.config.topology import Node, Topology, load_topology
 from disagg_mesh.server.common.engines import open_engine
 from disagg_mesh.server.common.types import GenerationEnd, Prompt, Sampling
@@ -200,7 +201,7 @@ async def calibrate(topology_file: Path, out: Path, say: Callable[[str], None]) 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--topology", type=Path, default=Path("topology/local.toml"))
+    parser.add_argument("--topology", type=Path, default=Path(DEFAULT_TOPOLOGY))
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
 

@@ -167,8 +167,7 @@ class PrefixCache:
         state = entry.stored
         if state is None:
             return True
-        entry.stored = None
-        self.stored_tokens -= self._tokens(entry)
+        self._unstore(entry)
         if self._ctx.import_state(entry.seq, state) != len(state):
             self._drop(entry)
             return False
@@ -217,8 +216,7 @@ class PrefixCache:
                 entry.used = next(self._clock)  # already held
                 if entry.stored is not None and len(entry.hashes) == len(held):
                     # Outside the context, and the slot holds the same cells: share those.
-                    entry.stored = None
-                    self.stored_tokens -= n
+                    self._unstore(entry)
                     self._ctx.copy_prefix(slot, entry.seq, n)
                     entry.users.add(slot)
                 return n
@@ -259,11 +257,15 @@ class PrefixCache:
     def _tokens(self, entry: Entry) -> int:
         return len(entry.hashes) * self.block_tokens
 
+    def _unstore(self, entry: Entry) -> None:
+        """The entry's bytes are no longer kept (its cells are back, or it is gone)."""
+        if entry.stored is not None:
+            entry.stored = None
+            self.stored_tokens -= self._tokens(entry)
+
     def _drop(self, entry: Entry) -> None:
         self._entries.remove(entry)
         self.tokens -= self._tokens(entry)
-        if entry.stored is not None:
-            self.stored_tokens -= self._tokens(entry)
-            entry.stored = None
+        self._unstore(entry)
         self._ctx.drop(entry.seq)
         self._free.append(entry.seq)
