@@ -44,8 +44,8 @@ class SamePieces:
     pieces), then the rest of the prompt in 512-token pieces from there. `first` is
     evaluated again only when positions it left are needed again."""
 
-    def __init__(self, llm: llama_cpp.Llama, first: list[int]) -> None:
-        self.llm, self.first = llm, first
+    def __init__(self, llm: llama_cpp.Llama, first: list[int], max_tokens: int = 16) -> None:
+        self.llm, self.first, self.max_tokens = llm, first, max_tokens
         self.intact = 0  # positions of `first` the context still holds
 
     def text(self, tokens: list[int], cached: int) -> str:
@@ -57,7 +57,7 @@ class SamePieces:
         llm.n_tokens = cached  # the next eval drops every cell from here on
         ids: list[int] = []
         for token in llm.generate(tokens[cached:], temp=0.0, reset=False):
-            if llama_cpp.llama_vocab_is_eog(llm._model.vocab, token) or len(ids) >= 16:
+            if llama_cpp.llama_vocab_is_eog(llm._model.vocab, token) or len(ids) >= self.max_tokens:
                 break
             ids.append(token)
         self.intact = cached
@@ -357,6 +357,37 @@ async def test_a_rubric_kept_outside_the_context_comes_back_with_same_piece_text
             assert engine.load().prefix_cache_stored_tokens == stored > 0 or turn == 0
             first = tokenize(rubrics[turn % 2] + SUBMISSIONS[turn % 2])
             assert text == SamePieces(reference_llm, first).text(tokens, end.cached_prompt_tokens)
+    finally:
+        await engine.close()
+
+
+async def test_an_entry_dropped_while_a_slot_generates_leaves_no_cells_before_its_own(
+    reference_llm: llama_cpp.Llama,
+) -> None:
+    """The token budget drops the first submission's entry when the second's prompt is kept,
+    while the second generates. The entry's own cells (its submission's blocks, below the
+    second's) are parked, not freed: freed, they would take the second's next tokens ahead
+    of its earlier ones, and its text would part from the one it has alone."""
+
+    def tokenize(text: str) -> list[int]:
+        return reference_llm.tokenize(text.encode(), add_bos=True, special=True)
+
+    first = RUBRIC[:2400] + SUBMISSIONS[0] * 6
+    second = RUBRIC[:2400] + "Explain what this code does:\nfor i in range(10):\n    print(i * i)"
+    budget = len(tokenize(first)) // BLOCK * BLOCK + BLOCK  # one submission's blocks
+    engine = await open_engine(n_ctx=2048, n_threads=2, prefix_cache_tokens=budget)
+    try:
+        cache = engine._scheduler._cache
+        assert cache is not None
+        await run(engine, first)
+        (dropped,) = cache._entries
+        sampling = Sampling(max_tokens=96, temperature=0.0)
+        text, end = await drain(engine.generate(Prompt(text=second), sampling))
+        assert end.cached_prompt_tokens >= len(tokenize(RUBRIC[:2400])) - BLOCK
+        assert len(tokenize(first)) - end.cached_prompt_tokens >= 2 * BLOCK  # its own blocks
+        assert dropped not in cache._entries and len(cache._entries) == 1
+        same = SamePieces(reference_llm, tokenize(first), max_tokens=96)
+        assert text == same.text(tokenize(second), end.cached_prompt_tokens)
     finally:
         await engine.close()
 

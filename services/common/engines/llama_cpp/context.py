@@ -13,7 +13,8 @@ Why these settings (measured here with llama-cpp-python 0.3.36 on the CPU backen
   kernels by batch size, and a sequence's greedy text drifted in a batch.
 - A finished sequence's cells are parked, not freed (`park`): they move to one extra
   sequence id that no batch attends to, and are freed together (`free_parked`) when the
-  engine is idle or room runs short. Freeing them at once would leave holes that llama.cpp
+  engine is idle or room runs short. So are a dropped prefix cache entry's (`drop`) while
+  any slot holds cells. Freeing them at once would leave holes that llama.cpp
   fills from the start of the cache, putting a running sequence's next tokens before its
   earlier ones; attention adds cells up in cache order, so that sequence's numbers would
   then round differently from the same sequence run alone.
@@ -200,6 +201,9 @@ class SlotContext:
         self._threads = settings.n_threads
         self.slots = settings.slots
         self._parked = settings.slots
+        # Positions parked since the parked cells were last freed (a bound on their cells:
+        # some may also be a prefix cache entry's).
+        self.parked_cells = 0
         self._scratch = settings.slots + 1
         self._n_seq = int(params.n_seq_max)
         self.cache_seqs = range(settings.slots + 2, settings.slots + 2 + settings.prefix_cache_seqs)
@@ -330,8 +334,12 @@ class SlotContext:
         """The slot is free at once; its cells stay in use, under the parked sequence, until
         `free_parked` (no copy: the cells change owner)."""
         self.check_slot(slot)
-        llama_cpp.llama_memory_seq_cp(self._mem, slot, self._parked, -1, -1)
-        llama_cpp.llama_memory_seq_rm(self._mem, slot, -1, -1)
+        self._park(slot)
+
+    def _park(self, seq: int) -> None:
+        self.parked_cells += int(llama_cpp.llama_memory_seq_pos_max(self._mem, seq)) + 1
+        llama_cpp.llama_memory_seq_cp(self._mem, seq, self._parked, -1, -1)
+        llama_cpp.llama_memory_seq_rm(self._mem, seq, -1, -1)
 
     def _check_seq(self, seq: int) -> None:
         if not (0 <= seq < self.slots or seq in self.cache_seqs):
@@ -345,13 +353,20 @@ class SlotContext:
         llama_cpp.llama_memory_seq_cp(self._mem, source, target, 0, tokens)
 
     def drop(self, seq: int) -> None:
-        """A prefix cache entry's sequence is emptied (cells no other sequence holds are free)."""
+        """A prefix cache entry's sequence is emptied. Its cells no other sequence holds are
+        freed at once while no slot holds cells, and parked otherwise (freed with a finished
+        slot's): llama.cpp places the next cells from the first one freed, so a running
+        sequence's next tokens would land ahead of its earlier ones (see above)."""
         if seq not in self.cache_seqs:
             raise ValueError(f"sequence id {seq} is not a prefix cache entry")
-        llama_cpp.llama_memory_seq_rm(self._mem, seq, -1, -1)
+        if any(llama_cpp.llama_memory_seq_pos_max(self._mem, s) >= 0 for s in range(self.slots)):
+            self._park(seq)
+        else:
+            llama_cpp.llama_memory_seq_rm(self._mem, seq, -1, -1)
 
     def free_parked(self) -> None:
         llama_cpp.llama_memory_seq_rm(self._mem, self._parked, -1, -1)
+        self.parked_cells = 0
 
     def pos_min(self, seq: int) -> int:
         """The lowest position a slot or a prefix cache entry holds in every layer, -1 when

@@ -26,13 +26,13 @@ the window of a shorter one.
 
 An entry no running slot shares is kept outside the context once other work starts (the
 third way of #42, docs/batching.md): its sequence is exported as a one-sequence state's
-bytes (llama.cpp's `llama_state_seq_get_data`, as a KV handoff's) and its cells freed, so
-that a prompt or a stream that does not use it does not attend over its cells, masked out;
-a prompt starting with it loads the bytes back into its sequence first (an 11 MB state in
-1-5 ms on a 2-core AMD EPYC) and shares its cells as before. An entry mostly like a prompt
-running or starting stays (its cells are mostly that prompt's too). Not for sliding-window models,
-whose window layers' cells an entry's state does not describe alone (`Entry.window_from`):
-theirs stay resident.
+bytes (llama.cpp's `llama_state_seq_get_data`, as a KV handoff's) and its cells freed
+(parked while a slot holds cells: `Context.drop`), so that a prompt or a stream that does
+not use it does not attend over its cells, masked out; a prompt starting with it loads the
+bytes back into its sequence first (an 11 MB state in 1-5 ms on a 2-core AMD EPYC) and
+shares its cells as before. An entry mostly like a prompt running or starting stays (its
+cells are mostly that prompt's too). Not for sliding-window models, whose window layers'
+cells an entry's state does not describe alone (`Entry.window_from`): theirs stay resident.
 
 Only the engine thread changes a PrefixCache; `tokens` is a plain int that other threads may
 read (the engine's load()).
@@ -243,7 +243,8 @@ class PrefixCache:
     def free_cells(self) -> bool:
         """Free KV cells for a pass that found none: the least recently used resident entry
         no slot shares moves out of the context, else the least recently used resident
-        entry is dropped; False when no entry holds cells."""
+        entry is dropped (while a slot holds cells, theirs are parked: the caller frees the
+        parked cells next); False when no entry holds cells."""
         unshared = self.unshared()
         if unshared:
             self.store([min(unshared, key=lambda e: e.used)])

@@ -270,7 +270,6 @@ class Scheduler:
         self._slots: list[Slot | None] = [None] * context.slots
         self._busy = 0
         self._busy_time = BusyTime()
-        self._parked_cells = 0
         self._stopping = False
         self._order = itertools.count()
         self._rates = TokenRates()
@@ -357,9 +356,9 @@ class Scheduler:
                 if any(self._slots):
                     self._step()
                 idle = not any(self._slots)
-                if idle and self._parked_cells:
-                    self._free_parked()
-                self._cells_used = self._parked_cells + sum(
+                if idle and self._ctx.parked_cells:
+                    self._ctx.free_parked()
+                self._cells_used = self._ctx.parked_cells + sum(
                     s.n_past for s in self._slots if s is not None
                 )
                 if idle:
@@ -597,8 +596,8 @@ class Scheduler:
 
     def _plan(self) -> StepPlan[Slot]:
         active = [s for s in self._slots if s is not None]
-        if self._parked_cells > max(sum(s.n_past for s in active), self._ctx.n_ctx):
-            self._free_parked()
+        if self._ctx.parked_cells > max(sum(s.n_past for s in active), self._ctx.n_ctx):
+            self._ctx.free_parked()
         return plan_step(
             active, self._ctx.n_batch, self._decode_pass_s, self._settings.max_itl_slowdown
         )
@@ -865,17 +864,12 @@ class Scheduler:
     def _free(self, slot: Slot) -> None:
         if self._cache is not None:
             self._cache.release(slot.index)
-        self._parked_cells += self._ctx.pos_max(slot.index) + 1
         self._ctx.park(slot.index)
         slot.sampler.close()
         with self._cv:
             self._slots[slot.index] = None
             self._busy -= 1
             self._busy_time.set(self._busy)
-
-    def _free_parked(self) -> None:
-        self._ctx.free_parked()
-        self._parked_cells = 0
 
     def _cache_use(self, entry: Entry, slot: Slot, tokens: int) -> bool:
         """The entry's first tokens into the slot; False when it was kept outside the
@@ -903,8 +897,8 @@ class Scheduler:
     def _make_room(self) -> bool:
         """Free KV cells for a step that found none: the parked cells, else a prefix cache
         entry's (PrefixCache.free_cells). False when there is nothing left to free."""
-        if self._parked_cells:
-            self._free_parked()
+        if self._ctx.parked_cells:
+            self._ctx.free_parked()
             return True
         return self._cache is not None and self._cache.free_cells()
 
