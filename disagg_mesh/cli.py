@@ -47,7 +47,6 @@ from disagg_mesh.client import (
 from disagg_mesh.errors import MeshError
 from disagg_mesh.metrics import Metrics
 from disagg_mesh.proto.v1 import node_pb2, node_pb2_grpc
-from disagg_mesh.server.common.config import DEFAULT_TOPOLOGY
 from disagg_mesh.service import ServiceSpec, this_os
 
 HINTS = {
@@ -92,7 +91,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--router", help="router address host:port, or several comma-separated (failover)"
     )
-    parser.add_argument("--topology", default=DEFAULT_TOPOLOGY, help="topology TOML file")
+    # The server's config.DEFAULT_TOPOLOGY, written out: the client installs without the
+    # server's package (tests/test_client.py).
+    parser.add_argument("--topology", default="topology/local.toml", help="topology TOML file")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per call")
     parser.add_argument("--token", default=os.environ.get("DISAGG_TOKEN"), help="bearer token")
     parser.add_argument("--ca", type=Path, help="CA certificate (PEM): use TLS")
