@@ -38,6 +38,11 @@ async def run(engine: LlamaCppEngine, text: str) -> tuple[str, GenerationEnd]:
     return await drain(engine.generate(Prompt(text=text), GREEDY))
 
 
+def tokens_of(llm: llama_cpp.Llama, text: str) -> list[int]:
+    """The prompt's tokens as the nodes tokenize it (a leading BOS, special tokens read)."""
+    return llm.tokenize(text.encode(), add_bos=True, special=True)
+
+
 class SamePieces:
     """Greedy texts of one process that evaluates each prompt as the engine did: the cached
     positions as part of the prompt that put them in the cache (`first`, in 512-token
@@ -74,14 +79,11 @@ async def engine() -> AsyncIterator[LlamaCppEngine]:
 async def test_twenty_submissions_evaluate_the_rubric_once_with_same_piece_texts(
     engine: LlamaCppEngine, reference_llm: llama_cpp.Llama
 ) -> None:
-    def tokenize(text: str) -> list[int]:
-        return reference_llm.tokenize(text.encode(), add_bos=True, special=True)
-
-    rubric = tokenize(RUBRIC)
+    rubric = tokens_of(reference_llm, RUBRIC)
     assert 1000 <= len(rubric) < 1100
-    reference = SamePieces(reference_llm, tokenize(RUBRIC + SUBMISSIONS[0]))
+    reference = SamePieces(reference_llm, tokens_of(reference_llm, RUBRIC + SUBMISSIONS[0]))
     for i, submission in enumerate(SUBMISSIONS):
-        tokens = tokenize(RUBRIC + submission)
+        tokens = tokens_of(reference_llm, RUBRIC + submission)
         text, end = await run(engine, RUBRIC + submission)
         assert end.prompt_tokens == len(tokens)
         if i == 0:
@@ -329,9 +331,6 @@ async def test_a_rubric_kept_outside_the_context_comes_back_with_same_piece_text
     context (its cells freed) and loads its own back; every text equals one process that
     evaluated the prompt in the same pieces."""
 
-    def tokenize(text: str) -> list[int]:
-        return reference_llm.tokenize(text.encode(), add_bos=True, special=True)
-
     rubrics = [RUBRIC[:2400], "Grade the essay below for argument and evidence. " * 40]
     engine = await open_engine(n_ctx=2048, n_threads=2, prefix_cache_tokens=2048)
     try:
@@ -341,11 +340,11 @@ async def test_a_rubric_kept_outside_the_context_comes_back_with_same_piece_text
             rubric = rubrics[turn % 2]
             prompt = rubric + SUBMISSIONS[turn]
             text, end = await run(engine, prompt)
-            tokens = tokenize(prompt)
+            tokens = tokens_of(reference_llm, prompt)
             if turn < 2:
                 assert end.cached_prompt_tokens == 0
             else:
-                assert end.cached_prompt_tokens >= len(tokenize(rubric)) - 2 * BLOCK
+                assert end.cached_prompt_tokens >= len(tokens_of(reference_llm, rubric)) - 2 * BLOCK
             # Its rubric's entries resident, the other rubric's outside, their cells free.
             first_block = block_hashes(engine._salt, tokens, BLOCK)[0]
             assert {e.hashes[0] == first_block for e in cache._entries} == {True, turn == 0}
@@ -355,7 +354,7 @@ async def test_a_rubric_kept_outside_the_context_comes_back_with_same_piece_text
                 assert (held == -1) == (e.stored is not None)
             stored = sum(len(e.hashes) * BLOCK for e in cache._entries if e.stored is not None)
             assert engine.load().prefix_cache_stored_tokens == stored > 0 or turn == 0
-            first = tokenize(rubrics[turn % 2] + SUBMISSIONS[turn % 2])
+            first = tokens_of(reference_llm, rubrics[turn % 2] + SUBMISSIONS[turn % 2])
             assert text == SamePieces(reference_llm, first).text(tokens, end.cached_prompt_tokens)
     finally:
         await engine.close()
@@ -369,12 +368,10 @@ async def test_an_entry_dropped_while_a_slot_generates_leaves_no_cells_before_it
     second's) are parked, not freed: freed, they would take the second's next tokens ahead
     of its earlier ones, and its text would part from the one it has alone."""
 
-    def tokenize(text: str) -> list[int]:
-        return reference_llm.tokenize(text.encode(), add_bos=True, special=True)
-
     first = RUBRIC[:2400] + SUBMISSIONS[0] * 6
     second = RUBRIC[:2400] + "Explain what this code does:\nfor i in range(10):\n    print(i * i)"
-    budget = len(tokenize(first)) // BLOCK * BLOCK + BLOCK  # one submission's blocks
+    first_tokens = tokens_of(reference_llm, first)
+    budget = len(first_tokens) // BLOCK * BLOCK + BLOCK  # one submission's blocks
     engine = await open_engine(n_ctx=2048, n_threads=2, prefix_cache_tokens=budget)
     try:
         cache = engine._scheduler._cache
@@ -383,11 +380,11 @@ async def test_an_entry_dropped_while_a_slot_generates_leaves_no_cells_before_it
         (dropped,) = cache._entries
         sampling = Sampling(max_tokens=96, temperature=0.0)
         text, end = await drain(engine.generate(Prompt(text=second), sampling))
-        assert end.cached_prompt_tokens >= len(tokenize(RUBRIC[:2400])) - BLOCK
-        assert len(tokenize(first)) - end.cached_prompt_tokens >= 2 * BLOCK  # its own blocks
+        assert end.cached_prompt_tokens >= len(tokens_of(reference_llm, RUBRIC[:2400])) - BLOCK
+        assert len(first_tokens) - end.cached_prompt_tokens >= 2 * BLOCK  # its own blocks
         assert dropped not in cache._entries and len(cache._entries) == 1
-        same = SamePieces(reference_llm, tokenize(first), max_tokens=96)
-        assert text == same.text(tokenize(second), end.cached_prompt_tokens)
+        same = SamePieces(reference_llm, first_tokens, max_tokens=96)
+        assert text == same.text(tokens_of(reference_llm, second), end.cached_prompt_tokens)
     finally:
         await engine.close()
 
