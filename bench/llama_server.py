@@ -15,10 +15,14 @@ repeat, so the machine's drift falls on both.
 
 16. The same 16 greedy prompts (64 tokens each, ignore_eos; through the router's OpenAI
     door, alternating the two models; llama-server's /v1/completions, one model) 1, 4 and
-    16 at once: generated tokens per second over all 16, mesh over llama-server. Goals:
-    >= 0.9x at 1 at once, >= 1.0x at 16. Prompts are short (no whole 64-token block for the
-    mesh's prefix cache) and llama-server is asked `cache_prompt: false`, so both sides
-    evaluate every prompt token: the work is checked equal.
+    16 at once: generated tokens per second over all 16, mesh over llama-server (goal, #42's:
+    >= 1.0x at each). Beside it, where a request's time went on each side, averaged over
+    its requests: until its first token (the mesh's router reports it, llama-server its
+    prompt's evaluation: `disagg.time_to_first_token_seconds` and `timings.prompt_ms` in
+    their answers), and each later token ((the request's wall time at the caller - that) /
+    (its tokens - 1)). Prompts are short (no whole 64-token block for the mesh's prefix
+    cache) and llama-server is asked `cache_prompt: false`, so both sides evaluate every
+    prompt token: the work is checked equal.
     The grader workload against both: a ~1,500-token rubric + ~200-token submissions, both
     models per submission (llama-server: both requests to its one model), 4 submissions in
     flight, cold (a rubric neither has seen) then warm (the same again): wall time, mesh
@@ -42,6 +46,7 @@ import tempfile
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -226,9 +231,25 @@ def local_topology() -> str:
     )
 
 
+@dataclass(frozen=True)
+class Answered:
+    """One request: its work, its wall time at the caller, and the seconds until its first
+    token as the side reports it (the mesh's router: `disagg.time_to_first_token_seconds`;
+    llama-server: `timings.prompt_ms`, its prompt's evaluation; 0 when neither is there)."""
+
+    work: Work
+    wall_s: float
+    first_s: float
+
+    @property
+    def later_token_s(self) -> float:
+        """Each token after the first, at the caller."""
+        return (self.wall_s - self.first_s) / max(self.work.generated_tokens - 1, 1)
+
+
 async def complete(
     session: aiohttp.ClientSession, url: str, model: str, prompt: str, tokens: int, cache: bool
-) -> Work:
+) -> Answered:
     body: dict[str, Any] = {
         "model": model,
         "prompt": prompt,
@@ -238,31 +259,39 @@ async def complete(
     }
     if not cache:
         body["cache_prompt"] = False  # llama-server: evaluate the whole prompt
+    started = time.perf_counter()
     async with session.post(url + "/v1/completions", json=body) as got:
         answer = await got.json()
         assert got.status == 200, answer
+    wall_s = time.perf_counter() - started
     usage = answer["usage"]
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-    return Work(usage["prompt_tokens"], cached, usage["completion_tokens"])
+    if "disagg" in answer:
+        first_s = float(answer["disagg"]["time_to_first_token_seconds"])
+    else:
+        first_s = float((answer.get("timings") or {}).get("prompt_ms", 0.0)) / 1000
+    work = Work(usage["prompt_tokens"], cached, usage["completion_tokens"])
+    return Answered(work, wall_s, first_s)
 
 
 async def at_once(
     url: str, models: tuple[str, ...], prompts: list[str], level: int, tokens: int, cache: bool
-) -> tuple[float, Work, float]:
-    """The prompts, `level` at once (models alternating): tok/s, work, seconds."""
+) -> tuple[float, Work, float, list[Answered]]:
+    """The prompts, `level` at once (models alternating): tok/s, work, seconds, and each
+    request's own figures."""
     gate = asyncio.Semaphore(level)
     timeout = aiohttp.ClientTimeout(total=3600)
     async with aiohttp.ClientSession(timeout=timeout) as session:
 
-        async def one(i: int, prompt: str) -> Work:
+        async def one(i: int, prompt: str) -> Answered:
             async with gate:
                 return await complete(session, url, models[i % len(models)], prompt, tokens, cache)
 
         started = time.perf_counter()
-        works = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+        answered = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
         seconds = time.perf_counter() - started
-    done = total(list(works))
-    return done.generated_tokens / seconds, done, seconds
+    done = total([a.work for a in answered])
+    return done.generated_tokens / seconds, done, seconds, list(answered)
 
 
 async def sides(targets: Targets, repeats: int, texts: list[str]) -> dict[str, dict[str, Any]]:
@@ -270,18 +299,23 @@ async def sides(targets: Targets, repeats: int, texts: list[str]) -> dict[str, d
     tok/s at each level, repeated; then the grader cold and warm (each submission's two
     requests, 4 submissions in flight)."""
     out: dict[str, dict[str, Any]] = {
-        name: {"tok_s": {}, "work": {}, "grader_s": {}, "grader_work": {}} for name in targets
+        name: {"tok_s": {}, "work": {}, "answered": {}, "grader_s": {}, "grader_work": {}}
+        for name in targets
     }
     for url, models in targets.values():
         await at_once(url, models, SIXTEEN[:4], 4, 4, cache=False)  # warm-up
     for level in LEVELS:
         for name in targets:
             out[name]["tok_s"][level], out[name]["work"][level] = [], Work()
+            out[name]["answered"][level] = []
         for _ in range(repeats):
             for name, (url, models) in targets.items():
-                rate, work, _ = await at_once(url, models, SIXTEEN, level, NEW_TOKENS, cache=False)
+                rate, work, _, answered = await at_once(
+                    url, models, SIXTEEN, level, NEW_TOKENS, cache=False
+                )
                 out[name]["tok_s"][level].append(rate)
                 out[name]["work"][level] += work
+                out[name]["answered"][level] += answered
         say(
             f"   {level} at once: "
             + ", ".join(f"{n} {median(o['tok_s'][level]):.0f} tok/s" for n, o in out.items())
@@ -290,7 +324,7 @@ async def sides(targets: Targets, repeats: int, texts: list[str]) -> dict[str, d
         for name, (url, models) in targets.items():
             pair = models if len(models) == 2 else models * 2
             asked = [t for t in texts for _ in pair]
-            _, work, seconds = await at_once(
+            _, work, seconds, _ = await at_once(
                 url, pair, asked, 2 * SUBMISSIONS_IN_FLIGHT, GRADER_TOKENS, cache=True
             )
             out[name]["grader_s"][kind] = seconds
@@ -354,6 +388,15 @@ async def measure(repeats: int, submissions: int) -> dict[str, Any]:
             "mesh_tok_s": ours["tok_s"][level],
             "llama_server_tok_s": theirs["tok_s"][level],
             "mesh_over_llama_server": mine / other,
+            # Where a request's time went, averaged over the level's requests (ms).
+            "first_token_ms": {
+                "mesh": mean_ms([a.first_s for a in ours["answered"][level]]),
+                "llama_server": mean_ms([a.first_s for a in theirs["answered"][level]]),
+            },
+            "later_token_ms": {
+                "mesh": mean_ms([a.later_token_s for a in ours["answered"][level]]),
+                "llama_server": mean_ms([a.later_token_s for a in theirs["answered"][level]]),
+            },
             "work": record(("mesh", "llama_server"), ours["work"][level], theirs["work"][level]),
         }
     grader_rows = {}
@@ -381,19 +424,31 @@ async def measure(repeats: int, submissions: int) -> dict[str, Any]:
     return result
 
 
+def mean_ms(seconds: list[float]) -> float:
+    return 1000 * sum(seconds) / max(len(seconds), 1)
+
+
 def rows(m: dict[str, Any]) -> list[tuple[str, str, str]]:
     if "skipped" in m:
         return [("make run's mesh / llama-server", f"skipped: {m['skipped']}", "-")]
     out = []
     for level, r in m["levels"].items():
         goal = GOALS.get(int(level))
+        split = ""
+        if "first_token_ms" in r:  # results written before it was measured have none
+            first, later = r["first_token_ms"], r["later_token_ms"]
+            split = (
+                f"; a request's first token {first['mesh']:.0f} vs "
+                f"{first['llama_server']:.0f} ms, each later one {later['mesh']:.1f} vs "
+                f"{later['llama_server']:.1f} ms"
+            )
         out.append(
             (
                 f"make run's mesh / llama-server -np 16 -kvu, {level} at once, 16 prompts x "
                 f"{m['new_tokens']} tokens, tok/s",
                 figure(
                     f"{r['mesh_over_llama_server']:.2f}x ({median(r['mesh_tok_s']):.0f} vs "
-                    f"{median(r['llama_server_tok_s']):.0f} tok/s)",
+                    f"{median(r['llama_server_tok_s']):.0f} tok/s{split})",
                     r.get("work"),
                 ),
                 f">= {goal:g}x" if goal else "-",

@@ -46,8 +46,9 @@ repeated, median reported:
    one `disagg batch` against the same 40 requests sent all at once in file order: wall
    time (bench/batch.py, a mesh of its own);
 16. llama-server: `make run`'s mesh against llama-server built (once, into ~/.cache) from
-   the same llama.cpp, 16 greedy prompts 1, 4 and 16 at once, and the grader workload cold
-   and warm (bench/llama_server.py, a mesh and a server of their own, one after the other);
+   the same llama.cpp, 16 greedy prompts 1, 4 and 16 at once (with each side's time until a
+   request's first token and for each later token), and the grader workload cold and warm
+   (bench/llama_server.py, a mesh and a server of their own, one after the other);
 17. bad requests: the router's time to answer the worst accepted and the worst refused
    structured-output schemas, and the TTFT a plain request gains while the worst refused
    one is being refused (bench/bad_requests.py, a mesh of its own);
