@@ -23,7 +23,7 @@ arrive at a fixed rate through 3 clients (one per router, each failing over to t
   machines' own time before it: its prefill node's evaluation and its KV state's trip over
   the link between the two machines (each the profile's seconds / speedup), p99, goal <= 20
   ms; beside it the same with the link's time left in (what this row reported before
-  2026-11-29 22:00 UTC: a whole state of ~1,000 tokens is 3.3 ms of it, a delta ~0.2);
+  2026-11-29 22:00 UTC: a whole 767-token state is 3.3 ms of it, a delta ~0.3);
 - the prefix-cache hit rate (prompt tokens from a cache / prompt tokens) against random
   choice (the same requests, in the same order, over the same caches: computed with the
   sim engine's own block cache);
