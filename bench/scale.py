@@ -5,12 +5,12 @@
 
 Each logical model has 10 prefill nodes (DGX Spark profile) and 10 decode nodes (M3 Ultra),
 sim nodes 10 to a process (one node of a role of each model). Each model's requests belong
-to 20 assignments, each with its own ~1,000-token rubric; a node's prefix cache holds about
-3 rubrics (prefix_cache_tokens = 3,200), and the routes place new prefixes by hash
-(prefix_placement = "hash"): the router's prefix-aware choice keeps an assignment on the
-nodes that hold its rubric, where a random choice would evict it again and again. Requests
-arrive at a fixed rate through 3 clients (one per router, each failing over to the others),
-32-token answers, speedup 20. Reported:
+to 20 assignments, each with its own ~750-token rubric; a node's prefix cache holds about
+4 rubrics (prefix_cache_tokens = 3,200; 704 tokens of whole blocks each), and the routes
+place new prefixes by hash (prefix_placement = "hash"): the router's prefix-aware choice
+keeps an assignment on the nodes that hold its rubric, where a random choice would evict it
+again and again. Requests arrive at a fixed rate through 3 clients (one per router, each
+failing over to the others), 32-token answers, speedup 20. Reported:
 
 - the routers' CPU per request (utime + stime of the 3 router processes over the run, by
   /proc, divided by the requests), goal <= 2 ms; and, after the steady run, the floor under
