@@ -203,13 +203,19 @@ async def _load(mesh: MeshProcesses, requests: int, rate: int, kills: bool) -> d
         prefill_real = spark.prefill_seconds(metrics.prompt_tokens - cached, cached, ubatch)
         prefill_real /= SPEEDUP
         served[metrics.decode_node] = served.get(metrics.decode_node, 0) + 1
-        # KV moved, real size: the decode node's own copy of a prefix stayed.
-        moved = spark.kv_bytes(metrics.prompt_tokens - metrics.decode_cached_prompt_tokens)
+        # KV moved, real size: the decode node's own copy of a prefix stayed (none moves
+        # when a decode node evaluated the prompt itself).
+        handed_over = metrics.method == "disaggregated"
+        moved = (
+            spark.kv_bytes(metrics.prompt_tokens - metrics.decode_cached_prompt_tokens)
+            if handed_over
+            else 0
+        )
         with_link = first - prefill_real
         results.append(
             {
                 "ttft": first,
-                "added": with_link - link.seconds(moved) / SPEEDUP,
+                "added": with_link - (link.seconds(moved) / SPEEDUP if handed_over else 0.0),
                 "added_with_link": with_link,
                 "prompt": metrics.prompt_tokens,
                 "cached": cached,
