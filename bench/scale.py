@@ -205,17 +205,15 @@ async def _load(mesh: MeshProcesses, requests: int, rate: int, kills: bool) -> d
         served[metrics.decode_node] = served.get(metrics.decode_node, 0) + 1
         # KV moved, real size: the decode node's own copy of a prefix stayed (none moves
         # when a decode node evaluated the prompt itself).
-        handed_over = metrics.method == "disaggregated"
-        moved = (
-            spark.kv_bytes(metrics.prompt_tokens - metrics.decode_cached_prompt_tokens)
-            if handed_over
-            else 0
-        )
+        moved, link_s = 0, 0.0
+        if metrics.method == "disaggregated":
+            moved = spark.kv_bytes(metrics.prompt_tokens - metrics.decode_cached_prompt_tokens)
+            link_s = link.seconds(moved) / SPEEDUP
         with_link = first - prefill_real
         results.append(
             {
                 "ttft": first,
-                "added": with_link - (link.seconds(moved) / SPEEDUP if handed_over else 0.0),
+                "added": with_link - link_s,
                 "added_with_link": with_link,
                 "prompt": metrics.prompt_tokens,
                 "cached": cached,
@@ -300,6 +298,13 @@ async def _load(mesh: MeshProcesses, requests: int, rate: int, kills: bool) -> d
         """CPU seconds over the run as milliseconds per request answered."""
         return round(1000 * seconds / max(len(results), 1), 3)
 
+    def latency_ms(seconds: list[float], share: float) -> float:
+        return round(1000 * pct(seconds, share), 1)
+
+    added = [r["added"] for r in results]
+    added_with_link = [r["added_with_link"] for r in results]
+    first_try = [r["added"] for r in results if not r["failed_attempts"]] or [0.0]
+    retried = [r["added"] for r in results if r["failed_attempts"]] or [0.0]
     return {
         "requests": requests,
         "rate_per_second": rate,
@@ -315,22 +320,14 @@ async def _load(mesh: MeshProcesses, requests: int, rate: int, kills: bool) -> d
         "sims_idle_cpu_ms_per_request": ms_each(sims_idle_rate * wall),
         "clients_cpu_ms_per_request": ms_each(clients_cpu),
         "machine_busy": round((cpu + sims_cpu + clients_cpu) / wall / (os.cpu_count() or 1), 3),
-        "added_latency_p50_ms": round(1000 * pct([r["added"] for r in results], 0.50), 1),
-        "added_latency_p99_ms": round(1000 * pct([r["added"] for r in results], 0.99), 1),
-        "added_latency_with_link_p50_ms": round(
-            1000 * pct([r["added_with_link"] for r in results], 0.50), 1
-        ),
-        "added_latency_with_link_p99_ms": round(
-            1000 * pct([r["added_with_link"] for r in results], 0.99), 1
-        ),
+        "added_latency_p50_ms": latency_ms(added, 0.50),
+        "added_latency_p99_ms": latency_ms(added, 0.99),
+        "added_latency_with_link_p50_ms": latency_ms(added_with_link, 0.50),
+        "added_latency_with_link_p99_ms": latency_ms(added_with_link, 0.99),
         # Those answered at the first try, and the retried ones' median (an ABORTED state:
         # a prefill again and the whole state): what sets the p99.
-        "added_latency_p99_first_try_ms": round(
-            1000 * pct([r["added"] for r in results if not r["failed_attempts"]] or [0], 0.99), 1
-        ),
-        "added_latency_p50_retried_ms": round(
-            1000 * pct([r["added"] for r in results if r["failed_attempts"]] or [0], 0.50), 1
-        ),
+        "added_latency_p99_first_try_ms": latency_ms(first_try, 0.99),
+        "added_latency_p50_retried_ms": latency_ms(retried, 0.50),
         "hit_rate": round(sum(r["cached"] for r in results) / prompt_total, 3),
         "random_choice_hit_rate": round(random_choice_hit_rate(work), 3),
         # Busy slots per decode node, sampled every second while it ran (samples with at
