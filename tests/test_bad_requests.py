@@ -29,7 +29,12 @@ from disagg_mesh.proto.v1 import node_pb2, node_pb2_grpc, router_pb2_grpc, types
 from disagg_mesh.server.common.config.topology import SchemaLimits
 from disagg_mesh.server.common.errors import InvalidArgument
 from disagg_mesh.server.common.runtime.faults import ENV as CRASH_ENV
-from disagg_mesh.server.common.structured.response_format import check, checked
+from disagg_mesh.server.common.structured.response_format import (
+    check,
+    checked,
+    json_bytes_at_least,
+    schema_text,
+)
 from disagg_mesh.server.common.types import ResponseFormat
 from tests.conftest import ROOT, Mesh, engine_node, route, router_node, running_mesh
 from tests.streams import collect, request
@@ -107,6 +112,36 @@ def test_schemas_at_the_limits_are_accepted() -> None:
         BACKTRACKING,
     ):
         check(ResponseFormat(json.dumps(schema)), FIELD)
+
+
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(),
+    lambda inner: st.lists(inner) | st.dictionaries(st.text(), inner),
+    max_leaves=40,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(value=JSON_VALUES, limit=st.integers(min_value=0, max_value=400))
+def test_the_json_size_bound_never_counts_more_than_json_writes(value: Any, limit: int) -> None:
+    written = len(json.dumps(value).encode())
+    counted = json_bytes_at_least(value, limit)
+    assert counted <= written
+    if written <= limit:  # counted whole: within a schema's limit, never refused early
+        assert counted <= limit
+
+
+def test_a_schema_far_over_the_size_limit_is_refused_without_being_written_out() -> None:
+    started = time.perf_counter()
+    with pytest.raises(InvalidArgument) as refused:
+        schema_text(HUGE_ENUM, FIELD)
+    assert time.perf_counter() - started < 0.002  # json.dumps of it: ~8 ms here
+    assert refused.value.field == FIELD
+    assert (
+        "bytes; the limit is 65536 (mesh.schema_limits.max_schema_bytes)" in refused.value.message
+    )
+    within = {"enum": [f"s{i}" for i in range(1024)]}
+    assert schema_text(within, FIELD).json_schema == json.dumps(within)
 
 
 def test_a_check_over_its_time_budget_is_refused_with_its_reason() -> None:

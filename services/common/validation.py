@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-import json
-
 from disagg_mesh.server.common.config.topology import SchemaLimits
 from disagg_mesh.server.common.errors import InvalidArgument, NotFound
-from disagg_mesh.server.common.structured.response_format import DEFAULT_LIMITS, FIELD, checked
+from disagg_mesh.server.common.structured.response_format import (
+    DEFAULT_LIMITS,
+    FIELD,
+    checked,
+    schema_text,
+)
 from disagg_mesh.server.common.structured.response_format import check as check_response_format
-from disagg_mesh.server.common.types import Prompt, ResponseFormat, Sampling
+from disagg_mesh.server.common.types import Prompt, Sampling
 
 MAX_PROMPT_BYTES = 4 * 1024 * 1024
 MAX_STOP_STRINGS = 8
@@ -62,8 +65,8 @@ async def check_format(
         await checked(sampling.response_format, field, limits)
     for i, tool in enumerate(sampling.tools.tools if sampling.tools is not None else ()):
         if tool.parameters:
-            schema = ResponseFormat(json.dumps(tool.parameters))
-            await checked(schema, tools_field.format(i=i), limits)
+            where = tools_field.format(i=i)
+            await checked(schema_text(tool.parameters, where, limits), where, limits)
 
 
 def validate_sampling(

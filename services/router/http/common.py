@@ -296,11 +296,6 @@ async def collect(events: Events) -> Collected:
     return Collected("".join(parts), "".join(reasoning), summary, assemble(pieces)[1])
 
 
-def schema_format(schema: dict[str, Any]) -> ResponseFormat:
-    """A JSON Schema a request gives for structured output (checked_sampling checks it)."""
-    return ResponseFormat(json_schema=json.dumps(schema))
-
-
 async def checked_sampling(
     router: Router,
     sampling: Sampling,

@@ -20,7 +20,9 @@ from typing import Any
 
 from aiohttp import web
 
+from disagg_mesh.server.common.config.topology import SchemaLimits
 from disagg_mesh.server.common.errors import InvalidArgument, MeshError, NotFound
+from disagg_mesh.server.common.structured.response_format import schema_text
 from disagg_mesh.server.common.tools.calls import Piece, ToolCall, assemble
 from disagg_mesh.server.common.tools.requests import read_tools
 from disagg_mesh.server.common.types import (
@@ -41,7 +43,6 @@ from disagg_mesh.server.router.http.common import (
     mesh_fields,
     reasoning_effort,
     sampling,
-    schema_format,
     scoped,
 )
 from disagg_mesh.server.router.routing import Router, RouteSummary
@@ -70,7 +71,7 @@ def ns(seconds: float) -> int:
     return round(max(seconds, 0.0) * 1e9)
 
 
-def _format(value: object) -> ResponseFormat | None:
+def _format(value: object, limits: SchemaLimits) -> ResponseFormat | None:
     """Ollama's `format`: "json" (any JSON object) or a JSON Schema object."""
     if value is None or value == "":
         return None
@@ -78,7 +79,7 @@ def _format(value: object) -> ResponseFormat | None:
         return ResponseFormat()
     if not isinstance(value, dict):
         raise InvalidArgument("format", f'must be "json" or a JSON Schema object, got {value!r}')
-    return schema_format(value)
+    return schema_text(value, "format", limits)
 
 
 class OllamaApi:
@@ -125,7 +126,7 @@ class OllamaApi:
             stop=options.strings("stop"),
             max_tokens_field="options.num_predict",
             stream=body.boolean("stream", True),
-            response_format=_format(body.body.get("format")),
+            response_format=_format(body.body.get("format"), self.router.schema_limits),
             tools=read_tools(body.body.get("tools")),
         )
 

@@ -14,8 +14,10 @@ from typing import Any
 import grpc
 from aiohttp import web
 
+from disagg_mesh.server.common.config.topology import SchemaLimits
 from disagg_mesh.server.common.errors import InvalidArgument, MeshError
 from disagg_mesh.server.common.runtime.observability.logging import current_request_id
+from disagg_mesh.server.common.structured.response_format import schema_text
 from disagg_mesh.server.common.tools.calls import ArgumentsPiece, CallStart, Piece, ToolCall
 from disagg_mesh.server.common.tools.requests import read_tools
 from disagg_mesh.server.common.types import ChatTurn, Prompt, ResponseFormat, Sampling
@@ -31,7 +33,6 @@ from disagg_mesh.server.router.http.common import (
     mesh_fields,
     reasoning_effort,
     sampling,
-    schema_format,
     scoped,
 )
 from disagg_mesh.server.router.routing import Router, RouteSummary
@@ -73,7 +74,7 @@ api = scoped("openai", error_body, _status)
 SCHEMA_FIELD = "response_format.json_schema.schema"
 
 
-def _response_format(fields: Fields) -> ResponseFormat | None:
+def _response_format(fields: Fields, limits: SchemaLimits) -> ResponseFormat | None:
     """OpenAI's response_format: {"type": "text"}, {"type": "json_object"}, or
     {"type": "json_schema", "json_schema": {"name", "schema", "strict", ...}}."""
     if not fields.body:
@@ -96,7 +97,7 @@ def _response_format(fields: Fields) -> ResponseFormat | None:
         return ResponseFormat()
     if not isinstance(schema, dict):
         raise InvalidArgument(SCHEMA_FIELD, f"must be an object, got {schema!r}")
-    return schema_format(schema)
+    return schema_text(schema, SCHEMA_FIELD, limits)
 
 
 class OpenAiApi:
@@ -147,7 +148,9 @@ class OpenAiApi:
             stream=body.boolean("stream", False),
             # vLLM's extra parameter (the openai client's extra_body): fixed-length answers.
             ignore_eos=body.boolean("ignore_eos", False),
-            response_format=_response_format(body.mapping("response_format")),
+            response_format=_response_format(
+                body.mapping("response_format"), self.router.schema_limits
+            ),
             tools=read_tools(
                 body.body.get("tools"),
                 body.body.get("tool_choice"),
