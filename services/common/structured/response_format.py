@@ -120,11 +120,7 @@ def schema_text(schema: Any, field: str, limits: SchemaLimits = DEFAULT_LIMITS) 
     (5.7 ms on a 2-core AMD EPYC): time a plain request waited behind the refusal."""
     size = json_bytes_at_least(schema, limits.max_schema_bytes)
     if size > limits.max_schema_bytes:
-        raise InvalidArgument(
-            field,
-            f"the schema is at least {size} bytes; the limit is {limits.max_schema_bytes} "
-            "(mesh.schema_limits.max_schema_bytes)",
-        )
+        raise InvalidArgument(field, _too_big(f"at least {size}", limits))
     return ResponseFormat(json_schema=json.dumps(schema))
 
 
@@ -178,10 +174,7 @@ def _enforced(text: str, limits: SchemaLimits) -> dict[str, Any]:
     walk (integer ranges as enums); _Refused for what the converter would not enforce."""
     size = len(text.encode())
     if size > limits.max_schema_bytes:
-        raise _Refused(
-            f"the schema is {size} bytes; the limit is {limits.max_schema_bytes} "
-            "(mesh.schema_limits.max_schema_bytes)"
-        )
+        raise _Refused(_too_big(str(size), limits))
     try:
         schema = json.loads(text)
     except ValueError as exc:
@@ -265,6 +258,13 @@ def _check_grammar(rules: str, limits: SchemaLimits) -> None:
             f"its grammar's groups would nest {deepest} deep; the limit is "
             f"{limits.max_grammar_nesting} (mesh.schema_limits.max_grammar_nesting)"
         )
+
+
+def _too_big(size: str, limits: SchemaLimits) -> str:
+    return (
+        f"the schema is {size} bytes; the limit is {limits.max_schema_bytes} "
+        "(mesh.schema_limits.max_schema_bytes)"
+    )
 
 
 def _too_deep(where: str, limits: SchemaLimits) -> str:
