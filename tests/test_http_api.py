@@ -273,6 +273,36 @@ def test_openai_models_and_errors(mesh: Mesh) -> None:
         )
 
 
+def test_a_path_the_mesh_does_not_serve_is_a_json_error_naming_it(mesh: Mesh) -> None:
+    """Embeddings, pulls and OpenAI's Responses API: the real clients get their API's own
+    error, naming the path, why, and what is served; a wrong method names the right one."""
+    with pytest.raises(ollama.ResponseError) as info:
+        ollama.Client(host=http_url(mesh)).embed(model=QWEN, input="hi")
+    assert info.value.status_code == 404
+    assert "POST /api/embed" in info.value.error and "no embeddings" in info.value.error
+    assert "POST /api/chat" in info.value.error and "/api/dashboard" not in info.value.error
+    with pytest.raises(ollama.ResponseError) as info:
+        ollama.Client(host=http_url(mesh)).pull(QWEN)
+    assert info.value.status_code == 404 and "topology lists the models" in info.value.error
+    client = openai_client(mesh)
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.embeddings.create(model=QWEN, input="hi")
+    assert "POST /v1/embeddings" in missing.value.message
+    assert "POST /v1/chat/completions" in missing.value.message
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.responses.create(model=QWEN, input="hi")
+    assert "use /v1/chat/completions" in missing.value.message
+    wrong = httpx.get(f"{http_url(mesh)}/v1/chat/completions", timeout=10)
+    assert wrong.status_code == 405 and wrong.headers["Allow"] == "POST"
+    assert wrong.json()["error"]["code"] == "unimplemented"
+    assert wrong.json()["error"]["message"].endswith("the method is not allowed here; use POST")
+    assert (
+        httpx.get(f"{http_url(mesh)}/nowhere", timeout=10)
+        .json()["error"]
+        .startswith("this mesh does not serve GET /nowhere; it serves")
+    )
+
+
 # -- max_tokens optional, over gRPC too --------------------------------------------------------
 
 

@@ -6,6 +6,7 @@ aiohttp on the router's own event loop when the router node has `http_port`.
 - `ollama_api.py`  /api/generate, /api/chat, /api/tags, /api/ps, /api/show, /api/version
 - `openai_api.py`  /v1/chat/completions, /v1/completions, /v1/models
 - the live dashboard, /dashboard and /api/dashboard (router/dashboard/)
+- `unserved.py`    any other path or method: the API's own JSON error, naming what is served
 
 Both call `Router.generate`, the logic behind gRPC's RouterService.Generate: the same
 fallback chain, stage deadlines, request id and metrics. A client that disconnects cancels
@@ -25,6 +26,7 @@ from disagg_mesh.server.router.dashboard.state import DashboardState
 from disagg_mesh.server.router.dashboard.web import DashboardApi
 from disagg_mesh.server.router.http.ollama_api import OllamaApi
 from disagg_mesh.server.router.http.openai_api import OpenAiApi
+from disagg_mesh.server.router.http.unserved import unserved_paths
 from disagg_mesh.server.router.routing import Router
 
 log = structlog.get_logger("http")
@@ -40,7 +42,7 @@ class HttpFrontDoor:
         dashboard: DashboardState | None = None,
     ) -> None:
         self._dashboard = dashboard
-        app = web.Application(client_max_size=16 << 20)
+        app = web.Application(client_max_size=16 << 20, middlewares=[unserved_paths])
         app.add_routes(OllamaApi(router).routes())
         app.add_routes(OpenAiApi(router).routes())
         if dashboard is not None:
