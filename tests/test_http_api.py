@@ -235,6 +235,9 @@ def test_openai_streams_sse_ending_with_done(mesh: Mesh) -> None:
 def test_openai_models_and_errors(mesh: Mesh) -> None:
     client = openai_client(mesh)
     assert {QWEN, "gpt-oss:120b"} <= {m.id for m in client.models.list()}
+    assert client.models.retrieve(QWEN).id == QWEN
+    with pytest.raises(openai.NotFoundError, match="'no/such:model' is not served here; models"):
+        client.models.retrieve("no/such:model")
     with pytest.raises(openai.BadRequestError) as bad:
         client.chat.completions.create(
             model=QWEN, messages=[{"role": "user", "content": "hi"}], temperature=3

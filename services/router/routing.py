@@ -86,7 +86,7 @@ class Router:
 
     def n_ctx(self, model: str) -> int:
         """The context a request to this logical model gets: the smallest of its nodes'."""
-        route = self._route(model)
+        route = self.route(model)
         nodes = self.selection.nodes([*route.prefill, *route.decode])
         return min((n.n_ctx for n in nodes), default=0)
 
@@ -97,7 +97,7 @@ class Router:
     def check(self, model: str, prompt: Prompt, sampling: Sampling) -> ModelRoute:
         """What a generation checks before it runs (NOT_FOUND for a model not served here,
         INVALID_ARGUMENT naming the field): the route it would take."""
-        route = self._route(model)
+        route = self.route(model)
         validate_prompt(prompt)
         validate_sampling(sampling, self.topology.mesh.max_tokens_limit, self.schema_limits)
         return route
@@ -148,7 +148,8 @@ class Router:
             self.recent.refused(model, exc.code.name)
             raise
 
-    def _route(self, model: str) -> ModelRoute:
+    def route(self, model: str) -> ModelRoute:
+        """The model's route; NOT_FOUND naming the models served when it has none."""
         route = self.topology.route(model)
         if route is None:
             known = ", ".join(m.name for m in self.topology.models)

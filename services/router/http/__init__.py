@@ -4,7 +4,7 @@ aiohttp on the router's own event loop when the router node has `http_port`.
 - `common.py`      request scope (request id, bearer token, log line, metrics), JSON fields,
                    mesh errors as HTTP statuses
 - `ollama_api.py`  /api/generate, /api/chat, /api/tags, /api/ps, /api/show, /api/version
-- `openai_api.py`  /v1/chat/completions, /v1/completions, /v1/models
+- `openai_api.py`  /v1/chat/completions, /v1/completions, /v1/models, /v1/models/{model}
 - the live dashboard, /dashboard and /api/dashboard (router/dashboard/)
 - `unserved.py`    any other path or method: the API's own JSON error, naming what is served
 

@@ -111,6 +111,7 @@ class OpenAiApi:
             web.post("/v1/chat/completions", api(self.chat_completions)),
             web.post("/v1/completions", api(self.completions)),
             web.get("/v1/models", api(self.models)),
+            web.get("/v1/models/{model:.+}", api(self.model)),
         ]
 
     def _sampling(self, body: Fields) -> Sampling:
@@ -300,19 +301,15 @@ class OpenAiApi:
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response(
-            {
-                "object": "list",
-                "data": [
-                    {
-                        "id": r.name,
-                        "object": "model",
-                        "created": self.created,
-                        "owned_by": "disagg-mesh",
-                    }
-                    for r, _, _ in self.router.routes()
-                ],
-            }
+            {"object": "list", "data": [self._model(r.name) for r, _, _ in self.router.routes()]}
         )
+
+    async def model(self, request: web.Request) -> web.Response:
+        """One model (the `openai` client's models.retrieve); 404 naming those served."""
+        return web.json_response(self._model(self.router.route(request.match_info["model"]).name))
+
+    def _model(self, name: str) -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": self.created, "owned_by": "disagg-mesh"}
 
 
 def _turn(i: int, message: Any) -> ChatTurn:
