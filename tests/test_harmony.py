@@ -137,6 +137,20 @@ def test_chats_render_as_openai_harmony_renders_them(
     assert model.tokenize(prompt, 4096) == _reference_prompt(harmony, CHATS[chat], effort)
 
 
+def test_a_final_assistant_message_is_continued_in_the_final_channel(
+    model: LlamaModel, harmony: oh.HarmonyEncoding
+) -> None:
+    """Its text opens the answer's message, which the model goes on writing: the parser
+    places what follows in the answer, not in the reasoning."""
+    asked = [ChatTurn("user", "What is 2+2?")]
+    tokens = model.tokenize(Prompt(messages=(*asked, ChatTurn("assistant", "It is"))), 4096)
+    opened = harmony.encode("<|channel|>final<|message|>It is", allowed_special="all")
+    assert tokens == _reference_prompt(harmony, asked, "") + opened
+    generated = [*harmony.encode(" 4."), harmony.encode("<|return|>", allowed_special="all")[0]]
+    got = _stream(model, tokens, generated)
+    assert (got.text, got.reasoning, got.finish) == (" 4.", "", FinishReason.STOP)
+
+
 def test_a_gpt_oss_file_without_a_template_gets_harmonys(
     tmp_path: Path, harmony: oh.HarmonyEncoding
 ) -> None:

@@ -117,6 +117,30 @@ async def test_ollama_chat_async_and_templated_generate_agree(mesh: Mesh) -> Non
     assert streamed[-1].done and streamed[-1].eval_count == chat.eval_count
 
 
+async def test_a_final_assistant_message_is_continued_on_both_doors(mesh: Mesh) -> None:
+    """As llama-server and Ollama do: given the first words of its own greedy answer as a
+    last assistant message, the model goes on with the rest of that answer (greedy text
+    depends only on the tokens before), and the reply holds only what follows them."""
+    question = [{"role": "user", "content": "Name one prime number and say why."}]
+    client = ollama.AsyncClient(host=http_url(mesh))
+    options = {"temperature": 0, "num_predict": 24}
+    whole = (await client.chat(model=QWEN, messages=question, options=options)).message.content
+    assert whole and " " in whole.strip()
+    start = whole[: whole.index(" ", len(whole) // 3)]  # whole words, so tokens alike
+    began = [*question, {"role": "assistant", "content": start}]
+    rest = (await client.chat(model=QWEN, messages=began, options=options)).message.content
+    assert rest
+    assert (start + rest).startswith(whole) or whole.startswith(start + rest)
+    opened = await asyncio.to_thread(
+        openai_client(mesh).chat.completions.create,
+        model=QWEN,
+        messages=began,  # type: ignore[arg-type]
+        max_tokens=24,
+        temperature=0,
+    )
+    assert opened.choices[0].message.content == rest
+
+
 def test_ollama_list_show_ps_version(mesh: Mesh) -> None:
     client = ollama.Client(host=http_url(mesh))
     names = {m.model for m in client.list().models}

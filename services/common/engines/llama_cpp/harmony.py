@@ -109,6 +109,9 @@ Reasoning: {{ effort }}
 {%- if add_generation_prompt -%}<|start|>assistant{%- endif -%}
 """
 
+# What follows `<|start|>assistant` to open the answer's message (a prefilled answer goes on).
+HARMONY_FINAL = "<|channel|>final<|message|>"
+
 # A header holding more tokens than this is not a header: a model (or a prompt) that does not
 # follow harmony; its generated text is the answer from there. Room for a call's header
 # written a character a token (a grammar can make a model spell `commentary

@@ -20,6 +20,7 @@ from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
 from disagg_mesh.server.common.engines.base import Placement
 from disagg_mesh.server.common.engines.llama_cpp.harmony import (
+    HARMONY_FINAL,
     HARMONY_TEMPLATE,
     HarmonyParser,
     HarmonyTokens,
@@ -32,7 +33,7 @@ from disagg_mesh.server.common.tools.formats import (
 )
 from disagg_mesh.server.common.tools.formats import turns as tool_turns
 from disagg_mesh.server.common.tools.requests import ToolRequest
-from disagg_mesh.server.common.types import REASONING_EFFORTS, Prompt
+from disagg_mesh.server.common.types import REASONING_EFFORTS, ChatTurn, Prompt
 
 log = structlog.get_logger("engine")
 
@@ -69,6 +70,16 @@ KV_CACHE_TYPES = {
 }
 # n_gpu_layers meaning "every layer" (llama.cpp offloads min(n_gpu_layers, layers)).
 ALL_LAYERS = 999
+
+
+def split_prefill(messages: tuple[ChatTurn, ...]) -> tuple[tuple[ChatTurn, ...], str]:
+    """A chat ending with an assistant message (without calls) asks for that message to be
+    continued, as llama-server (its prefill_assistant, on by default) and Ollama (its
+    templates leave the last assistant turn open) continue it: the turns before it, which
+    the template renders up to a new assistant turn, and its text, which follows that."""
+    if messages and messages[-1].role == "assistant" and not messages[-1].tool_calls:
+        return messages[:-1], messages[-1].content
+    return messages, ""
 
 
 def gpu_backend() -> str | None:
@@ -220,7 +231,8 @@ class LlamaModel:
         if prompt.messages:
             if self._chat is None:
                 raise FailedPrecondition("this model has no chat template: send prompt text")
-            turns: Any = tool_turns(prompt.messages, self.tool_format, tools)
+            messages, prefill = split_prefill(prompt.messages)
+            turns: Any = tool_turns(messages, self.tool_format, tools)
             extra: dict[str, Any] = {}
             described = template_tools(self.tool_format, tools)
             if described is not None:
@@ -235,7 +247,10 @@ class LlamaModel:
                 raise InvalidArgument(
                     "messages", f"this model's chat template refuses them: {exc}"
                 ) from None
-            tokens = self._tokenize(rendered.prompt.encode(), add_bos=False)
+            text = rendered.prompt
+            if prefill:  # the answer so far, in harmony's final channel for gpt-oss
+                text += (HARMONY_FINAL if self.harmony is not None else "") + prefill
+            tokens = self._tokenize(text.encode(), add_bos=False)
         elif tools is not None:
             raise InvalidArgument("tools", "need chat messages, not prompt text")
         else:
