@@ -131,12 +131,13 @@ async def test_a_final_assistant_message_is_continued_on_both_doors(mesh: Mesh) 
     rest = (await client.chat(model=QWEN, messages=began, options=options)).message.content
     assert rest
     assert (start + rest).startswith(whole) or whole.startswith(start + rest)
+    opening: list[ChatCompletionMessageParam] = [
+        {"role": "user", "content": question[0]["content"]},
+        {"role": "assistant", "content": start},
+    ]
+    create = openai_client(mesh).chat.completions.create
     opened = await asyncio.to_thread(
-        openai_client(mesh).chat.completions.create,
-        model=QWEN,
-        messages=began,  # type: ignore[arg-type]
-        max_tokens=24,
-        temperature=0,
+        lambda: create(model=QWEN, messages=opening, max_tokens=24, temperature=0)
     )
     assert opened.choices[0].message.content == rest
 
