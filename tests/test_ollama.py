@@ -322,6 +322,39 @@ async def test_an_ollama_decode_node_continues_another_nodes_generation(
     assert body["options"]["num_predict"] == 6
 
 
+async def test_an_ollama_decode_node_goes_on_with_a_continued_assistant_message(
+    ollama_mesh: OllamaMesh,
+) -> None:
+    """A chat asking for its last assistant message to be continued, taken over after 3
+    tokens: that message holds its own text and then the text delivered, still open."""
+    fake = ollama_mesh.nodes_ollama
+    fake.reset()
+    address = ollama_mesh.topology.node("decode-ollama").address
+    messages = [
+        types_pb2.ChatMessage(role="user", content=PROMPT),
+        types_pb2.ChatMessage(role="assistant", content="def f():"),
+    ]
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = decode_pb2_grpc.DecodeServiceStub(channel)
+        await collect(
+            stub.Generate(
+                decode_pb2.DecodeServiceGenerateRequest(
+                    model=MODEL,
+                    messages=messages,
+                    sampling=types_pb2.SamplingParams(max_tokens=9, temperature=0.0),
+                    continuation=types_pb2.Continuation(
+                        generated_text="\n    return", generated_tokens=3
+                    ),
+                )
+            )
+        )
+    sent = fake.last("/api/chat")["messages"]
+    assert sent == [
+        {"role": "user", "content": PROMPT},
+        {"role": "assistant", "content": "def f():\n    return"},
+    ]
+
+
 async def test_failure_after_text_with_no_node_left_says_how_much_arrived(
     router: router_pb2_grpc.RouterServiceAsyncStub, ollama_mesh: OllamaMesh
 ) -> None:

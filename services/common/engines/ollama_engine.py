@@ -246,7 +246,12 @@ class OllamaEngine:
                 text += continuation.generated_text
             else:
                 turns = turns or [{"role": "user", "content": prompt.text}]
-                turns.append({"role": "assistant", "content": continuation.generated_text})
+                last = turns[-1]
+                if last["role"] == "assistant" and "tool_calls" not in last:
+                    # The chat asked for its last message to be continued: it goes on.
+                    last["content"] += continuation.generated_text
+                else:
+                    turns.append({"role": "assistant", "content": continuation.generated_text})
         request: Any
         # gpt-oss's reasoning effort is Ollama's `think` level; unset, Ollama's default.
         think: Any = prompt.reasoning_effort or None
