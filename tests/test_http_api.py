@@ -329,6 +329,9 @@ def test_a_path_the_mesh_does_not_serve_is_a_json_error_naming_it(mesh: Mesh) ->
         .json()["error"]
         .startswith("this mesh does not serve GET /nowhere; it serves")
     )
+    router = mesh.topology.router
+    counted = httpx.get(f"http://{router.host}:{router.metrics_port}/metrics", timeout=10).text
+    assert 'disagg_http_requests_total{api="openai",path="unserved",status="404"}' in counted
 
 
 # -- max_tokens optional, over gRPC too --------------------------------------------------------

@@ -11,6 +11,7 @@ import structlog
 from aiohttp import web
 
 from disagg_mesh.server.common.errors import MeshError
+from disagg_mesh.server.common.runtime.observability import metrics
 from disagg_mesh.server.router.http import ollama_api, openai_api
 from disagg_mesh.server.router.http.common import Handler
 
@@ -67,6 +68,9 @@ async def unserved_paths(request: web.Request, handler: Handler) -> web.StreamRe
         error, unmatched.status
     )
     log.info("http unserved", path=asked, status=unmatched.status)
+    # One label for every such path, whatever callers send: the metric's series stay few.
+    api = "openai" if openai else "ollama"
+    metrics.HTTP_REQUESTS.labels(api, "unserved", str(unmatched.status)).inc()
     return web.json_response(body, status=unmatched.status, headers=headers)
 
 
