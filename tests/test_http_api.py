@@ -278,6 +278,9 @@ def test_openai_models_and_errors(mesh: Mesh) -> None:
         ("frequency_penalty", -1.0),
         ("logit_bias", {"42": 5}),
         ("top_logprobs", 2),
+        ("audio", {"voice": "alloy", "format": "wav"}),
+        ("modalities", ["text", "audio"]),
+        ("web_search_options", {"search_context_size": "low"}),
     ]
     for field, value in unapplied:
         with pytest.raises(openai.BadRequestError) as bad:
@@ -293,6 +296,7 @@ def test_openai_models_and_errors(mesh: Mesh) -> None:
         presence_penalty=0,
         frequency_penalty=0.0,
         logit_bias={},
+        modalities=["text"],
     )
     assert defaults.choices[0].finish_reason in ("length", "stop")
     with pytest.raises(openai.NotFoundError):
