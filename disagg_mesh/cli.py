@@ -106,7 +106,9 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("prompt", help="the prompt, or - to read it from stdin")
     gen.add_argument("--max-tokens", type=int, default=512)
     gen.add_argument("--temperature", type=float, help="0 is greedy (default: server's, 0.8)")
-    gen.add_argument("--top-p", type=float)
+    gen.add_argument("--top-p", type=float, help="nucleus mass (default: 0.95)")
+    gen.add_argument("--top-k", type=int, help="the k most likely tokens, 0: any (default: 40)")
+    gen.add_argument("--min-p", type=float, help="least probability, of the top's (default: 0.05)")
     gen.add_argument("--seed", type=int)
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument(
@@ -382,6 +384,8 @@ def _generate(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens,
         temperature=args.temperature,
         top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
         ignore_eos=args.ignore_eos,
         seed=args.seed,
         stop=args.stop,

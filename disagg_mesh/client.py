@@ -98,6 +98,10 @@ class GenerateCall:
     tool_choice: str = "auto"
     # Several calls in one answer; None: as the model's format does by default.
     parallel_tool_calls: bool | None = None
+    # The candidates a sampled token comes from: the top_k most likely (0: any; None: 40),
+    # none less likely than min_p times the most likely (None: 0.05).
+    top_k: int | None = None
+    min_p: float | None = None
 
     def __post_init__(self) -> None:
         if (self.reasoning_effort or "") not in _EFFORTS:
@@ -126,6 +130,8 @@ class GenerateCall:
                 max_tokens=self.max_tokens,
                 temperature=self.temperature,
                 top_p=self.top_p,
+                top_k=self.top_k,
+                min_p=self.min_p,
                 seed=self.seed,
                 stop=list(self.stop),
                 ignore_eos=self.ignore_eos or None,

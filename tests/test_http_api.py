@@ -18,6 +18,7 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
+from disagg_mesh import AsyncMeshClient, GenerateCall
 from disagg_mesh.proto.v1 import node_pb2, node_pb2_grpc
 from tests.conftest import ROOT, Mesh, engine_node, route, router_node, running_mesh
 from tests.streams import prompt_running, reference_tokens
@@ -201,6 +202,45 @@ def test_openai_completions_match_one_process(mesh: Mesh, reference_llm: llama_c
     assert got.choices[0].finish_reason == "length"
     assert got.usage is not None and got.usage.completion_tokens == 16
     assert got.usage.total_tokens == got.usage.prompt_tokens + 16
+
+
+async def test_top_k_and_min_p_of_1_sample_the_most_likely_token_on_every_door(
+    mesh: Mesh, reference_llm: llama_cpp.Llama
+) -> None:
+    """At a high temperature, top_k = 1 (or min_p = 1) leaves one candidate: the greedy
+    text, whatever the seed; on gRPC, both HTTP doors, and the Ollama door's options."""
+    greedy = reference_llm.detokenize(reference_tokens(reference_llm, PROMPT, 16, True)).decode()
+    client = openai_client(mesh)
+    for extra in ({"top_k": 1}, {"min_p": 1.0}):
+        got = await asyncio.to_thread(
+            client.completions.create,
+            model=QWEN,
+            prompt=PROMPT,
+            max_tokens=16,
+            temperature=1.5,
+            extra_body={"ignore_eos": True, **extra},
+        )
+        assert got.choices[0].text == greedy, extra
+    async with AsyncMeshClient(mesh.router_address) as grpc_client:
+        call = GenerateCall(
+            QWEN, PROMPT, max_tokens=16, temperature=1.5, ignore_eos=True, top_k=1, seed=3
+        )
+        assert (await grpc_client.generate(call)).text == greedy
+    running = prompt_running(reference_llm, 16)
+    alone = reference_llm.detokenize(reference_tokens(reference_llm, running, 16)).decode()
+    ollama_got = await ollama.AsyncClient(host=http_url(mesh)).generate(
+        model=QWEN,
+        prompt=running,
+        raw=True,
+        options={"temperature": 1.5, "top_k": 1, "num_predict": 16},
+    )
+    assert ollama_got.response == alone
+    for options, field in (({"top_k": -1}, "top_k"), ({"min_p": 1.5}, "min_p")):
+        with pytest.raises(ollama.ResponseError) as info:
+            await ollama.AsyncClient(host=http_url(mesh)).generate(
+                model=QWEN, prompt="hi", options=options
+            )
+        assert info.value.status_code == 400 and f"sampling.{field}" in info.value.error
 
 
 def test_openai_chat_streaming_and_not_agree(mesh: Mesh) -> None:

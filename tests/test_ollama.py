@@ -124,7 +124,8 @@ def ollama_request(
 async def test_disaggregated_over_ollama_moves_token_ids_and_says_so(
     router: router_pb2_grpc.RouterServiceAsyncStub, ollama_mesh: OllamaMesh
 ) -> None:
-    got = await collect(router.Generate(ollama_request(MODEL, 8, top_p=0.5, seed=7, stop=["zzz"])))
+    asked = ollama_request(MODEL, 8, top_p=0.5, top_k=7, min_p=0.25, seed=7, stop=["zzz"])
+    got = await collect(router.Generate(asked))
     s = got.summary
     assert s.method == router_pb2.ROUTE_METHOD_DISAGGREGATED
     assert s.kv_transfer == types_pb2.KV_TRANSFER_TOKEN_IDS
@@ -144,6 +145,8 @@ async def test_disaggregated_over_ollama_moves_token_ids_and_says_so(
         "num_predict": 7,
         "temperature": 0.0,
         "top_p": 0.5,
+        "top_k": 7,
+        "min_p": 0.25,
         "seed": 7,
         "stop": ["zzz"],
         "num_ctx": 8192,

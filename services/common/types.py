@@ -12,6 +12,10 @@ from disagg_mesh.server.common.tools.requests import ToolRequest
 
 DEFAULT_TEMPERATURE = 0.8
 DEFAULT_TOP_P = 0.95
+# llama-cpp-python's defaults (Llama._init_sampler), so sampling behaves as in a single
+# llama-cpp-python process unless a request sets them.
+DEFAULT_TOP_K = 40
+DEFAULT_MIN_P = 0.05
 # What a caller may ask of a reasoning model's effort (gpt-oss's harmony "Reasoning:" line).
 REASONING_EFFORTS = ("low", "medium", "high")
 
@@ -54,6 +58,9 @@ class Sampling:
     stream_interval_tokens: int = 1
     # Functions the model may call (None: none); the node renders them and parses the calls.
     tools: ToolRequest | None = None
+    # The candidates: the top_k most likely (0: any), none below min_p of the most likely.
+    top_k: int = DEFAULT_TOP_K
+    min_p: float = DEFAULT_MIN_P
 
 
 @dataclass(frozen=True)

@@ -63,7 +63,7 @@ KV_TRANSFER_STATE: KvTransfer
 KV_TRANSFER_TOKEN_IDS: KvTransfer
 
 class SamplingParams(_message.Message):
-    __slots__ = ("max_tokens", "temperature", "top_p", "seed", "stop", "ignore_eos", "response_format", "stream_interval_tokens", "tools")
+    __slots__ = ("max_tokens", "temperature", "top_p", "seed", "stop", "ignore_eos", "response_format", "stream_interval_tokens", "tools", "top_k", "min_p")
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
@@ -73,6 +73,8 @@ class SamplingParams(_message.Message):
     RESPONSE_FORMAT_FIELD_NUMBER: _ClassVar[int]
     STREAM_INTERVAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TOOLS_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    MIN_P_FIELD_NUMBER: _ClassVar[int]
     max_tokens: int
     temperature: float
     top_p: float
@@ -82,7 +84,9 @@ class SamplingParams(_message.Message):
     response_format: ResponseFormat
     stream_interval_tokens: int
     tools: ToolSet
-    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., response_format: _Optional[_Union[ResponseFormat, _Mapping]] = ..., stream_interval_tokens: _Optional[int] = ..., tools: _Optional[_Union[ToolSet, _Mapping]] = ...) -> None: ...
+    top_k: int
+    min_p: float
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., response_format: _Optional[_Union[ResponseFormat, _Mapping]] = ..., stream_interval_tokens: _Optional[int] = ..., tools: _Optional[_Union[ToolSet, _Mapping]] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ...) -> None: ...
 
 class ToolSet(_message.Message):
     __slots__ = ("definitions", "choice", "function_name", "parallel_calls")

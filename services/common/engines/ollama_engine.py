@@ -359,6 +359,8 @@ class OllamaEngine:
             "num_predict": num_predict,
             "temperature": sampling.temperature,
             "top_p": sampling.top_p,
+            "top_k": sampling.top_k,
+            "min_p": sampling.min_p,
         }
         if self.n_ctx > 0:  # 0: the server's own setting
             options["num_ctx"] = self.n_ctx

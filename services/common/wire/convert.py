@@ -22,7 +22,9 @@ from disagg_mesh.server.common.tools.calls import (
 )
 from disagg_mesh.server.common.tools.requests import ToolRequest, read_tools
 from disagg_mesh.server.common.types import (
+    DEFAULT_MIN_P,
     DEFAULT_TEMPERATURE,
+    DEFAULT_TOP_K,
     DEFAULT_TOP_P,
     ChatTurn,
     Continuation,
@@ -63,6 +65,8 @@ def sampling_from_proto(msg: types_pb2.SamplingParams, max_tokens_limit: int) ->
         response_format=response_format_from_proto(msg.response_format),
         stream_interval_tokens=msg.stream_interval_tokens or 1,
         tools=tools_from_proto(msg.tools) if msg.HasField("tools") else None,
+        top_k=msg.top_k if msg.HasField("top_k") else DEFAULT_TOP_K,
+        min_p=msg.min_p if msg.HasField("min_p") else DEFAULT_MIN_P,
     )
 
 
@@ -173,6 +177,8 @@ def sampling_to_proto(sampling: Sampling) -> types_pb2.SamplingParams:
         response_format=response_format_to_proto(sampling.response_format),
         stream_interval_tokens=sampling.stream_interval_tokens,
         tools=tools_to_proto(sampling.tools),
+        top_k=sampling.top_k,
+        min_p=sampling.min_p,
     )
 
 

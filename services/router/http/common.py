@@ -24,7 +24,9 @@ from disagg_mesh.server.common.runtime.observability.logging import REQUEST_ID_K
 from disagg_mesh.server.common.tools.calls import Piece, ToolCall, assemble
 from disagg_mesh.server.common.tools.requests import ToolRequest
 from disagg_mesh.server.common.types import (
+    DEFAULT_MIN_P,
     DEFAULT_TEMPERATURE,
+    DEFAULT_TOP_K,
     DEFAULT_TOP_P,
     REASONING_EFFORTS,
     Prompt,
@@ -223,6 +225,8 @@ def sampling(
     ignore_eos: bool = False,
     response_format: ResponseFormat | None = None,
     tools: ToolRequest | None = None,
+    top_k: int | None = None,
+    min_p: float | None = None,
 ) -> Sampling:
     """A Sampling from an HTTP request; unset max_tokens (or Ollama's -1/-2) means until an
     end token or a full context, bounded by the mesh's max_tokens_limit. An answer sent
@@ -245,6 +249,8 @@ def sampling(
         response_format=response_format,
         stream_interval_tokens=1 if stream else WHOLE_ANSWER_INTERVAL_TOKENS,
         tools=tools,
+        top_k=DEFAULT_TOP_K if top_k is None else top_k,
+        min_p=DEFAULT_MIN_P if min_p is None else min_p,
     )
 
 

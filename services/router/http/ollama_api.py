@@ -122,6 +122,8 @@ class OllamaApi:
             max_tokens_limit=self.router.max_tokens_limit,
             temperature=options.number("temperature"),
             top_p=options.number("top_p"),
+            top_k=options.integer("top_k"),
+            min_p=options.number("min_p"),
             seed=seed,
             stop=options.strings("stop"),
             max_tokens_field="options.num_predict",

@@ -144,6 +144,9 @@ class OpenAiApi:
             max_tokens_limit=self.router.max_tokens_limit,
             temperature=temperature,
             top_p=body.number("top_p"),
+            # vLLM's extra parameters (the openai client's extra_body), as Ollama's options.
+            top_k=body.integer("top_k"),
+            min_p=body.number("min_p"),
             seed=body.integer("seed"),
             stop=body.strings("stop"),
             max_tokens_field=field,

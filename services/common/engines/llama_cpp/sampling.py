@@ -21,9 +21,7 @@ from disagg_mesh.server.common.types import Sampling
 
 # llama_token_data, as numpy sees it.
 TOKEN_DATA = np.dtype([("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])
-# Llama._init_sampler's defaults, so sampling behaves as in single-process llama-cpp-python.
-TOP_K = 40
-MIN_P = 0.05
+# Llama._init_sampler's default (as its top_k and min_p, a request's own when it sets them).
 TYPICAL_P = 1.0
 
 
@@ -71,10 +69,10 @@ class SlotSampler:
             if sampling.seed is not None
             else llama_cpp.LLAMA_DEFAULT_SEED
         )
-        self._add(llama_cpp.llama_sampler_init_top_k(TOP_K))
+        self._add(llama_cpp.llama_sampler_init_top_k(sampling.top_k))
         self._add(llama_cpp.llama_sampler_init_typical(TYPICAL_P, 1))
         self._add(llama_cpp.llama_sampler_init_top_p(sampling.top_p, 1))
-        self._add(llama_cpp.llama_sampler_init_min_p(MIN_P, 1))
+        self._add(llama_cpp.llama_sampler_init_min_p(sampling.min_p, 1))
         self._add(llama_cpp.llama_sampler_init_temp(sampling.temperature))
         self._add(llama_cpp.llama_sampler_init_dist(seed))
 
