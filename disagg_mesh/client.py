@@ -98,7 +98,7 @@ class GenerateCall:
     tool_choice: str = "auto"
     # Several calls in one answer; None: as the model's format does by default.
     parallel_tool_calls: bool | None = None
-    # The candidates a sampled token comes from: the top_k most likely (0: any; None: 40),
+    # The candidates a sampled token comes from: the top_k most likely (0 or -1: any; None: 40),
     # none less likely than min_p times the most likely (None: 0.05).
     top_k: int | None = None
     min_p: float | None = None

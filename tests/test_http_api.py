@@ -235,7 +235,7 @@ async def test_top_k_and_min_p_of_1_sample_the_most_likely_token_on_every_door(
         options={"temperature": 1.5, "top_k": 1, "num_predict": 16},
     )
     assert ollama_got.response == alone
-    for options, field in (({"top_k": -1}, "top_k"), ({"min_p": 1.5}, "min_p")):
+    for options, field in (({"top_k": -2}, "top_k"), ({"min_p": 1.5}, "min_p")):
         with pytest.raises(ollama.ResponseError) as info:
             await ollama.AsyncClient(host=http_url(mesh)).generate(
                 model=QWEN, prompt="hi", options=options

@@ -58,7 +58,8 @@ class Sampling:
     stream_interval_tokens: int = 1
     # Functions the model may call (None: none); the node renders them and parses the calls.
     tools: ToolRequest | None = None
-    # The candidates: the top_k most likely (0: any), none below min_p of the most likely.
+    # The candidates: the top_k most likely (0 or -1: any), none below min_p of the most
+    # likely.
     top_k: int = DEFAULT_TOP_K
     min_p: float = DEFAULT_MIN_P
 

@@ -81,8 +81,10 @@ def validate_sampling(
         raise InvalidArgument("sampling.temperature", f"must be >= 0, got {sampling.temperature}")
     if not 0.0 < sampling.top_p <= 1.0:
         raise InvalidArgument("sampling.top_p", f"must be in (0, 1], got {sampling.top_p}")
-    if sampling.top_k < 0:
-        raise InvalidArgument("sampling.top_k", f"must be >= 0 (0: no limit), got {sampling.top_k}")
+    if sampling.top_k < -1:  # vLLM's -1, as 0: no limit
+        raise InvalidArgument(
+            "sampling.top_k", f"must be >= 0, or -1 (0 and -1: no limit), got {sampling.top_k}"
+        )
     if not 0.0 <= sampling.min_p <= 1.0:
         raise InvalidArgument("sampling.min_p", f"must be in [0, 1], got {sampling.min_p}")
     if len(sampling.stop) > MAX_STOP_STRINGS:

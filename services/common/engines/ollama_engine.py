@@ -359,7 +359,7 @@ class OllamaEngine:
             "num_predict": num_predict,
             "temperature": sampling.temperature,
             "top_p": sampling.top_p,
-            "top_k": sampling.top_k,
+            "top_k": max(sampling.top_k, 0),  # vLLM's -1 (no limit) is Ollama's 0
             "min_p": sampling.min_p,
         }
         if self.n_ctx > 0:  # 0: the server's own setting
