@@ -31,7 +31,7 @@ from disagg_mesh.server.common.runtime.processes import MeshProcesses, free_port
 from tests import conftest
 from tests.conftest import route, router_node, running_mesh
 from tests.fake_ollama import FakeOllama
-from tests.streams import collect, streamed_calls
+from tests.streams import Collected, collect, streamed_calls
 
 MODEL = "qwen3-coder:30b"
 PROMPT = "def add(a, b):"
@@ -290,29 +290,32 @@ async def test_an_ollama_node_failing_mid_answer_hands_over_to_direct_ollama(
     assert chat["options"]["num_predict"] == 6
 
 
+async def _continued_on_the_ollama_node(
+    ollama_mesh: OllamaMesh, raw_prompt: bool = False, **prompt: Any
+) -> Collected:
+    """The Ollama decode node going on with a generation made elsewhere, 3 tokens
+    ("\\n    return") in, of the prompt or messages given."""
+    ollama_mesh.nodes_ollama.reset()
+    address = ollama_mesh.topology.node("decode-ollama").address
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = decode_pb2_grpc.DecodeServiceStub(channel)
+        request = decode_pb2.DecodeServiceGenerateRequest(
+            model=MODEL,
+            sampling=types_pb2.SamplingParams(max_tokens=9, temperature=0.0),
+            continuation=types_pb2.Continuation(
+                generated_text="\n    return", raw_prompt=raw_prompt, generated_tokens=3
+            ),
+            **prompt,
+        )
+        return await collect(stub.Generate(request))
+
+
 @pytest.mark.parametrize("raw_prompt", [True, False], ids=["raw-text", "templated"])
 async def test_an_ollama_decode_node_continues_another_nodes_generation(
     ollama_mesh: OllamaMesh, raw_prompt: bool
 ) -> None:
     fake = ollama_mesh.nodes_ollama
-    fake.reset()
-    address = ollama_mesh.topology.node("decode-ollama").address
-    async with grpc.aio.insecure_channel(address) as channel:
-        stub = decode_pb2_grpc.DecodeServiceStub(channel)
-        got = await collect(
-            stub.Generate(
-                decode_pb2.DecodeServiceGenerateRequest(
-                    model=MODEL,
-                    prompt=PROMPT,
-                    sampling=types_pb2.SamplingParams(max_tokens=9, temperature=0.0),
-                    continuation=types_pb2.Continuation(
-                        generated_text="\n    return",
-                        raw_prompt=raw_prompt,
-                        generated_tokens=3,
-                    ),
-                )
-            )
-        )
+    got = await _continued_on_the_ollama_node(ollama_mesh, raw_prompt, prompt=PROMPT)
     # max_tokens counts the tokens made elsewhere; none of their text comes again.
     assert got.summary.completion_tokens == 3 + got.deltas
     assert got.text and not got.text.startswith("\n    return")
@@ -330,28 +333,12 @@ async def test_an_ollama_decode_node_goes_on_with_a_continued_assistant_message(
 ) -> None:
     """A chat asking for its last assistant message to be continued, taken over after 3
     tokens: that message holds its own text and then the text delivered, still open."""
-    fake = ollama_mesh.nodes_ollama
-    fake.reset()
-    address = ollama_mesh.topology.node("decode-ollama").address
     messages = [
         types_pb2.ChatMessage(role="user", content=PROMPT),
         types_pb2.ChatMessage(role="assistant", content="def f():"),
     ]
-    async with grpc.aio.insecure_channel(address) as channel:
-        stub = decode_pb2_grpc.DecodeServiceStub(channel)
-        await collect(
-            stub.Generate(
-                decode_pb2.DecodeServiceGenerateRequest(
-                    model=MODEL,
-                    messages=messages,
-                    sampling=types_pb2.SamplingParams(max_tokens=9, temperature=0.0),
-                    continuation=types_pb2.Continuation(
-                        generated_text="\n    return", generated_tokens=3
-                    ),
-                )
-            )
-        )
-    sent = fake.last("/api/chat")["messages"]
+    await _continued_on_the_ollama_node(ollama_mesh, messages=messages)
+    sent = ollama_mesh.nodes_ollama.last("/api/chat")["messages"]
     assert sent == [
         {"role": "user", "content": PROMPT},
         {"role": "assistant", "content": "def f():\n    return"},
