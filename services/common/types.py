@@ -83,6 +83,14 @@ class Prompt:
     # to the chat template (gpt-oss's harmony "Reasoning:" line).
     reasoning_effort: str = ""
 
+    @property
+    def continues_last_turn(self) -> bool:
+        """The chat ends with an assistant message (without calls), which the answer goes on
+        with, as llama-server (its prefill_assistant, on by default) and Ollama (its
+        templates leave the last assistant turn open) do."""
+        last = self.messages[-1] if self.messages else None
+        return last is not None and last.role == "assistant" and not last.tool_calls
+
 
 @dataclass(frozen=True)
 class Fingerprint:

@@ -246,10 +246,8 @@ class OllamaEngine:
                 text += continuation.generated_text
             else:
                 turns = turns or [{"role": "user", "content": prompt.text}]
-                last = turns[-1]
-                if last["role"] == "assistant" and "tool_calls" not in last:
-                    # The chat asked for its last message to be continued: it goes on.
-                    last["content"] += continuation.generated_text
+                if prompt.continues_last_turn:  # that message goes on, still open
+                    turns[-1]["content"] += continuation.generated_text
                 else:
                     turns.append({"role": "assistant", "content": continuation.generated_text})
         request: Any

@@ -33,7 +33,7 @@ from disagg_mesh.server.common.tools.formats import (
 )
 from disagg_mesh.server.common.tools.formats import turns as tool_turns
 from disagg_mesh.server.common.tools.requests import ToolRequest
-from disagg_mesh.server.common.types import REASONING_EFFORTS, ChatTurn, Prompt
+from disagg_mesh.server.common.types import REASONING_EFFORTS, Prompt
 
 log = structlog.get_logger("engine")
 
@@ -70,16 +70,6 @@ KV_CACHE_TYPES = {
 }
 # n_gpu_layers meaning "every layer" (llama.cpp offloads min(n_gpu_layers, layers)).
 ALL_LAYERS = 999
-
-
-def split_prefill(messages: tuple[ChatTurn, ...]) -> tuple[tuple[ChatTurn, ...], str]:
-    """A chat ending with an assistant message (without calls) asks for that message to be
-    continued, as llama-server (its prefill_assistant, on by default) and Ollama (its
-    templates leave the last assistant turn open) continue it: the turns before it, which
-    the template renders up to a new assistant turn, and its text, which follows that."""
-    if messages and messages[-1].role == "assistant" and not messages[-1].tool_calls:
-        return messages[:-1], messages[-1].content
-    return messages, ""
 
 
 def gpu_backend() -> str | None:
@@ -231,7 +221,11 @@ class LlamaModel:
         if prompt.messages:
             if self._chat is None:
                 raise FailedPrecondition("this model has no chat template: send prompt text")
-            messages, prefill = split_prefill(prompt.messages)
+            # A last assistant message the answer goes on with: the template renders the turns
+            # before it up to a new assistant turn, and its text follows.
+            messages, prefill = prompt.messages, ""
+            if prompt.continues_last_turn:
+                messages, prefill = messages[:-1], messages[-1].content
             turns: Any = tool_turns(messages, self.tool_format, tools)
             extra: dict[str, Any] = {}
             described = template_tools(self.tool_format, tools)
