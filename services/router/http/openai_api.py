@@ -166,12 +166,12 @@ class OpenAiApi:
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         body = Fields(await json_body(request))
         model = body.string("model", required=True) or ""
-        sampling_ = await checked_sampling(self.router, self._sampling(body), SCHEMA_FIELD)
         body.refuse("audio", "the mesh answers in text only")
         body.refuse("web_search_options", "the mesh does not search the web")
         modalities = body.strings("modalities")
         if set(modalities) - {"text"}:
             raise InvalidArgument("modalities", f"only text is produced, got {list(modalities)}")
+        sampling_ = await checked_sampling(self.router, self._sampling(body), SCHEMA_FIELD)
         messages = body.body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise InvalidArgument("messages", "must be a non-empty list of messages")
