@@ -6,6 +6,8 @@ that turns them (and anything unexpected) into a gRPC status.
 
 from __future__ import annotations
 
+import re
+
 import grpc
 
 
@@ -78,9 +80,18 @@ class DeadlineExceeded(MeshError):
     code = grpc.StatusCode.DEADLINE_EXCEEDED
 
 
-class UpstreamError(MeshError):
-    """A call to another node failed; keeps that node's status code and message."""
+# How InvalidArgument's message starts: the field's name (a.b, a[0].b), then ": ".
+_FIELD = re.compile(r"([A-Za-z_][\w.\[\]]*): ")
 
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+
+class UpstreamError(MeshError):
+    """A call to another node failed; keeps that node's status code and message, and for
+    INVALID_ARGUMENT the field that node's message starts with (`field`, as InvalidArgument's;
+    None when it starts otherwise)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, details: str = "") -> None:
+        """details: the node's own message, when `message` adds to it."""
         super().__init__(message)
         self.code = code
+        named = _FIELD.match(details) if code == grpc.StatusCode.INVALID_ARGUMENT else None
+        self.field = named.group(1) if named else None

@@ -124,7 +124,8 @@ class ChannelPool:
 
 
 def _fail(role: str, address: str, exc: grpc.aio.AioRpcError) -> NoReturn:
-    raise UpstreamError(exc.code(), f"{role} node {address}: {exc.details()}") from exc
+    details = exc.details() or ""
+    raise UpstreamError(exc.code(), f"{role} node {address}: {details}", details) from exc
 
 
 class PrefillClient:
