@@ -109,6 +109,23 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, help="nucleus mass (default: 0.95)")
     gen.add_argument("--top-k", type=int, help="the k most likely tokens, 0: any (default: 40)")
     gen.add_argument("--min-p", type=float, help="least probability, of the top's (default: 0.05)")
+    gen.add_argument(
+        "--repeat-penalty", type=float, help="a repeated token's logit divided (default: 1, none)"
+    )
+    gen.add_argument(
+        "--frequency-penalty", type=float, help="lowered by its count times this (default: 0)"
+    )
+    gen.add_argument("--presence-penalty", type=float, help="lowered once by this (default: 0)")
+    gen.add_argument(
+        "--repeat-last-n", type=int, help="tokens the penalties look back over, -1: all (64)"
+    )
+    gen.add_argument(
+        "--logit-bias",
+        action="append",
+        default=[],
+        metavar="ID=BIAS",
+        help="add BIAS (-100..100) to token ID's logit (repeatable)",
+    )
     gen.add_argument("--seed", type=int)
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument(
@@ -386,6 +403,11 @@ def _generate(args: argparse.Namespace) -> int:
         top_p=args.top_p,
         top_k=args.top_k,
         min_p=args.min_p,
+        repeat_penalty=args.repeat_penalty,
+        frequency_penalty=args.frequency_penalty,
+        presence_penalty=args.presence_penalty,
+        repeat_last_n=args.repeat_last_n,
+        logit_bias=_logit_bias(args.logit_bias),
         ignore_eos=args.ignore_eos,
         seed=args.seed,
         stop=args.stop,
@@ -444,6 +466,18 @@ def _tools(path: str | None) -> list[dict[str, Any]]:
     if not isinstance(tools, list):
         raise CliError(f"--tools: {path} must hold a JSON list of tools", 2)
     return tools
+
+
+def _logit_bias(values: list[str]) -> dict[int, float]:
+    """--logit-bias ID=BIAS, repeated."""
+    biases = {}
+    for value in values:
+        token, _, bias = value.partition("=")
+        try:
+            biases[int(token)] = float(bias)
+        except ValueError:
+            raise CliError(f"--logit-bias: ID=BIAS, e.g. 42=-100, got {value!r}", 2) from None
+    return biases
 
 
 def _format(value: str | None) -> str | dict[str, Any] | None:

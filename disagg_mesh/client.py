@@ -102,6 +102,16 @@ class GenerateCall:
     # none less likely than min_p times the most likely (None: 0.05).
     top_k: int | None = None
     min_p: float | None = None
+    # Repetition penalties over the last repeat_last_n tokens of the prompt and answer (None:
+    # 64; -1: the whole context), as llama-server's: repeat_penalty > 0 (None: 1.0, none),
+    # frequency_penalty and presence_penalty in [-2, 2] (None: 0).
+    repeat_penalty: float | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    repeat_last_n: int | None = None
+    # Token id -> bias in [-100, 100], added to its logit before any other sampling step
+    # (OpenAI's logit_bias; embedded nodes only).
+    logit_bias: Mapping[int, float] | None = None
 
     def __post_init__(self) -> None:
         if (self.reasoning_effort or "") not in _EFFORTS:
@@ -132,6 +142,11 @@ class GenerateCall:
                 top_p=self.top_p,
                 top_k=self.top_k,
                 min_p=self.min_p,
+                repeat_penalty=self.repeat_penalty,
+                frequency_penalty=self.frequency_penalty,
+                presence_penalty=self.presence_penalty,
+                repeat_last_n=self.repeat_last_n,
+                logit_bias=dict(self.logit_bias or {}),
                 seed=self.seed,
                 stop=list(self.stop),
                 ignore_eos=self.ignore_eos or None,

@@ -139,6 +139,50 @@ def reference_tokens(
     return tokens
 
 
+def shaped_reference_tokens(
+    llm: llama_cpp.Llama,
+    prompt: str,
+    max_tokens: int,
+    penalties: tuple[float, float, float] | None = None,
+    biases: dict[int, float] | None = None,
+    ignore_eos: bool = False,
+) -> list[int]:
+    """Greedy generation in this process with the logits shaped first: `biases` added to
+    their tokens' logits, end tokens at -inf (ignore_eos), then repetition penalties
+    (repeat, frequency, presence) as llama-server applies them: a penalties sampler told of
+    the prompt's tokens before the first pick (the server accepts them all; the window keeps
+    the last 64), then of every token picked."""
+    llm.reset()  # type: ignore[no-untyped-call]
+    prompt_tokens = llm.tokenize(prompt.encode(), add_bos=True, special=True)
+    ends = list(end_tokens(llm._model.vocab, llm.n_vocab())) if ignore_eos else []
+    chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
+    if penalties is not None:
+        llama_cpp.llama_sampler_chain_add(
+            chain, llama_cpp.llama_sampler_init_penalties(llm.n_vocab(), 64, *penalties)
+        )
+    llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_greedy())
+    try:
+        for token in prompt_tokens:
+            llama_cpp.llama_sampler_accept(chain, token)
+        tokens: list[int] = []
+        llm.eval(prompt_tokens)
+        while len(tokens) < max_tokens:
+            logits = np.ctypeslib.as_array(
+                llama_cpp.llama_get_logits_ith(llm._ctx.ctx, -1), shape=(llm.n_vocab(),)
+            )
+            for token, bias in (biases or {}).items():
+                logits[token] += bias  # in the context's own buffer, which the chain reads
+            logits[ends] = -np.inf
+            token = int(llama_cpp.llama_sampler_sample(chain, llm._ctx.ctx, -1))  # accepts it
+            if llama_cpp.llama_vocab_is_eog(llm._model.vocab, token):
+                break
+            tokens.append(token)
+            llm.eval([token])
+        return tokens
+    finally:
+        llama_cpp.llama_sampler_free(chain)
+
+
 def late_word(texts: list[str], after: int) -> str:
     """A stop string from this machine's own answer (greedy text differs between CPUs): the
     first piece's text, from piece `after` on, that the text before it does not hold."""

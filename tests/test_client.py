@@ -10,6 +10,7 @@ import sys
 import zipfile
 from pathlib import Path
 
+import llama_cpp
 import pytest
 
 from disagg_mesh import (
@@ -24,6 +25,7 @@ from disagg_mesh import (
 )
 from disagg_mesh.server.common.runtime.processes import free_port
 from tests.conftest import ROOT, Mesh
+from tests.streams import reference_tokens, shaped_reference_tokens
 
 PROMPT = "def add(a, b):"
 METRIC_NAMES = {
@@ -136,6 +138,39 @@ def test_cli_generate_streams_then_prints_one_summary_line(mesh: Mesh) -> None:
     assert (
         summary.startswith("disaggregated via prefill-qwen -> decode-qwen") and "8 tok" in summary
     )
+
+
+def test_cli_generate_takes_penalties_and_logit_biases(
+    mesh: Mesh, reference_llm: llama_cpp.Llama
+) -> None:
+    """--repeat-penalty, --frequency-penalty, --presence-penalty and --logit-bias reach the
+    nodes: the answer is a single process's with the same shaping (a prompt of its own,
+    evaluated from its start). A malformed --logit-bias is one line, exit 2."""
+    prompt = "The days of the week are Monday, Tuesday, Wednesday, Thursday,"
+    banned = reference_tokens(reference_llm, prompt, 1, True)[0]
+    expected = shaped_reference_tokens(
+        reference_llm, prompt, 12, (1.25, 0.5, 0.25), {banned: -100.0}, ignore_eos=True
+    )
+    options = ["--repeat-penalty", "1.25", "--frequency-penalty", "0.5"]
+    options += ["--presence-penalty", "0.25", "--logit-bias", f"{banned}=-100"]
+    out = disagg(
+        "--router",
+        mesh.router_address,
+        "generate",
+        "-m",
+        "qwen3-coder:30b",
+        "--max-tokens",
+        "12",
+        "--temperature",
+        "0",
+        "--ignore-eos",
+        *options,
+        prompt,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == reference_llm.detokenize(expected).decode() + "\n"
+    out = disagg("--router", mesh.router_address, "generate", "-m", "x", "--logit-bias", "a", "hi")
+    assert out.returncode == 2 and out.stderr.count("\n") == 1 and "--logit-bias" in out.stderr
 
 
 def test_cli_generate_json_from_stdin(mesh: Mesh) -> None:

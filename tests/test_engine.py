@@ -91,6 +91,7 @@ def source_of(engine: LlamaCppEngine, out: PrefillOutput) -> KvReference:
         fingerprint=engine.fingerprint,
         kv_size_bytes=len(out.kv_state),
         block_hashes=out.block_hashes,
+        penalty_token_ids=out.penalty_token_ids,
     )
 
 

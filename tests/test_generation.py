@@ -17,7 +17,14 @@ from disagg_mesh.proto.v1 import (
     types_pb2,
 )
 from tests.conftest import Mesh
-from tests.streams import collect, greedy, late_word, reference_tokens, request
+from tests.streams import (
+    collect,
+    greedy,
+    late_word,
+    reference_tokens,
+    request,
+    shaped_reference_tokens,
+)
 
 SHORT_PROMPT = "def fibonacci(n):"
 
@@ -66,6 +73,53 @@ async def test_long_prompt_is_token_identical_and_moves_real_kv(
     assert s.prefill_node == "prefill-gpt-oss" and s.decode_node == "decode-gpt-oss"
     # The decode node did not evaluate the prompt again: it only loaded the state.
     assert s.kv_load_duration.ToNanoseconds() < s.prefill_duration.ToNanoseconds()
+
+
+# A prompt of more than 64 tokens (the penalties' default window) that invites repetition.
+COUNTING = "Count to one hundred: " + ", ".join(str(i) for i in range(1, 41)) + ","
+PENALTIES = {"repeat_penalty": 1.5, "frequency_penalty": 0.5, "presence_penalty": 0.5}
+
+
+async def test_repetition_penalties_count_the_prompt_as_llama_server_does(
+    router: router_pb2_grpc.RouterServiceAsyncStub,
+    prefill_qwen: prefill_pb2_grpc.PrefillServiceAsyncStub,
+    decode_qwen: decode_pb2_grpc.DecodeServiceAsyncStub,
+    reference_llm: llama_cpp.Llama,
+) -> None:
+    """Repetition penalties count the prompt's last 64 tokens and the answer, as
+    llama-server's: the disaggregated answer (the decode node told of those tokens by the
+    prefill node, in its KV reference) and a decode node's alone equal a single process's
+    with the same penalties; repeat_last_n = 0 turns them off."""
+    tokens = reference_llm.tokenize(COUNTING.encode(), add_bos=True, special=True)
+    assert len(tokens) > 64
+    plain = reference_tokens(reference_llm, COUNTING, 24)
+    expected = shaped_reference_tokens(reference_llm, COUNTING, 24, (1.5, 0.5, 0.5))
+    assert expected != plain  # the penalties change this answer
+    # First on the decode node alone, then disaggregated: each evaluates the prompt from its
+    # start (the second's decode node adds the state's positions after the prefix it now
+    # holds), as the reference does. A prompt evaluated after a cache hit is cut into other
+    # pieces, whose numbers may differ (docs/prefix-cache.md).
+    alone = await collect(
+        decode_qwen.Generate(
+            decode_pb2.DecodeServiceGenerateRequest(
+                model="qwen3-coder:30b", prompt=COUNTING, sampling=greedy(24, **PENALTIES)
+            )
+        )
+    )
+    assert alone.token_ids == expected
+    got = await collect(router.Generate(request("qwen3-coder:30b", COUNTING, 24, **PENALTIES)))
+    assert got.token_ids == expected
+    assert got.summary.method == router_pb2.ROUTE_METHOD_DISAGGREGATED
+    off = await collect(
+        router.Generate(request("qwen3-coder:30b", COUNTING, 24, repeat_last_n=0, **PENALTIES))
+    )
+    assert off.token_ids == plain
+    # What the prefill node hands on: the window's prompt tokens, only when penalized.
+    for sampling, window in ((greedy(4, **PENALTIES), tokens[-64:]), (greedy(4), [])):
+        reply = await prefill_qwen.Prefill(
+            prefill_pb2.PrefillRequest(model="qwen3-coder:30b", prompt=COUNTING, sampling=sampling)
+        )
+        assert list(reply.reference.penalty_token_ids) == window
 
 
 async def test_first_delta_arrives_before_generation_ends(

@@ -21,7 +21,7 @@ from openai.types.chat import ChatCompletionMessageParam
 from disagg_mesh import AsyncMeshClient, GenerateCall
 from disagg_mesh.proto.v1 import node_pb2, node_pb2_grpc
 from tests.conftest import ROOT, Mesh, engine_node, route, router_node, running_mesh
-from tests.streams import prompt_running, reference_tokens
+from tests.streams import prompt_running, reference_tokens, shaped_reference_tokens
 
 QWEN = "qwen3-coder:30b"
 PROMPT = "The three primary colors are"
@@ -243,6 +243,105 @@ async def test_top_k_and_min_p_of_1_sample_the_most_likely_token_on_every_door(
         assert info.value.status_code == 400 and f"sampling.{field}" in info.value.error
 
 
+async def test_repetition_penalties_on_both_doors(
+    mesh: Mesh, reference_llm: llama_cpp.Llama
+) -> None:
+    """OpenAI's frequency_penalty and presence_penalty (with vLLM's repetition_penalty) and
+    Ollama's options of the same names give a single process's penalized greedy answer (as
+    llama-server applies them); out of range, 400 naming the field. Each door its own
+    prompt, evaluated from its start on every node, as the reference does."""
+
+    def penalized(prompt: str) -> str:
+        tokens = shaped_reference_tokens(reference_llm, prompt, 16, (1.5, 0.5, 0.5))
+        return reference_llm.detokenize(tokens).decode()
+
+    evens = "The even numbers: " + ", ".join(str(i) for i in range(2, 82, 2)) + ","
+    odds = "The odd numbers: " + ", ".join(str(i) for i in range(1, 81, 2)) + ","
+    got = await asyncio.to_thread(
+        openai_client(mesh).completions.create,
+        model=QWEN,
+        prompt=evens,
+        max_tokens=16,
+        temperature=0,
+        frequency_penalty=0.5,
+        presence_penalty=0.5,
+        extra_body={"repetition_penalty": 1.5},
+    )
+    assert got.choices[0].text == penalized(evens)
+    client = ollama.AsyncClient(host=http_url(mesh))
+    options = {"repeat_penalty": 1.5, "frequency_penalty": 0.5, "presence_penalty": 0.5}
+    ollama_got = await client.generate(
+        model=QWEN,
+        prompt=odds,
+        raw=True,
+        options={"temperature": 0, "num_predict": 16, **options},
+    )
+    assert ollama_got.response == penalized(odds)
+    for bad, field in (
+        ({"repeat_penalty": 0}, "repeat_penalty"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"repeat_last_n": -2}, "repeat_last_n"),
+    ):
+        with pytest.raises(ollama.ResponseError) as info:
+            await client.generate(model=QWEN, prompt="hi", options=bad)
+        assert info.value.status_code == 400 and f"sampling.{field}" in info.value.error
+    with pytest.raises(openai.BadRequestError) as refused:
+        await asyncio.to_thread(
+            openai_client(mesh).completions.create,
+            model=QWEN,
+            prompt="hi",
+            frequency_penalty=-3,
+        )
+    assert "sampling.frequency_penalty" in refused.value.message
+
+
+async def test_logit_bias_on_the_openai_door_and_grpc(
+    mesh: Mesh, reference_llm: llama_cpp.Llama
+) -> None:
+    """OpenAI's logit_bias (token id -> bias added to its logit, as llama-server's): a ban on
+    the greedy answer's first token and a lift of another give a single process's answer
+    with the same biases, on the OpenAI door and gRPC (each its own prompt, evaluated from
+    its start). A key not a token id, an id outside the vocabulary, a bias outside [-100,
+    100]: 400 naming the field."""
+    answers = []
+    for prompt in ("The four seasons of the year are", "The planets of the solar system are"):
+        greedy = reference_tokens(reference_llm, prompt, 16, True)
+        lifted = next(t for t in greedy[2:] if t != greedy[0])
+        biases = {greedy[0]: -100.0, lifted: 3.0}
+        expected = shaped_reference_tokens(
+            reference_llm, prompt, 16, biases=biases, ignore_eos=True
+        )
+        assert expected[0] != greedy[0]
+        answers.append((prompt, biases, reference_llm.detokenize(expected).decode()))
+    (prompt, biases, want), (grpc_prompt, grpc_biases, grpc_want) = answers
+    client = openai_client(mesh)
+    got = await asyncio.to_thread(
+        client.completions.create,
+        model=QWEN,
+        prompt=prompt,
+        max_tokens=16,
+        temperature=0,
+        logit_bias={str(t): int(b) for t, b in biases.items()},
+        extra_body={"ignore_eos": True},
+    )
+    assert got.choices[0].text == want
+    async with AsyncMeshClient(mesh.router_address) as grpc_client:
+        call = GenerateCall(
+            QWEN, grpc_prompt, max_tokens=16, temperature=0, ignore_eos=True, logit_bias=grpc_biases
+        )
+        assert (await grpc_client.generate(call)).text == grpc_want
+    for bad, field in (
+        ({"the": 1}, "logit_bias"),
+        ({"99999999": 1}, "sampling.logit_bias"),
+        ({"5": 101}, "sampling.logit_bias"),
+    ):
+        with pytest.raises(openai.BadRequestError) as refused:
+            await asyncio.to_thread(
+                client.completions.create, model=QWEN, prompt="hi", max_tokens=2, logit_bias=bad
+            )
+        assert refused.value.body["param"] == field, refused.value.body  # type: ignore[index]
+
+
 def test_openai_chat_streaming_and_not_agree(mesh: Mesh) -> None:
     client = openai_client(mesh)
     messages: list[ChatCompletionMessageParam] = [
@@ -314,9 +413,6 @@ def test_openai_models_and_errors(mesh: Mesh) -> None:
     # What the mesh does not apply is refused, naming the field, never silently ignored;
     # the defaults that some clients send unasked are accepted.
     unapplied: list[tuple[str, object]] = [
-        ("presence_penalty", 0.5),
-        ("frequency_penalty", -1.0),
-        ("logit_bias", {"42": 5}),
         ("top_logprobs", 2),
         ("audio", {"voice": "alloy", "format": "wav"}),
         ("modalities", ["text", "audio"]),

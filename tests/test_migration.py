@@ -44,6 +44,16 @@ LONG = 200
 VIA_PREFILL = "m-via-prefill"
 VIA_DECODE = "m-via-decode"
 DECODE_NODES = ("decode-a", "decode-b", "decode-c")
+# Repetition penalties count the prompt's last tokens and every token of the answer, the
+# delivered ones a continuation replays included.
+PENALIZED = Sampling(
+    max_tokens=48,
+    temperature=0.0,
+    ignore_eos=True,
+    repeat_penalty=1.3,
+    frequency_penalty=0.4,
+    presence_penalty=0.4,
+)
 
 
 async def run(
@@ -89,8 +99,9 @@ async def engine() -> AsyncIterator[LlamaCppEngine]:
     [
         Sampling(max_tokens=48, temperature=0.0, ignore_eos=True),
         Sampling(max_tokens=48, temperature=0.9, seed=7, ignore_eos=True),
+        PENALIZED,
     ],
-    ids=["greedy", "seeded"],
+    ids=["greedy", "seeded", "penalized"],
 )
 async def test_a_continuation_gives_the_rest_of_the_same_answer(
     engine: LlamaCppEngine, sampling: Sampling
@@ -177,8 +188,9 @@ async def disaggregated(
     [
         Sampling(max_tokens=48, temperature=0.0, ignore_eos=True),
         Sampling(max_tokens=48, temperature=0.9, seed=7, ignore_eos=True),
+        PENALIZED,
     ],
-    ids=["greedy", "seeded"],
+    ids=["greedy", "seeded", "penalized"],
 )
 async def test_a_prefill_node_replays_the_delivered_tokens_and_the_decode_node_goes_on(
     engine: LlamaCppEngine, sampling: Sampling, original: str

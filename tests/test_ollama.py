@@ -124,7 +124,19 @@ def ollama_request(
 async def test_disaggregated_over_ollama_moves_token_ids_and_says_so(
     router: router_pb2_grpc.RouterServiceAsyncStub, ollama_mesh: OllamaMesh
 ) -> None:
-    asked = ollama_request(MODEL, 8, top_p=0.5, top_k=7, min_p=0.25, seed=7, stop=["zzz"])
+    asked = ollama_request(
+        MODEL,
+        8,
+        top_p=0.5,
+        top_k=7,
+        min_p=0.25,
+        seed=7,
+        stop=["zzz"],
+        repeat_penalty=1.25,
+        frequency_penalty=0.25,
+        presence_penalty=0.5,
+        repeat_last_n=32,
+    )
     got = await collect(router.Generate(asked))
     s = got.summary
     assert s.method == router_pb2.ROUTE_METHOD_DISAGGREGATED
@@ -150,6 +162,10 @@ async def test_disaggregated_over_ollama_moves_token_ids_and_says_so(
         "seed": 7,
         "stop": ["zzz"],
         "num_ctx": 8192,
+        "repeat_penalty": 1.25,
+        "frequency_penalty": 0.25,
+        "presence_penalty": 0.5,
+        "repeat_last_n": 32,
     }
     assert decode["keep_alive"] == "30m" and decode["template"] == "{{ .Prompt }}"
 
@@ -182,15 +198,20 @@ async def test_direct_ollama_streams_and_unknown_model_is_not_found(
     assert "model 'llama-9000' not found" in (info.value.details() or "")
 
 
-async def test_ignore_eos_is_refused_by_ollama_naming_the_field(
-    router: router_pb2_grpc.RouterServiceAsyncStub,
+@pytest.mark.parametrize(
+    ("field", "setting"),
+    [("ignore_eos", {"ignore_eos": True}), ("logit_bias", {"logit_bias": {5: 1.0}})],
+)
+async def test_what_ollama_lacks_is_refused_naming_the_field(
+    router: router_pb2_grpc.RouterServiceAsyncStub, field: str, setting: dict[str, object]
 ) -> None:
-    """Ollama has no such option: the node says so instead of ending answers early."""
+    """Ollama has no such option: the node says so instead of ending answers early or
+    leaving the biases out."""
     for model in ("ollama/decode-only", "ollama/direct"):
         with pytest.raises(grpc.aio.AioRpcError) as info:
-            await collect(router.Generate(ollama_request(model, ignore_eos=True)))
+            await collect(router.Generate(ollama_request(model, 8, **setting)))
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, model
-        assert "sampling.ignore_eos" in (info.value.details() or ""), info.value.details()
+        assert f"sampling.{field}" in (info.value.details() or ""), info.value.details()
 
 
 async def test_response_format_reaches_ollama_as_its_format(

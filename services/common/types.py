@@ -16,6 +16,10 @@ DEFAULT_TOP_P = 0.95
 # llama-cpp-python process unless a request sets them.
 DEFAULT_TOP_K = 40
 DEFAULT_MIN_P = 0.05
+# Repetition penalties, off unless a request sets them; their window, Ollama's and
+# llama-server's.
+DEFAULT_REPEAT_PENALTY = 1.0
+DEFAULT_REPEAT_LAST_N = 64
 # What a caller may ask of a reasoning model's effort (gpt-oss's harmony "Reasoning:" line).
 REASONING_EFFORTS = ("low", "medium", "high")
 
@@ -62,6 +66,32 @@ class Sampling:
     # likely.
     top_k: int = DEFAULT_TOP_K
     min_p: float = DEFAULT_MIN_P
+    # Repetition penalties, as llama-server's: over the last repeat_last_n tokens of the
+    # prompt and the answer (-1: the whole context), a token's logit is divided by
+    # repeat_penalty (a negative one multiplied), then lowered by frequency_penalty times
+    # its count and by presence_penalty if it occurs.
+    repeat_penalty: float = DEFAULT_REPEAT_PENALTY
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repeat_last_n: int = DEFAULT_REPEAT_LAST_N
+    # (token id, bias) pairs added to the logits before any other step (OpenAI's logit_bias).
+    logit_bias: tuple[tuple[int, float], ...] = ()
+
+    @property
+    def penalized(self) -> bool:
+        """Whether any repetition penalty applies (the sampler then keeps a history)."""
+        return self.repeat_last_n != 0 and (
+            self.repeat_penalty != DEFAULT_REPEAT_PENALTY
+            or self.frequency_penalty != 0.0
+            or self.presence_penalty != 0.0
+        )
+
+    def penalty_window(self, n_ctx: int) -> int:
+        """The tokens the penalties look back over (-1: the whole context); 0 without
+        penalties."""
+        if not self.penalized:
+            return 0
+        return n_ctx if self.repeat_last_n == -1 else self.repeat_last_n
 
 
 @dataclass(frozen=True)
@@ -201,6 +231,8 @@ class KvReference:
     kv_prefix_tokens: int = 0
     # A harmony model's: the prompt's open message header (HarmonyParser.opening).
     open_message: tuple[int, ...] = ()
+    # With repetition penalties: the prompt's last tokens, which they count.
+    penalty_token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -246,6 +278,9 @@ class PrefillFigures:
     replay_seconds: float = 0.0
     # A harmony model's: the prompt's open message header (HarmonyParser.opening).
     open_message: tuple[int, ...] = ()
+    # With repetition penalties: the prompt's last tokens, which they count (Sampling's
+    # penalty_window of them), for the decode node's sampler.
+    penalty_token_ids: tuple[int, ...] = ()
 
     @property
     def stats(self) -> PrefillStats:

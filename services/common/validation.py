@@ -15,6 +15,8 @@ from disagg_mesh.server.common.types import Prompt, Sampling
 
 MAX_PROMPT_BYTES = 4 * 1024 * 1024
 MAX_STOP_STRINGS = 8
+# OpenAI documents no limit; a bias sampler of this many entries costs nothing to speak of.
+MAX_LOGIT_BIASES = 1024
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
 # Where a door names a tool's parameters schema ({i}: the tool's place).
 TOOL_PARAMETERS_FIELD = "sampling.tools.definitions[{i}].parameters_json_schema"
@@ -87,6 +89,31 @@ def validate_sampling(
         )
     if not 0.0 <= sampling.min_p <= 1.0:
         raise InvalidArgument("sampling.min_p", f"must be in [0, 1], got {sampling.min_p}")
+    if not sampling.repeat_penalty > 0.0:
+        raise InvalidArgument(
+            "sampling.repeat_penalty",
+            f"must be > 0 (1: no penalty), got {sampling.repeat_penalty}",
+        )
+    for name in ("frequency_penalty", "presence_penalty"):
+        value = getattr(sampling, name)
+        if not -2.0 <= value <= 2.0:
+            raise InvalidArgument(f"sampling.{name}", f"must be in [-2, 2], got {value}")
+    if len(sampling.logit_bias) > MAX_LOGIT_BIASES:
+        raise InvalidArgument(
+            "sampling.logit_bias",
+            f"at most {MAX_LOGIT_BIASES} tokens, got {len(sampling.logit_bias)}",
+        )
+    for token, bias in sampling.logit_bias:
+        if token < 0 or not -100.0 <= bias <= 100.0:
+            raise InvalidArgument(
+                "sampling.logit_bias",
+                f"token ids must be >= 0 and biases in [-100, 100], got {token}: {bias}",
+            )
+    if sampling.repeat_last_n < -1:
+        raise InvalidArgument(
+            "sampling.repeat_last_n",
+            f"must be >= 0, or -1 (the whole context), got {sampling.repeat_last_n}",
+        )
     if len(sampling.stop) > MAX_STOP_STRINGS:
         raise InvalidArgument(
             "sampling.stop", f"at most {MAX_STOP_STRINGS} strings, got {len(sampling.stop)}"

@@ -24,43 +24,47 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x64isagg/v1/types.proto\x12\tdisagg.v1\"\xa5\x03\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\rH\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x17\n\nignore_eos\x18\x06 \x01(\x08H\x04\x88\x01\x01\x12\x32\n\x0fresponse_format\x18\x07 \x01(\x0b\x32\x19.disagg.v1.ResponseFormat\x12#\n\x16stream_interval_tokens\x18\x08 \x01(\x05H\x05\x88\x01\x01\x12!\n\x05tools\x18\t \x01(\x0b\x32\x12.disagg.v1.ToolSet\x12\x12\n\x05top_k\x18\n \x01(\x05H\x06\x88\x01\x01\x12\x12\n\x05min_p\x18\x0b \x01(\x02H\x07\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\r\n\x0b_ignore_eosB\x19\n\x17_stream_interval_tokensB\x08\n\x06_top_kB\x08\n\x06_min_p\"\xa7\x01\n\x07ToolSet\x12.\n\x0b\x64\x65\x66initions\x18\x01 \x03(\x0b\x32\x19.disagg.v1.ToolDefinition\x12%\n\x06\x63hoice\x18\x02 \x01(\x0e\x32\x15.disagg.v1.ToolChoice\x12\x15\n\rfunction_name\x18\x03 \x01(\t\x12\x1b\n\x0eparallel_calls\x18\x04 \x01(\x08H\x00\x88\x01\x01\x42\x11\n\x0f_parallel_calls\"S\n\x0eToolDefinition\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x1e\n\x16parameters_json_schema\x18\x03 \x01(\t\"<\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x16\n\x0e\x61rguments_json\x18\x03 \x01(\t\"P\n\rToolCallDelta\x12\r\n\x05index\x18\x01 \x01(\x05\x12\n\n\x02id\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x16\n\x0e\x61rguments_json\x18\x04 \x01(\t\"R\n\x0eResponseFormat\x12+\n\x04type\x18\x01 \x01(\x0e\x32\x1d.disagg.v1.ResponseFormatType\x12\x13\n\x0bjson_schema\x18\x02 \x01(\t\"k\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\'\n\ntool_calls\x18\x03 \x03(\x0b\x32\x13.disagg.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\"\xad\x01\n\rKvFingerprint\x12\x14\n\x0cmodel_sha256\x18\x01 \x01(\t\x12\x14\n\x0cn_ctx_tokens\x18\x02 \x01(\x05\x12\x16\n\x0e\x65ngine_version\x18\x03 \x01(\t\x12\x0e\n\x06type_k\x18\x04 \x01(\t\x12\x0e\n\x06type_v\x18\x05 \x01(\t\x12\x12\n\nflash_attn\x18\x06 \x01(\x08\x12\x12\n\nkv_unified\x18\x07 \x01(\x08\x12\x10\n\x08swa_full\x18\x08 \x01(\x08\"\xff\x01\n\x0bKvReference\x12\x11\n\tkv_handle\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\x05\x12\x18\n\x10\x66irst_token_text\x18\x03 \x01(\t\x12\x15\n\rprompt_tokens\x18\x04 \x01(\x05\x12-\n\x0b\x66ingerprint\x18\x05 \x01(\x0b\x32\x18.disagg.v1.KvFingerprint\x12\x15\n\rkv_size_bytes\x18\x06 \x01(\x03\x12\x14\n\x0c\x62lock_hashes\x18\x07 \x03(\x0c\x12\x18\n\x10kv_prefix_tokens\x18\x08 \x01(\x05\x12\x1e\n\x16open_message_token_ids\x18\t \x03(\x05\"m\n\tTextDelta\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x11\n\treasoning\x18\x03 \x01(\t\x12,\n\ntool_calls\x18\x04 \x03(\x0b\x32\x18.disagg.v1.ToolCallDelta\"\xcf\x01\n\x0c\x43ontinuation\x12\x1b\n\x13generated_token_ids\x18\x01 \x03(\x05\x12\x16\n\x0egenerated_text\x18\x02 \x01(\t\x12 \n\x18\x66irst_token_from_prefill\x18\x03 \x01(\x08\x12\x12\n\nraw_prompt\x18\x04 \x01(\x08\x12\x18\n\x10generated_tokens\x18\x05 \x01(\x05\x12!\n\x14prompt_cached_tokens\x18\x06 \x01(\x05H\x00\x88\x01\x01\x42\x17\n\x15_prompt_cached_tokens*\x89\x01\n\nToolChoice\x12\x1b\n\x17TOOL_CHOICE_UNSPECIFIED\x10\x00\x12\x14\n\x10TOOL_CHOICE_AUTO\x10\x01\x12\x14\n\x10TOOL_CHOICE_NONE\x10\x02\x12\x18\n\x14TOOL_CHOICE_REQUIRED\x10\x03\x12\x18\n\x14TOOL_CHOICE_FUNCTION\x10\x04*\x86\x01\n\x12ResponseFormatType\x12$\n RESPONSE_FORMAT_TYPE_UNSPECIFIED\x10\x00\x12$\n RESPONSE_FORMAT_TYPE_JSON_OBJECT\x10\x01\x12$\n RESPONSE_FORMAT_TYPE_JSON_SCHEMA\x10\x02*\x85\x01\n\x0fReasoningEffort\x12 \n\x1cREASONING_EFFORT_UNSPECIFIED\x10\x00\x12\x18\n\x14REASONING_EFFORT_LOW\x10\x01\x12\x1b\n\x17REASONING_EFFORT_MEDIUM\x10\x02\x12\x19\n\x15REASONING_EFFORT_HIGH\x10\x03*}\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1c\n\x18\x46INISH_REASON_TOOL_CALLS\x10\x03*q\n\nKvTransfer\x12\x1b\n\x17KV_TRANSFER_UNSPECIFIED\x10\x00\x12\x14\n\x10KV_TRANSFER_NONE\x10\x01\x12\x15\n\x11KV_TRANSFER_STATE\x10\x02\x12\x19\n\x15KV_TRANSFER_TOKEN_IDS\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x64isagg/v1/types.proto\x12\tdisagg.v1\"\xdd\x05\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\rH\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x17\n\nignore_eos\x18\x06 \x01(\x08H\x04\x88\x01\x01\x12\x32\n\x0fresponse_format\x18\x07 \x01(\x0b\x32\x19.disagg.v1.ResponseFormat\x12#\n\x16stream_interval_tokens\x18\x08 \x01(\x05H\x05\x88\x01\x01\x12!\n\x05tools\x18\t \x01(\x0b\x32\x12.disagg.v1.ToolSet\x12\x12\n\x05top_k\x18\n \x01(\x05H\x06\x88\x01\x01\x12\x12\n\x05min_p\x18\x0b \x01(\x02H\x07\x88\x01\x01\x12\x1b\n\x0erepeat_penalty\x18\x0c \x01(\x02H\x08\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\r \x01(\x02H\t\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0e \x01(\x02H\n\x88\x01\x01\x12\x1a\n\rrepeat_last_n\x18\x0f \x01(\x05H\x0b\x88\x01\x01\x12<\n\nlogit_bias\x18\x10 \x03(\x0b\x32(.disagg.v1.SamplingParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\r\n\x0b_ignore_eosB\x19\n\x17_stream_interval_tokensB\x08\n\x06_top_kB\x08\n\x06_min_pB\x11\n\x0f_repeat_penaltyB\x14\n\x12_frequency_penaltyB\x13\n\x11_presence_penaltyB\x10\n\x0e_repeat_last_n\"\xa7\x01\n\x07ToolSet\x12.\n\x0b\x64\x65\x66initions\x18\x01 \x03(\x0b\x32\x19.disagg.v1.ToolDefinition\x12%\n\x06\x63hoice\x18\x02 \x01(\x0e\x32\x15.disagg.v1.ToolChoice\x12\x15\n\rfunction_name\x18\x03 \x01(\t\x12\x1b\n\x0eparallel_calls\x18\x04 \x01(\x08H\x00\x88\x01\x01\x42\x11\n\x0f_parallel_calls\"S\n\x0eToolDefinition\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x1e\n\x16parameters_json_schema\x18\x03 \x01(\t\"<\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x16\n\x0e\x61rguments_json\x18\x03 \x01(\t\"P\n\rToolCallDelta\x12\r\n\x05index\x18\x01 \x01(\x05\x12\n\n\x02id\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x16\n\x0e\x61rguments_json\x18\x04 \x01(\t\"R\n\x0eResponseFormat\x12+\n\x04type\x18\x01 \x01(\x0e\x32\x1d.disagg.v1.ResponseFormatType\x12\x13\n\x0bjson_schema\x18\x02 \x01(\t\"k\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\'\n\ntool_calls\x18\x03 \x03(\x0b\x32\x13.disagg.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\"\xad\x01\n\rKvFingerprint\x12\x14\n\x0cmodel_sha256\x18\x01 \x01(\t\x12\x14\n\x0cn_ctx_tokens\x18\x02 \x01(\x05\x12\x16\n\x0e\x65ngine_version\x18\x03 \x01(\t\x12\x0e\n\x06type_k\x18\x04 \x01(\t\x12\x0e\n\x06type_v\x18\x05 \x01(\t\x12\x12\n\nflash_attn\x18\x06 \x01(\x08\x12\x12\n\nkv_unified\x18\x07 \x01(\x08\x12\x10\n\x08swa_full\x18\x08 \x01(\x08\"\x9a\x02\n\x0bKvReference\x12\x11\n\tkv_handle\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\x05\x12\x18\n\x10\x66irst_token_text\x18\x03 \x01(\t\x12\x15\n\rprompt_tokens\x18\x04 \x01(\x05\x12-\n\x0b\x66ingerprint\x18\x05 \x01(\x0b\x32\x18.disagg.v1.KvFingerprint\x12\x15\n\rkv_size_bytes\x18\x06 \x01(\x03\x12\x14\n\x0c\x62lock_hashes\x18\x07 \x03(\x0c\x12\x18\n\x10kv_prefix_tokens\x18\x08 \x01(\x05\x12\x1e\n\x16open_message_token_ids\x18\t \x03(\x05\x12\x19\n\x11penalty_token_ids\x18\n \x03(\x05\"m\n\tTextDelta\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x11\n\treasoning\x18\x03 \x01(\t\x12,\n\ntool_calls\x18\x04 \x03(\x0b\x32\x18.disagg.v1.ToolCallDelta\"\xcf\x01\n\x0c\x43ontinuation\x12\x1b\n\x13generated_token_ids\x18\x01 \x03(\x05\x12\x16\n\x0egenerated_text\x18\x02 \x01(\t\x12 \n\x18\x66irst_token_from_prefill\x18\x03 \x01(\x08\x12\x12\n\nraw_prompt\x18\x04 \x01(\x08\x12\x18\n\x10generated_tokens\x18\x05 \x01(\x05\x12!\n\x14prompt_cached_tokens\x18\x06 \x01(\x05H\x00\x88\x01\x01\x42\x17\n\x15_prompt_cached_tokens*\x89\x01\n\nToolChoice\x12\x1b\n\x17TOOL_CHOICE_UNSPECIFIED\x10\x00\x12\x14\n\x10TOOL_CHOICE_AUTO\x10\x01\x12\x14\n\x10TOOL_CHOICE_NONE\x10\x02\x12\x18\n\x14TOOL_CHOICE_REQUIRED\x10\x03\x12\x18\n\x14TOOL_CHOICE_FUNCTION\x10\x04*\x86\x01\n\x12ResponseFormatType\x12$\n RESPONSE_FORMAT_TYPE_UNSPECIFIED\x10\x00\x12$\n RESPONSE_FORMAT_TYPE_JSON_OBJECT\x10\x01\x12$\n RESPONSE_FORMAT_TYPE_JSON_SCHEMA\x10\x02*\x85\x01\n\x0fReasoningEffort\x12 \n\x1cREASONING_EFFORT_UNSPECIFIED\x10\x00\x12\x18\n\x14REASONING_EFFORT_LOW\x10\x01\x12\x1b\n\x17REASONING_EFFORT_MEDIUM\x10\x02\x12\x19\n\x15REASONING_EFFORT_HIGH\x10\x03*}\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1c\n\x18\x46INISH_REASON_TOOL_CALLS\x10\x03*q\n\nKvTransfer\x12\x1b\n\x17KV_TRANSFER_UNSPECIFIED\x10\x00\x12\x14\n\x10KV_TRANSFER_NONE\x10\x01\x12\x15\n\x11KV_TRANSFER_STATE\x10\x02\x12\x19\n\x15KV_TRANSFER_TOKEN_IDS\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'disagg_mesh.proto.v1.types_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TOOLCHOICE']._serialized_start=1808
-  _globals['_TOOLCHOICE']._serialized_end=1945
-  _globals['_RESPONSEFORMATTYPE']._serialized_start=1948
-  _globals['_RESPONSEFORMATTYPE']._serialized_end=2082
-  _globals['_REASONINGEFFORT']._serialized_start=2085
-  _globals['_REASONINGEFFORT']._serialized_end=2218
-  _globals['_FINISHREASON']._serialized_start=2220
-  _globals['_FINISHREASON']._serialized_end=2345
-  _globals['_KVTRANSFER']._serialized_start=2347
-  _globals['_KVTRANSFER']._serialized_end=2460
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
+  _globals['_TOOLCHOICE']._serialized_start=2147
+  _globals['_TOOLCHOICE']._serialized_end=2284
+  _globals['_RESPONSEFORMATTYPE']._serialized_start=2287
+  _globals['_RESPONSEFORMATTYPE']._serialized_end=2421
+  _globals['_REASONINGEFFORT']._serialized_start=2424
+  _globals['_REASONINGEFFORT']._serialized_end=2557
+  _globals['_FINISHREASON']._serialized_start=2559
+  _globals['_FINISHREASON']._serialized_end=2684
+  _globals['_KVTRANSFER']._serialized_start=2686
+  _globals['_KVTRANSFER']._serialized_end=2799
   _globals['_SAMPLINGPARAMS']._serialized_start=37
-  _globals['_SAMPLINGPARAMS']._serialized_end=458
-  _globals['_TOOLSET']._serialized_start=461
-  _globals['_TOOLSET']._serialized_end=628
-  _globals['_TOOLDEFINITION']._serialized_start=630
-  _globals['_TOOLDEFINITION']._serialized_end=713
-  _globals['_TOOLCALL']._serialized_start=715
-  _globals['_TOOLCALL']._serialized_end=775
-  _globals['_TOOLCALLDELTA']._serialized_start=777
-  _globals['_TOOLCALLDELTA']._serialized_end=857
-  _globals['_RESPONSEFORMAT']._serialized_start=859
-  _globals['_RESPONSEFORMAT']._serialized_end=941
-  _globals['_CHATMESSAGE']._serialized_start=943
-  _globals['_CHATMESSAGE']._serialized_end=1050
-  _globals['_KVFINGERPRINT']._serialized_start=1053
-  _globals['_KVFINGERPRINT']._serialized_end=1226
-  _globals['_KVREFERENCE']._serialized_start=1229
-  _globals['_KVREFERENCE']._serialized_end=1484
-  _globals['_TEXTDELTA']._serialized_start=1486
-  _globals['_TEXTDELTA']._serialized_end=1595
-  _globals['_CONTINUATION']._serialized_start=1598
-  _globals['_CONTINUATION']._serialized_end=1805
+  _globals['_SAMPLINGPARAMS']._serialized_end=770
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=530
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=578
+  _globals['_TOOLSET']._serialized_start=773
+  _globals['_TOOLSET']._serialized_end=940
+  _globals['_TOOLDEFINITION']._serialized_start=942
+  _globals['_TOOLDEFINITION']._serialized_end=1025
+  _globals['_TOOLCALL']._serialized_start=1027
+  _globals['_TOOLCALL']._serialized_end=1087
+  _globals['_TOOLCALLDELTA']._serialized_start=1089
+  _globals['_TOOLCALLDELTA']._serialized_end=1169
+  _globals['_RESPONSEFORMAT']._serialized_start=1171
+  _globals['_RESPONSEFORMAT']._serialized_end=1253
+  _globals['_CHATMESSAGE']._serialized_start=1255
+  _globals['_CHATMESSAGE']._serialized_end=1362
+  _globals['_KVFINGERPRINT']._serialized_start=1365
+  _globals['_KVFINGERPRINT']._serialized_end=1538
+  _globals['_KVREFERENCE']._serialized_start=1541
+  _globals['_KVREFERENCE']._serialized_end=1823
+  _globals['_TEXTDELTA']._serialized_start=1825
+  _globals['_TEXTDELTA']._serialized_end=1934
+  _globals['_CONTINUATION']._serialized_start=1937
+  _globals['_CONTINUATION']._serialized_end=2144
 # @@protoc_insertion_point(module_scope)

@@ -63,7 +63,14 @@ KV_TRANSFER_STATE: KvTransfer
 KV_TRANSFER_TOKEN_IDS: KvTransfer
 
 class SamplingParams(_message.Message):
-    __slots__ = ("max_tokens", "temperature", "top_p", "seed", "stop", "ignore_eos", "response_format", "stream_interval_tokens", "tools", "top_k", "min_p")
+    __slots__ = ("max_tokens", "temperature", "top_p", "seed", "stop", "ignore_eos", "response_format", "stream_interval_tokens", "tools", "top_k", "min_p", "repeat_penalty", "frequency_penalty", "presence_penalty", "repeat_last_n", "logit_bias")
+    class LogitBiasEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: float
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[float] = ...) -> None: ...
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
@@ -75,6 +82,11 @@ class SamplingParams(_message.Message):
     TOOLS_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     MIN_P_FIELD_NUMBER: _ClassVar[int]
+    REPEAT_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    REPEAT_LAST_N_FIELD_NUMBER: _ClassVar[int]
+    LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
     max_tokens: int
     temperature: float
     top_p: float
@@ -86,7 +98,12 @@ class SamplingParams(_message.Message):
     tools: ToolSet
     top_k: int
     min_p: float
-    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., response_format: _Optional[_Union[ResponseFormat, _Mapping]] = ..., stream_interval_tokens: _Optional[int] = ..., tools: _Optional[_Union[ToolSet, _Mapping]] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ...) -> None: ...
+    repeat_penalty: float
+    frequency_penalty: float
+    presence_penalty: float
+    repeat_last_n: int
+    logit_bias: _containers.ScalarMap[int, float]
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., response_format: _Optional[_Union[ResponseFormat, _Mapping]] = ..., stream_interval_tokens: _Optional[int] = ..., tools: _Optional[_Union[ToolSet, _Mapping]] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., repeat_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., repeat_last_n: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ...) -> None: ...
 
 class ToolSet(_message.Message):
     __slots__ = ("definitions", "choice", "function_name", "parallel_calls")
@@ -173,7 +190,7 @@ class KvFingerprint(_message.Message):
     def __init__(self, model_sha256: _Optional[str] = ..., n_ctx_tokens: _Optional[int] = ..., engine_version: _Optional[str] = ..., type_k: _Optional[str] = ..., type_v: _Optional[str] = ..., flash_attn: _Optional[bool] = ..., kv_unified: _Optional[bool] = ..., swa_full: _Optional[bool] = ...) -> None: ...
 
 class KvReference(_message.Message):
-    __slots__ = ("kv_handle", "first_token_id", "first_token_text", "prompt_tokens", "fingerprint", "kv_size_bytes", "block_hashes", "kv_prefix_tokens", "open_message_token_ids")
+    __slots__ = ("kv_handle", "first_token_id", "first_token_text", "prompt_tokens", "fingerprint", "kv_size_bytes", "block_hashes", "kv_prefix_tokens", "open_message_token_ids", "penalty_token_ids")
     KV_HANDLE_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -183,6 +200,7 @@ class KvReference(_message.Message):
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     KV_PREFIX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     OPEN_MESSAGE_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PENALTY_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     kv_handle: str
     first_token_id: int
     first_token_text: str
@@ -192,7 +210,8 @@ class KvReference(_message.Message):
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     kv_prefix_tokens: int
     open_message_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, kv_handle: _Optional[str] = ..., first_token_id: _Optional[int] = ..., first_token_text: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., fingerprint: _Optional[_Union[KvFingerprint, _Mapping]] = ..., kv_size_bytes: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., kv_prefix_tokens: _Optional[int] = ..., open_message_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    penalty_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, kv_handle: _Optional[str] = ..., first_token_id: _Optional[int] = ..., first_token_text: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., fingerprint: _Optional[_Union[KvFingerprint, _Mapping]] = ..., kv_size_bytes: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., kv_prefix_tokens: _Optional[int] = ..., open_message_token_ids: _Optional[_Iterable[int]] = ..., penalty_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TextDelta(_message.Message):
     __slots__ = ("text", "token_ids", "reasoning", "tool_calls")

@@ -353,6 +353,12 @@ class OllamaEngine:
                 f"is not supported by the Ollama engine at {self.url} (Ollama has no such "
                 "option); route the model to embedded llama.cpp nodes",
             )
+        if sampling.logit_bias:
+            raise InvalidArgument(
+                "sampling.logit_bias",
+                f"is not supported by the Ollama engine at {self.url} (Ollama has no such "
+                "option); route the model to embedded llama.cpp nodes",
+            )
         options: dict[str, Any] = {
             "num_predict": num_predict,
             "temperature": sampling.temperature,
@@ -366,6 +372,11 @@ class OllamaEngine:
             options["seed"] = sampling.seed
         if sampling.stop:
             options["stop"] = list(sampling.stop)
+        if sampling.penalized:  # else the server's own (its Go engine applies none)
+            options["repeat_penalty"] = sampling.repeat_penalty
+            options["frequency_penalty"] = sampling.frequency_penalty
+            options["presence_penalty"] = sampling.presence_penalty
+            options["repeat_last_n"] = sampling.repeat_last_n
         return options
 
     @asynccontextmanager

@@ -23,6 +23,8 @@ from disagg_mesh.server.common.tools.calls import (
 from disagg_mesh.server.common.tools.requests import ToolRequest, read_tools
 from disagg_mesh.server.common.types import (
     DEFAULT_MIN_P,
+    DEFAULT_REPEAT_LAST_N,
+    DEFAULT_REPEAT_PENALTY,
     DEFAULT_TEMPERATURE,
     DEFAULT_TOP_K,
     DEFAULT_TOP_P,
@@ -67,6 +69,15 @@ def sampling_from_proto(msg: types_pb2.SamplingParams, max_tokens_limit: int) ->
         tools=tools_from_proto(msg.tools) if msg.HasField("tools") else None,
         top_k=msg.top_k if msg.HasField("top_k") else DEFAULT_TOP_K,
         min_p=msg.min_p if msg.HasField("min_p") else DEFAULT_MIN_P,
+        repeat_penalty=(
+            msg.repeat_penalty if msg.HasField("repeat_penalty") else DEFAULT_REPEAT_PENALTY
+        ),
+        frequency_penalty=msg.frequency_penalty,
+        presence_penalty=msg.presence_penalty,
+        repeat_last_n=(
+            msg.repeat_last_n if msg.HasField("repeat_last_n") else DEFAULT_REPEAT_LAST_N
+        ),
+        logit_bias=tuple(sorted(msg.logit_bias.items())),
     )
 
 
@@ -179,6 +190,11 @@ def sampling_to_proto(sampling: Sampling) -> types_pb2.SamplingParams:
         tools=tools_to_proto(sampling.tools),
         top_k=sampling.top_k,
         min_p=sampling.min_p,
+        repeat_penalty=sampling.repeat_penalty,
+        frequency_penalty=sampling.frequency_penalty,
+        presence_penalty=sampling.presence_penalty,
+        repeat_last_n=sampling.repeat_last_n,
+        logit_bias=dict(sampling.logit_bias),
     )
 
 
@@ -348,17 +364,20 @@ register(DecodeStats, decode_pb2.DecodeSummary)
 register(KvReference, types_pb2.KvReference, open_message="open_message_token_ids")
 register(PrefillStats, prefill_pb2.PrefillStats)
 # Both carry a KvReference (and PrefillResponse its PrefillStats) and, for nodes of earlier
-# versions, their values flat (mirror.py).
+# versions, their values flat (mirror.py), but for the reference's fields added since.
+REFERENCE_ONLY = ("penalty_token_ids",)
 register(
     KvSource,
     decode_pb2.KvSource,
     grouped=("reference",),
     flat_renames={"kv_prefix_tokens": "prefix_tokens"},
+    group_only=REFERENCE_ONLY,
 )
 register(
     PrefillResult,
     prefill_pb2.PrefillResponse,
     grouped=("reference", "stats"),
+    group_only=REFERENCE_ONLY,
     open_message="open_message_token_ids",
 )
 

@@ -20,7 +20,8 @@ values the message still repeats flat for peers of an earlier version (`grouped`
 KvReference in PrefillResponse and KvSource, the PrefillStats in PrefillResponse). Both
 are written; reading takes the group, or the flat copies from a peer that leaves the group
 unset. The dataclass holds the group as a field of that name, or holds its values flat and
-offers the group as a property."""
+offers the group as a property. A field added to the group after its flat copies stopped
+growing (`group_only`) has none: a peer sending only the flat copies leaves it its default."""
 
 from __future__ import annotations
 
@@ -59,13 +60,19 @@ class Pair:
 @dataclass(frozen=True)
 class Group:
     """A sub-message (mirrored by `plain`) whose values the message repeats flat: each of
-    its pairs with the message field of its flat copy. `nested`: the dataclass holds the
-    group as a field; else it holds the values flat and the group is a property."""
+    its pairs with the message field of its flat copy (None: a group-only field). `nested`:
+    the dataclass holds the group as a field; else it holds the values flat and the group is
+    a property."""
 
     target: str
     plain: type
-    flat: tuple[tuple[Pair, str], ...]
+    flat: tuple[tuple[Pair, str | None], ...]
     nested: bool
+
+    @property
+    def copies(self) -> tuple[tuple[Pair, str], ...]:
+        """The pairs that have a flat copy, with its message field."""
+        return tuple((pair, name) for pair, name in self.flat if name is not None)
 
 
 @dataclass(frozen=True)
@@ -86,21 +93,34 @@ def register(
     *,
     grouped: tuple[str, ...] = (),
     flat_renames: Mapping[str, str] | None = None,
+    group_only: tuple[str, ...] = (),
     **renames: str,
 ) -> None:
     """Mirror `plain` on `message`; `renames`: dataclass field -> message field, where the
     rules above do not find it. `grouped`: sub-message fields whose values the message also
     repeats flat (under the group's field names, or `flat_renames`: group dataclass field ->
-    flat message field). MirrorError unless their fields pair off exactly."""
-    groups = tuple(_group(plain, message.DESCRIPTOR, g, flat_renames or {}) for g in grouped)
+    flat message field), but for the groups' dataclass fields named in `group_only`.
+    MirrorError unless their fields pair off exactly."""
+    groups = tuple(
+        _group(plain, message.DESCRIPTOR, g, flat_renames or {}, set(group_only)) for g in grouped
+    )
     skip: set[str] = set()
+    unpaired: set[str] = set()  # held flat, read and written in the group only
     for group in groups:
-        skip |= {flat for _, flat in group.flat} if group.nested else {group.target}
-    pairs = _pairs(plain, message.DESCRIPTOR, renames, skip)
+        skip |= {flat for _, flat in group.copies} if group.nested else {group.target}
+        if not group.nested:
+            unpaired |= {pair.name for pair, flat in group.flat if flat is None}
+    pairs = _pairs(plain, message.DESCRIPTOR, renames, skip, unpaired)
     _MIRRORS[plain] = Mirror(plain, message, pairs, groups)
 
 
-def _group(plain: type, descriptor: Any, target: str, flat_renames: Mapping[str, str]) -> Group:
+def _group(
+    plain: type,
+    descriptor: Any,
+    target: str,
+    flat_renames: Mapping[str, str],
+    group_only: set[str],
+) -> Group:
     fd = descriptor.fields_by_name.get(target)
     inner = next(
         (m for m in _MIRRORS.values() if fd and m.message.DESCRIPTOR is fd.message_type), None
@@ -108,8 +128,11 @@ def _group(plain: type, descriptor: Any, target: str, flat_renames: Mapping[str,
     if inner is None:
         raise MirrorError(f"{descriptor.full_name}.{target} is not a registered mirror's message")
     names = set(descriptor.fields_by_name)
-    flat = tuple((p, flat_renames.get(p.name, p.target)) for p in inner.pairs)
-    missing = [name for _, name in flat if name not in names]
+    flat = tuple(
+        (p, None if p.name in group_only else flat_renames.get(p.name, p.target))
+        for p in inner.pairs
+    )
+    missing = [name for _, name in flat if name is not None and name not in names]
     if missing:
         raise MirrorError(f"{descriptor.full_name} lacks flat copies of {target}: {missing}")
     nested = target in {f.name for f in dataclasses.fields(plain)}
@@ -141,17 +164,23 @@ def covered(mirror: Mirror) -> set[str]:
     """The message fields the mirror writes: its pairs', and a group's other side."""
     names = set(field_map(mirror).values())
     for group in mirror.groups:
-        names |= {flat for _, flat in group.flat} | {group.target}
+        names |= {flat for _, flat in group.copies} | {group.target}
     return names
 
 
 def _pairs(
-    plain: type, descriptor: Any, renames: Mapping[str, str], skip: set[str]
+    plain: type,
+    descriptor: Any,
+    renames: Mapping[str, str],
+    skip: set[str],
+    unpaired: set[str],
 ) -> tuple[Pair, ...]:
     names = set(descriptor.fields_by_name) - skip
     hints = typing.get_type_hints(plain)
     pairs = []
     for f in dataclasses.fields(plain):
+        if f.name in unpaired:
+            continue
         target = renames.get(f.name) or _by_rule(f.name, names)
         if target not in names:
             raise MirrorError(
@@ -198,7 +227,7 @@ def to_proto(obj: Any) -> Any:
     for group in mirror.groups:
         inner = getattr(obj, group.target)
         if group.nested:  # the flat copies
-            for pair, flat in group.flat:
+            for pair, flat in group.copies:
                 values[flat] = _to_wire(getattr(inner, pair.name), pair)
         else:
             values[group.target] = to_proto(inner)
@@ -225,7 +254,7 @@ def from_proto(message: Any, plain: type[T]) -> T:
         if message.HasField(group.target) == group.nested:
             continue
         if group.nested:  # an earlier peer's message: the flat copies only
-            flat = {p.name: _from_wire(getattr(message, name), p) for p, name in group.flat}
+            flat = {p.name: _from_wire(getattr(message, name), p) for p, name in group.copies}
             values[group.target] = group.plain(**flat)
         else:  # the group's values, over their flat copies
             inner = getattr(message, group.target)

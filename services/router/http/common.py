@@ -25,6 +25,8 @@ from disagg_mesh.server.common.tools.calls import Piece, ToolCall, assemble
 from disagg_mesh.server.common.tools.requests import ToolRequest
 from disagg_mesh.server.common.types import (
     DEFAULT_MIN_P,
+    DEFAULT_REPEAT_LAST_N,
+    DEFAULT_REPEAT_PENALTY,
     DEFAULT_TEMPERATURE,
     DEFAULT_TOP_K,
     DEFAULT_TOP_P,
@@ -227,6 +229,11 @@ def sampling(
     tools: ToolRequest | None = None,
     top_k: int | None = None,
     min_p: float | None = None,
+    repeat_penalty: float | None = None,
+    frequency_penalty: float | None = None,
+    presence_penalty: float | None = None,
+    repeat_last_n: int | None = None,
+    logit_bias: tuple[tuple[int, float], ...] = (),
 ) -> Sampling:
     """A Sampling from an HTTP request; unset max_tokens (or Ollama's -1/-2) means until an
     end token or a full context, bounded by the mesh's max_tokens_limit. An answer sent
@@ -251,6 +258,11 @@ def sampling(
         tools=tools,
         top_k=DEFAULT_TOP_K if top_k is None else top_k,
         min_p=DEFAULT_MIN_P if min_p is None else min_p,
+        repeat_penalty=DEFAULT_REPEAT_PENALTY if repeat_penalty is None else repeat_penalty,
+        frequency_penalty=frequency_penalty or 0.0,
+        presence_penalty=presence_penalty or 0.0,
+        repeat_last_n=DEFAULT_REPEAT_LAST_N if repeat_last_n is None else repeat_last_n,
+        logit_bias=logit_bias,
     )
 
 

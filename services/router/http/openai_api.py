@@ -101,6 +101,24 @@ def _response_format(fields: Fields, limits: SchemaLimits) -> ResponseFormat | N
     return schema_text(schema, SCHEMA_FIELD, limits)
 
 
+def _logit_bias(biases: Fields) -> tuple[tuple[int, float], ...]:
+    """OpenAI's logit_bias: token ids (as JSON object keys) -> biases; the nodes check the
+    ids against the model's vocabulary, the router the ranges."""
+    pairs = []
+    for key in biases.body:
+        try:
+            token = int(key)
+        except ValueError:
+            raise InvalidArgument(
+                "logit_bias", f"keys must be token ids (integers), got {key!r}"
+            ) from None
+        bias = biases.number(key)
+        if bias is None:
+            raise InvalidArgument(f"logit_bias.{key}", "must be a number, got null")
+        pairs.append((token, bias))
+    return tuple(sorted(pairs))
+
+
 class OpenAiApi:
     def __init__(self, router: Router) -> None:
         self.router = router
@@ -123,11 +141,6 @@ class OpenAiApi:
             ("functions", "the legacy functions field is not supported: use tools"),
             ("logprobs", "log probabilities are not returned"),
             ("top_logprobs", "log probabilities are not returned"),
-            # Refused only when set to other than their defaults (0, no biases), which some
-            # clients send unasked: never an answer that ignored what the caller asked for.
-            ("presence_penalty", "repetition penalties are not applied"),
-            ("frequency_penalty", "repetition penalties are not applied"),
-            ("logit_bias", "token biases are not applied"),
         ):
             body.refuse(key, why)
         max_tokens = body.integer("max_completion_tokens")
@@ -147,6 +160,12 @@ class OpenAiApi:
             # vLLM's extra parameters (the openai client's extra_body), as Ollama's options.
             top_k=body.integer("top_k"),
             min_p=body.number("min_p"),
+            frequency_penalty=body.number("frequency_penalty"),
+            presence_penalty=body.number("presence_penalty"),
+            # vLLM's extra parameter; llama-server's name and window for it.
+            repeat_penalty=body.number("repetition_penalty"),
+            repeat_last_n=body.integer("repeat_last_n"),
+            logit_bias=_logit_bias(body.mapping("logit_bias")),
             seed=body.integer("seed"),
             stop=body.strings("stop"),
             max_tokens_field=field,

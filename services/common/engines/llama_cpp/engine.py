@@ -323,12 +323,25 @@ class LlamaCppEngine:
                 f"must be whole blocks of {PREFIX_BLOCK_TOKENS} covered by kv.block_hashes "
                 f"and under kv.prompt_tokens, got {prefix}",
             )
+        penalty_tokens = reference.penalty_token_ids
+        if len(penalty_tokens) > reference.prompt_tokens or not all(
+            0 <= t < self._model.n_vocab for t in penalty_tokens
+        ):
+            raise InvalidArgument(
+                "kv.penalty_token_ids",
+                f"must be at most kv.prompt_tokens ({reference.prompt_tokens}) token ids in "
+                f"0..{self._model.n_vocab - 1}, got {len(penalty_tokens)}",
+            )
         sampling = self._with_tools(sampling)
         job = Job(
             JobKind.CONTINUE,
             sampling,
             loaded=LoadedState(
-                kv_state, reference.prompt_tokens, reference.first_token_id, reference.open_message
+                kv_state,
+                reference.prompt_tokens,
+                reference.first_token_id,
+                reference.open_message,
+                penalty_tokens,
             ),
             hashes=reference.block_hashes,
             prefix_tokens=prefix,

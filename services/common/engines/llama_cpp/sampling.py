@@ -4,19 +4,25 @@ random generator: a seeded request gives the same text alone and in a batch.
 Structured output adds a grammar sampler of the slot's own, applied before the chain
 (every token the grammar forbids gets -inf) and told of every token the stream takes,
 sampled here or elsewhere (a prefill node's first token, a migration's replayed tokens):
-so a stream continued on another node is constrained exactly as it would have been."""
+so a stream continued on another node is constrained exactly as it would have been.
+
+Repetition penalties, as llama-server applies them: first in the chain, over a window of
+the prompt's last tokens (which the sampler is told of before it samples) and every token
+the stream takes, sampled or not; a decode node is told of the prompt's by the prefill node
+(KvReference.penalty_token_ids)."""
 
 from __future__ import annotations
 
 import ctypes
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import llama_cpp
 import numpy as np
 
 from disagg_mesh.server.common.engines.llama_cpp.grammars import Grammar
-from disagg_mesh.server.common.errors import FailedPrecondition
+from disagg_mesh.server.common.errors import FailedPrecondition, InvalidArgument
 from disagg_mesh.server.common.types import Sampling
 
 # llama_token_data, as numpy sees it.
@@ -39,16 +45,32 @@ class SlotSampler:
         end_tokens: tuple[int, ...] = (),
         n_vocab: int = 0,
         grammar: Grammar | None = None,
+        n_ctx: int = 0,
+        history: Sequence[int] = (),
     ) -> None:
         """end_tokens: the model's end-of-generation ids (of n_vocab), suppressed when
-        sampling.ignore_eos (a -inf logit bias first in the chain, as llama-server does).
+        sampling.ignore_eos (a -inf logit bias at the chain's start, as llama-server does).
         grammar: the response format's, parsed (grammars.py); the slot samples with a
-        clone of it."""
+        clone of it. history: the prompt's tokens (or its last ones), which repetition
+        penalties count (their window of n_ctx tokens at most). InvalidArgument for a logit
+        bias on a token id outside the vocabulary."""
+        outside = [t for t, _ in sampling.logit_bias if t >= n_vocab]
+        if outside:
+            raise InvalidArgument(
+                "sampling.logit_bias",
+                f"token ids must be in 0..{n_vocab - 1} (the model's vocabulary), got {outside[0]}",
+            )
         chain: Any = llama_cpp.llama_sampler_chain_init(
             llama_cpp.llama_sampler_chain_default_params()
         )
         self._chain = chain
         self._greedy = sampling.temperature == 0.0
+        window = sampling.penalty_window(n_ctx)
+        # Penalties keep a history: every token the stream takes goes through the chain.
+        self._penalized = window > 0
+        # Penalties and biases change the logits the greedy pick and a grammar's shortcut
+        # look at: the chain picks.
+        self._shaped = self._penalized or bool(sampling.logit_bias)
         self._n_vocab = n_vocab
         self._grammar: Any = None
         if sampling.response_format is not None:
@@ -57,10 +79,26 @@ class SlotSampler:
         # skip()'s one candidate: any id the bias leaves alone.
         self._skip_id = 0
         self._end_ids: np.ndarray[Any, np.dtype[np.intp]] | None = None
+        if sampling.logit_bias:  # first, as llama-server's
+            self._add(_logit_bias(sampling.logit_bias, n_vocab))
         if sampling.ignore_eos and end_tokens:
-            self._add(_end_token_bias(end_tokens, n_vocab))
+            self._add(_logit_bias([(t, -math.inf) for t in end_tokens], n_vocab))
             self._skip_id = next(t for t in range(len(end_tokens) + 1) if t not in end_tokens)
             self._end_ids = np.array(end_tokens, dtype=np.intp)
+        if self._penalized:
+            self._add(
+                # The vendored llama.cpp's signature (n_vocab first), as the binding
+                # declares it: the second argument is the window (measured).
+                llama_cpp.llama_sampler_init_penalties(
+                    n_vocab,
+                    window,
+                    sampling.repeat_penalty,
+                    sampling.frequency_penalty,
+                    sampling.presence_penalty,
+                )
+            )
+            for token in history[-window:]:
+                llama_cpp.llama_sampler_accept(self._chain, token)
         if self._greedy:
             self._add(llama_cpp.llama_sampler_init_greedy())
             return
@@ -82,7 +120,7 @@ class SlotSampler:
     def sample(self, ctx: Any, row: int) -> int:
         """Sample from the logits of batch row `row` (which must have asked for logits);
         the token is accepted into the chain's state."""
-        if self._grammar is None and not self._greedy:
+        if self._grammar is None and (self._shaped or not self._greedy):
             return int(llama_cpp.llama_sampler_sample(self._chain, ctx, row))
         logits = np.ctypeslib.as_array(
             llama_cpp.llama_get_logits_ith(ctx, row), shape=(self._n_vocab,)
@@ -94,7 +132,7 @@ class SlotSampler:
             if self._end_ids is not None:
                 logits[self._end_ids] = -np.inf
             return int(np.argmax(logits))
-        if self._greedy:
+        if self._greedy and not self._shaped:
             # The most likely token, when the grammar allows it, is what greedy sampling of
             # the constrained logits picks: the grammar then looks at one candidate, not all.
             best = int(np.argmax(logits))
@@ -130,16 +168,17 @@ class SlotSampler:
 
     def take(self, token: int) -> None:
         """A token this stream takes that this sampler did not draw (a prefill node's first
-        token, a replayed one): the grammar moves past it. FailedPrecondition when the
-        grammar forbids it (llama.cpp would abort on it)."""
-        if self._grammar is None:
-            return
-        if not self.allows(token):
-            raise FailedPrecondition(
-                f"token {token} of the generation so far is not allowed by the response "
-                "format's grammar (the stream was not constrained the same way before)"
-            )
-        llama_cpp.llama_sampler_accept(self._grammar, token)
+        token, a replayed one): the grammar moves past it, the penalties count it.
+        FailedPrecondition when the grammar forbids it (llama.cpp would abort on it)."""
+        if self._grammar is not None:
+            if not self.allows(token):
+                raise FailedPrecondition(
+                    f"token {token} of the generation so far is not allowed by the response "
+                    "format's grammar (the stream was not constrained the same way before)"
+                )
+            llama_cpp.llama_sampler_accept(self._grammar, token)
+        if self._penalized:  # the penalties' history
+            llama_cpp.llama_sampler_accept(self._chain, token)
 
     def _accept(self, token: int) -> None:
         llama_cpp.llama_sampler_accept(self._grammar, token)
@@ -170,9 +209,9 @@ class SlotSampler:
             self._grammar = None
 
 
-def _end_token_bias(end_tokens: tuple[int, ...], n_vocab: int) -> Any:
-    """A logit-bias sampler setting every end token's logit to -inf."""
-    biases = (llama_cpp.llama_logit_bias * len(end_tokens))(
-        *(llama_cpp.llama_logit_bias(token=t, bias=-math.inf) for t in end_tokens)
+def _logit_bias(biases: Sequence[tuple[int, float]], n_vocab: int) -> Any:
+    """A logit-bias sampler adding each bias to its token's logit (-inf: never sampled)."""
+    array = (llama_cpp.llama_logit_bias * len(biases))(
+        *(llama_cpp.llama_logit_bias(token=t, bias=b) for t, b in biases)
     )
-    return llama_cpp.llama_sampler_init_logit_bias(n_vocab, len(end_tokens), biases)
+    return llama_cpp.llama_sampler_init_logit_bias(n_vocab, len(biases), array)

@@ -118,6 +118,8 @@ class LoadedState:
     prompt_tokens: int
     first_token: int
     open_message: tuple[int, ...] = ()
+    # With repetition penalties: the prompt's last tokens, which they count.
+    penalty_tokens: tuple[int, ...] = ()
 
 
 @dataclass(eq=False)
@@ -168,6 +170,12 @@ class Job:
     @property
     def seed_offset(self) -> int:
         return 1 if self.first_token_from_prefill else 0
+
+    @property
+    def history(self) -> Sequence[int]:
+        """The prompt's tokens its repetition penalties count: all it has, or those a loaded
+        state's prefill node sent."""
+        return self.loaded.penalty_tokens if self.loaded is not None else self.tokens
 
     @property
     def prompt_tokens(self) -> int:
@@ -424,6 +432,8 @@ class Scheduler:
                     self._model.end_tokens,
                     self._model.n_vocab,
                     job.grammar,
+                    self._ctx.n_ctx,
+                    job.history,
                 )
             except MeshError as exc:
                 self._emit(job, exc)
@@ -852,6 +862,7 @@ class Scheduler:
                 block_hashes=slot.job.hashes,
                 kv_prefix_tokens=slot.job.prefix_tokens,
                 kv_state_bytes=whole,
+                penalty_token_ids=_penalized_tail(slot.job, self._ctx.n_ctx),
             ),
         )
         self._free(slot)
@@ -928,6 +939,12 @@ class Scheduler:
             f"KV cache full on node {self.name}: this stream was the newest of "
             f"{self._busy} and was ended after {slot.n_past} positions; retry later"
         )
+
+
+def _penalized_tail(job: Job, n_ctx: int) -> tuple[int, ...]:
+    """The prompt's tokens a decode node's repetition penalties count (none without)."""
+    window = job.sampling.penalty_window(n_ctx)
+    return tuple(job.tokens[-window:]) if window else ()
 
 
 def _next(slot: Slot) -> int:
