@@ -38,6 +38,7 @@ from disagg_mesh.client import (
     DEFAULT_ADDRESS,
     AsyncMeshClient,
     GenerateCall,
+    Logprobs,
     MeshClient,
     Reasoning,
     TlsFiles,
@@ -436,6 +437,8 @@ def _generate(args: argparse.Namespace) -> int:
             elif isinstance(item, Reasoning):  # on stderr: stdout is the answer alone
                 sys.stderr.write(item)
                 sys.stderr.flush()
+            elif isinstance(item, Logprobs):  # not asked for here
+                continue
             else:
                 sys.stdout.write(item)
                 sys.stdout.flush()

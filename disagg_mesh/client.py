@@ -112,6 +112,10 @@ class GenerateCall:
     # Token id -> bias in [-100, 100], added to its logit before any other sampling step
     # (OpenAI's logit_bias; embedded nodes only).
     logit_bias: Mapping[int, float] | None = None
+    # Each token's log probability, and this many of the most likely tokens at its place
+    # (0 to 20; Result.logprobs, stream()'s Logprobs items); None: none. Embedded nodes,
+    # models without harmony channels, calls without tools.
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if (self.reasoning_effort or "") not in _EFFORTS:
@@ -147,6 +151,7 @@ class GenerateCall:
                 presence_penalty=self.presence_penalty,
                 repeat_last_n=self.repeat_last_n,
                 logit_bias=dict(self.logit_bias or {}),
+                logprobs=self.logprobs,
                 seed=self.seed,
                 stop=list(self.stop),
                 ignore_eos=self.ignore_eos or None,
@@ -231,6 +236,22 @@ class ToolCallDelta:
     arguments: str = ""
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log probability (natural log, under the model's distribution)
+    and the most likely tokens at its place, most likely first (GenerateCall.logprobs)."""
+
+    token_id: int
+    text: str  # its bytes as text (a piece ending inside a character: U+FFFD for it)
+    logprob: float
+    top: tuple[TokenLogprob, ...] = ()
+
+
+class Logprobs(tuple[TokenLogprob, ...]):
+    """The log probabilities of a delta's tokens: what stream() yields after the delta's
+    text, when the call asked for them."""
+
+
 @dataclass
 class ToolCall:
     """A call the model made; send it back in the assistant message's tool_calls, with a
@@ -255,6 +276,8 @@ class Result:
     reasoning: str = ""
     # The tool calls it made (finish reason "tool_calls"), when the call offered tools.
     tool_calls: tuple[ToolCall, ...] = ()
+    # Each token's log probability, when the call asked for them (GenerateCall.logprobs).
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 DEFAULT_COOLDOWN_S = 30.0
@@ -422,17 +445,30 @@ def _whole(model: str | GenerateCall, prompt: str, kwargs: dict[str, Any]) -> Ge
     return dataclasses.replace(call, stream_interval_tokens=WHOLE_ANSWER_INTERVAL_TOKENS)
 
 
-def _items(
-    reply: router_pb2.GenerateResponse, reasoning: bool, progress: _Progress
-) -> list[str | Metrics | ToolCallDelta]:
+Item = str | Metrics | ToolCallDelta | Logprobs
+
+
+def _items(reply: router_pb2.GenerateResponse, reasoning: bool, progress: _Progress) -> list[Item]:
     progress.take(reply)
     if not reply.HasField("delta"):
         return [progress.metrics(reply.summary)]
-    thought = [Reasoning(reply.delta.reasoning)] if reasoning and reply.delta.reasoning else []
-    calls = [ToolCallDelta(d.index, d.id, d.name, d.arguments_json) for d in reply.delta.tool_calls]
-    if (thought or calls) and not reply.delta.text:
-        return [*thought, *calls]
-    return [*thought, reply.delta.text, *calls]
+    delta = reply.delta
+    thought = [Reasoning(delta.reasoning)] if reasoning and delta.reasoning else []
+    calls = [ToolCallDelta(d.index, d.id, d.name, d.arguments_json) for d in delta.tool_calls]
+    scores = [Logprobs(_logprob(lp.chosen, lp.top) for lp in delta.logprobs)]
+    scores = scores if delta.logprobs else []
+    if (thought or calls or scores) and not delta.text:
+        return [*thought, *calls, *scores]
+    return [*thought, delta.text, *calls, *scores]
+
+
+def _logprob(chosen: types_pb2.TokenChoice, top: Iterable[types_pb2.TokenChoice]) -> TokenLogprob:
+    return TokenLogprob(
+        chosen.token_id,
+        chosen.piece.decode("utf-8", errors="replace"),
+        chosen.logprob,
+        tuple(_logprob(c, ()) for c in top),
+    )
 
 
 class _Collector:
@@ -442,11 +478,14 @@ class _Collector:
         self.parts: list[str] = []
         self.reasoning: list[str] = []
         self.calls: dict[int, ToolCall] = {}
+        self.logprobs: list[TokenLogprob] = []
         self.metrics: Metrics | None = None
 
-    def add(self, item: str | Metrics | ToolCallDelta) -> None:
+    def add(self, item: Item) -> None:
         if isinstance(item, Metrics):
             self.metrics = item
+        elif isinstance(item, Logprobs):
+            self.logprobs.extend(item)
         elif isinstance(item, ToolCallDelta):
             if item.name:
                 self.calls[item.index] = ToolCall(item.id, item.name)
@@ -464,6 +503,7 @@ class _Collector:
             self.metrics,
             reasoning="".join(self.reasoning),
             tool_calls=tuple(self.calls[i] for i in sorted(self.calls)),
+            logprobs=tuple(self.logprobs),
         )
 
 
@@ -533,9 +573,10 @@ class AsyncMeshClient(_Client):
 
     async def stream(
         self, model: str | GenerateCall, prompt: str = "", reasoning: bool = False, **kwargs: Any
-    ) -> AsyncIterator[str | Metrics | ToolCallDelta]:
+    ) -> AsyncIterator[Item]:
         """Text deltas as they arrive, then the Metrics. reasoning: the model's reasoning
-        too, as `Reasoning` pieces (a str subclass) before the answer's."""
+        too, as `Reasoning` pieces (a str subclass) before the answer's; with
+        GenerateCall.logprobs, each delta's tokens' as a `Logprobs` after its text."""
         call = _call(model, prompt, kwargs)
         s = self._settings
         deadline = time.monotonic() + (call.timeout or s.timeout)
@@ -746,9 +787,10 @@ class MeshClient(_Client):
 
     def stream(
         self, model: str | GenerateCall, prompt: str = "", reasoning: bool = False, **kwargs: Any
-    ) -> Iterator[str | Metrics | ToolCallDelta]:
+    ) -> Iterator[Item]:
         """Text deltas as they arrive, then the Metrics. reasoning: the model's reasoning
-        too, as `Reasoning` pieces (a str subclass) before the answer's."""
+        too, as `Reasoning` pieces (a str subclass) before the answer's; with
+        GenerateCall.logprobs, each delta's tokens' as a `Logprobs` after its text."""
         call = _call(model, prompt, kwargs)
         s = self._settings
         deadline = time.monotonic() + (call.timeout or s.timeout)

@@ -26,6 +26,8 @@ class Collected:
     summary: Any = None
     # Pieces of tool calls (types_pb2.ToolCallDelta), in order.
     tool_calls: list[Any] = field(default_factory=list)
+    # Each token's types_pb2.TokenLogprob (SamplingParams.logprobs), in order.
+    logprobs: list[Any] = field(default_factory=list)
     first_delta_at: float = 0.0
     summary_at: float = 0.0
 
@@ -71,6 +73,7 @@ async def collect(call: AsyncIterable[Any]) -> Collected:
             out.reasoning += reply.delta.reasoning
             out.token_ids.extend(reply.delta.token_ids)
             out.tool_calls.extend(reply.delta.tool_calls)
+            out.logprobs.extend(reply.delta.logprobs)
         else:
             assert out.summary is None, "two summaries"
             out.summary = reply.summary
@@ -181,6 +184,25 @@ def shaped_reference_tokens(
         return tokens
     finally:
         llama_cpp.llama_sampler_free(chain)
+
+
+def reference_logprobs(
+    llm: llama_cpp.Llama, prompt: str, tokens: list[int], top: int
+) -> list[tuple[float, list[int]]]:
+    """Each of `tokens`' log probability after the prompt and the tokens before it (the
+    softmax of the raw logits), with the `top` most likely ids at its place."""
+    llm.reset()  # type: ignore[no-untyped-call]
+    llm.eval(llm.tokenize(prompt.encode(), add_bos=True, special=True))
+    out = []
+    for token in tokens:
+        logits = np.ctypeslib.as_array(
+            llama_cpp.llama_get_logits_ith(llm._ctx.ctx, -1), shape=(llm.n_vocab(),)
+        ).astype(np.float64)
+        logs = logits - logits.max()
+        logs -= np.log(np.exp(logs).sum())
+        out.append((float(logs[token]), [int(t) for t in np.argsort(-logs, kind="stable")[:top]]))
+        llm.eval([token])
+    return out
 
 
 def late_word(texts: list[str], after: int) -> str:

@@ -3,6 +3,7 @@ the real mesh."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import subprocess
@@ -17,6 +18,7 @@ from disagg_mesh import (
     AsyncMeshClient,
     GenerateCall,
     InvalidRequest,
+    Logprobs,
     MeshClient,
     Metrics,
     ModelNotFound,
@@ -57,6 +59,24 @@ def test_sync_stream_yields_text_then_metrics(mesh: Mesh) -> None:
         )
     assert all(isinstance(i, str) for i in items[:-1]) and len(items) > 2
     assert isinstance(items[-1], Metrics)
+
+
+def test_logprobs_come_back_in_the_result_and_in_the_stream(mesh: Mesh) -> None:
+    """GenerateCall.logprobs: Result.logprobs, one per token, their texts the answer;
+    stream() yields each delta's as Logprobs after its text."""
+    call = GenerateCall(
+        "qwen3-coder:30b", "def square(x):", max_tokens=6, temperature=0.0, ignore_eos=True
+    )
+    with MeshClient(mesh.router_address) as client:
+        result = client.generate(dataclasses.replace(call, logprobs=1))
+        items = list(client.stream(dataclasses.replace(call, logprobs=1)))
+        plain = client.generate(call)
+    assert len(result.logprobs) == result.metrics.completion_tokens == 6
+    assert "".join(lp.text for lp in result.logprobs) == result.text
+    assert all(len(lp.top) == 1 and lp.top[0].token_id == lp.token_id for lp in result.logprobs)
+    streamed = [lp for item in items if isinstance(item, Logprobs) for lp in item]
+    assert [lp.token_id for lp in streamed] == [lp.token_id for lp in result.logprobs]
+    assert plain.logprobs == ()
 
 
 def test_sync_gather_keeps_order_and_one_failure_does_not_cancel_the_other(mesh: Mesh) -> None:

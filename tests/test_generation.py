@@ -21,6 +21,7 @@ from tests.streams import (
     collect,
     greedy,
     late_word,
+    reference_logprobs,
     reference_tokens,
     request,
     shaped_reference_tokens,
@@ -120,6 +121,30 @@ async def test_repetition_penalties_count_the_prompt_as_llama_server_does(
             prefill_pb2.PrefillRequest(model="qwen3-coder:30b", prompt=COUNTING, sampling=sampling)
         )
         assert list(reply.reference.penalty_token_ids) == window
+
+
+async def test_logprobs_are_the_models_own_the_first_from_the_prefill_node(
+    router: router_pb2_grpc.RouterServiceAsyncStub, reference_llm: llama_cpp.Llama
+) -> None:
+    """SamplingParams.logprobs: each delta carries its tokens' log probabilities and the
+    most likely tokens at their places, as a single process's softmax of the same logits
+    gives them (the first token's computed on the prefill node, handed on with the KV
+    state); without it, none."""
+    prompt = "A haiku about the autumn moon:"
+    expected = reference_tokens(reference_llm, prompt, 8, ignore_eos=True)
+    reference = reference_logprobs(reference_llm, prompt, expected, 3)
+    asked = request("qwen3-coder:30b", prompt, 8, ignore_eos=True, logprobs=3)
+    got = await collect(router.Generate(asked))
+    assert got.summary.method == router_pb2.ROUTE_METHOD_DISAGGREGATED
+    assert got.token_ids == expected
+    assert [lp.chosen.token_id for lp in got.logprobs] == expected
+    for lp, (logprob, top) in zip(got.logprobs, reference, strict=True):
+        assert lp.chosen.logprob == pytest.approx(logprob, abs=1e-4)
+        assert [c.token_id for c in lp.top] == top
+        assert lp.top[0].logprob == pytest.approx(lp.chosen.logprob)  # greedy: the likeliest
+        assert lp.chosen.piece == reference_llm.detokenize([lp.chosen.token_id])
+    plain = await collect(router.Generate(request("qwen3-coder:30b", SHORT_PROMPT, 4)))
+    assert plain.token_ids and not plain.logprobs
 
 
 async def test_first_delta_arrives_before_generation_ends(

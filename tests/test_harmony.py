@@ -458,6 +458,19 @@ def test_openai_returns_reasoning_content_and_takes_reasoning_effort(
         )
 
 
+@pytest.mark.parametrize("model", [SPLIT, ALONE])
+def test_logprobs_are_refused_for_harmony_naming_the_field(
+    scripted: ScriptedMesh, model: str
+) -> None:
+    """Harmony's channels make an answer whose text is not its tokens': refused, not
+    returned wrong."""
+    client = openai.OpenAI(base_url=f"{scripted.http}/v1", api_key="unused", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model=model, messages=OPENAI_QUESTION, logprobs=True)
+    assert refused.value.body["param"] == "sampling.logprobs", refused.value.body  # type: ignore[index]
+    assert "harmony" in refused.value.message
+
+
 def test_the_cli_prints_the_answer_and_the_reasoning_apart(scripted: ScriptedMesh) -> None:
     args = ("--router", scripted.router, "generate", "-m", SPLIT, "--temperature", "0")
     streamed = disagg(*args, "--reasoning-effort", "high", "What is 2+2?")

@@ -21,7 +21,12 @@ from openai.types.chat import ChatCompletionMessageParam
 from disagg_mesh import AsyncMeshClient, GenerateCall
 from disagg_mesh.proto.v1 import node_pb2, node_pb2_grpc
 from tests.conftest import ROOT, Mesh, engine_node, route, router_node, running_mesh
-from tests.streams import prompt_running, reference_tokens, shaped_reference_tokens
+from tests.streams import (
+    prompt_running,
+    reference_logprobs,
+    reference_tokens,
+    shaped_reference_tokens,
+)
 
 QWEN = "qwen3-coder:30b"
 PROMPT = "The three primary colors are"
@@ -342,6 +347,93 @@ async def test_logit_bias_on_the_openai_door_and_grpc(
         assert refused.value.body["param"] == field, refused.value.body  # type: ignore[index]
 
 
+async def test_logprobs_on_both_doors(mesh: Mesh, reference_llm: llama_cpp.Llama) -> None:
+    """Completions' logprobs, chat's logprobs and top_logprobs, Ollama's logprobs and
+    top_logprobs: each token's text (joined, the answer), bytes, log probability (a single
+    process's) and the most likely tokens at its place. Refused, naming the field: more than
+    20, top_logprobs without logprobs, tools."""
+    client = openai_client(mesh)
+    prompt = "The capital cities of Europe include"
+    expected = reference_tokens(reference_llm, prompt, 8, True)
+    reference = reference_logprobs(reference_llm, prompt, expected, 2)
+    got = await asyncio.to_thread(
+        client.completions.create,
+        model=QWEN,
+        prompt=prompt,
+        max_tokens=8,
+        temperature=0,
+        logprobs=2,
+        extra_body={"ignore_eos": True},
+    )
+    scores = got.choices[0].logprobs
+    assert scores is not None and scores.tokens and scores.token_logprobs is not None
+    assert "".join(scores.tokens) == got.choices[0].text
+    assert scores.token_logprobs == pytest.approx([r[0] for r in reference], abs=1e-4)
+    assert scores.text_offset == [len("".join(scores.tokens[:i])) for i in range(8)]
+    assert scores.top_logprobs and all(0 < len(top) <= 2 for top in scores.top_logprobs)
+    hi: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Name three fruits."}]
+    stream = await asyncio.to_thread(
+        client.chat.completions.create,
+        model=QWEN,
+        messages=hi,
+        max_tokens=8,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+        stream=True,
+    )
+    content, entries = "", []
+    for chunk in stream:
+        if chunk.choices:
+            content += chunk.choices[0].delta.content or ""
+            if chunk.choices[0].logprobs and chunk.choices[0].logprobs.content:
+                entries += chunk.choices[0].logprobs.content
+    assert entries and "".join(e.token for e in entries) == content
+    assert all(len(e.top_logprobs) == 2 and e.bytes == list(e.token.encode()) for e in entries)
+    colors: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Name three colors."}]
+    whole = await asyncio.to_thread(
+        client.chat.completions.create,
+        model=QWEN,
+        messages=colors,
+        max_tokens=8,
+        temperature=0,
+        logprobs=True,
+    )
+    listed = whole.choices[0].logprobs
+    assert listed is not None and listed.content
+    assert "".join(e.token for e in listed.content) == whole.choices[0].message.content
+    assert all(e.top_logprobs == [] and e.logprob <= 0 for e in listed.content)
+    assert whole.usage is not None and len(listed.content) == whole.usage.completion_tokens
+    ollama_got = await ollama.AsyncClient(host=http_url(mesh)).generate(
+        model=QWEN,
+        prompt="The largest oceans are",
+        raw=True,
+        options={"temperature": 0, "num_predict": 8},
+        logprobs=True,
+        top_logprobs=2,
+    )
+    assert ollama_got.logprobs and "".join(e.token for e in ollama_got.logprobs) == (
+        ollama_got.response
+    )
+    assert all(len(e.top_logprobs or []) == 2 for e in ollama_got.logprobs)
+    tool = {"type": "function", "function": {"name": "grade", "parameters": {"type": "object"}}}
+    refused_asks: list[tuple[dict[str, object], str]] = [
+        ({"logprobs": True, "top_logprobs": 21}, "sampling.logprobs"),
+        ({"top_logprobs": 2}, "top_logprobs"),
+        ({"logprobs": True, "tools": [tool]}, "sampling.logprobs"),
+    ]
+    for extra, field in refused_asks:
+        with pytest.raises(openai.BadRequestError) as refused:
+            await asyncio.to_thread(
+                client.chat.completions.create,
+                model=QWEN,
+                messages=hi,
+                max_tokens=2,
+                extra_body=extra,
+            )
+        assert refused.value.body["param"] == field, refused.value.body  # type: ignore[index]
+
+
 def test_openai_chat_streaming_and_not_agree(mesh: Mesh) -> None:
     client = openai_client(mesh)
     messages: list[ChatCompletionMessageParam] = [
@@ -413,7 +505,6 @@ def test_openai_models_and_errors(mesh: Mesh) -> None:
     # What the mesh does not apply is refused, naming the field, never silently ignored;
     # the defaults that some clients send unasked are accepted.
     unapplied: list[tuple[str, object]] = [
-        ("top_logprobs", 2),
         ("audio", {"voice": "alloy", "format": "wav"}),
         ("modalities", ["text", "audio"]),
         ("web_search_options", {"search_context_size": "low"}),

@@ -28,6 +28,8 @@ from disagg_mesh.server.router import servicer  # noqa: F401  (registers the rou
 
 EXPECTED = {
     "Fingerprint": "disagg.v1.KvFingerprint",
+    "TokenChoice": "disagg.v1.TokenChoice",
+    "TokenLogprob": "disagg.v1.TokenLogprob",
     "KvReference": "disagg.v1.KvReference",
     "PrefillStats": "disagg.v1.PrefillStats",
     "PrefillResult": "disagg.v1.PrefillResponse",

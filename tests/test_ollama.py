@@ -200,7 +200,11 @@ async def test_direct_ollama_streams_and_unknown_model_is_not_found(
 
 @pytest.mark.parametrize(
     ("field", "setting"),
-    [("ignore_eos", {"ignore_eos": True}), ("logit_bias", {"logit_bias": {5: 1.0}})],
+    [
+        ("ignore_eos", {"ignore_eos": True}),
+        ("logit_bias", {"logit_bias": {5: 1.0}}),
+        ("logprobs", {"logprobs": 0}),
+    ],
 )
 async def test_what_ollama_lacks_is_refused_naming_the_field(
     router: router_pb2_grpc.RouterServiceAsyncStub, field: str, setting: dict[str, object]

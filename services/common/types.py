@@ -76,6 +76,9 @@ class Sampling:
     repeat_last_n: int = DEFAULT_REPEAT_LAST_N
     # (token id, bias) pairs added to the logits before any other step (OpenAI's logit_bias).
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # Log probabilities of the generated tokens (TextChunk.logprobs), with this many of the
+    # most likely at each place (0: each token's own); None: none.
+    logprobs: int | None = None
 
     @property
     def penalized(self) -> bool:
@@ -190,6 +193,25 @@ class KvTransferKind(enum.Enum):
     TOKEN_IDS = "token_ids"
 
 
+@dataclass(frozen=True)
+class TokenChoice:
+    """A token, its bytes (a piece of UTF-8 that can end inside a character) and the natural
+    log of its probability (the proto's TokenChoice)."""
+
+    token_id: int
+    piece: bytes
+    logprob: float
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log probability, and the most likely tokens at its place (most
+    likely first; the proto's TokenLogprob)."""
+
+    chosen: TokenChoice
+    top: tuple[TokenChoice, ...] = ()
+
+
 @dataclass
 class TextChunk:
     """Text produced by some tokens (text can be empty inside a multi-byte character)."""
@@ -201,6 +223,8 @@ class TextChunk:
     reasoning: str = ""
     # Pieces of tool calls these tokens made (CallStart, ArgumentsPiece), apart from `text`.
     tool_calls: list[Piece] = field(default_factory=list)
+    # With Sampling.logprobs: one per token of token_ids, in order.
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
     def __add__(self, later: TextChunk) -> TextChunk:
         """One chunk for this one and a later one's tokens (text, reasoning, calls alike)."""
@@ -209,6 +233,7 @@ class TextChunk:
             self.token_ids + later.token_ids,
             self.reasoning + later.reasoning,
             self.tool_calls + later.tool_calls,
+            self.logprobs + later.logprobs,
         )
 
 
@@ -233,6 +258,8 @@ class KvReference:
     open_message: tuple[int, ...] = ()
     # With repetition penalties: the prompt's last tokens, which they count.
     penalty_token_ids: tuple[int, ...] = ()
+    # With Sampling.logprobs: the first token's (one entry).
+    first_token_logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -281,6 +308,8 @@ class PrefillFigures:
     # With repetition penalties: the prompt's last tokens, which they count (Sampling's
     # penalty_window of them), for the decode node's sampler.
     penalty_token_ids: tuple[int, ...] = ()
+    # With Sampling.logprobs: the first token's (one entry), which the decode node sends.
+    first_token_logprobs: tuple[TokenLogprob, ...] = ()
 
     @property
     def stats(self) -> PrefillStats:

@@ -17,6 +17,8 @@ MAX_PROMPT_BYTES = 4 * 1024 * 1024
 MAX_STOP_STRINGS = 8
 # OpenAI documents no limit; a bias sampler of this many entries costs nothing to speak of.
 MAX_LOGIT_BIASES = 1024
+# OpenAI's top_logprobs limit.
+MAX_TOP_LOGPROBS = 20
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
 # Where a door names a tool's parameters schema ({i}: the tool's place).
 TOOL_PARAMETERS_FIELD = "sampling.tools.definitions[{i}].parameters_json_schema"
@@ -109,6 +111,12 @@ def validate_sampling(
                 "sampling.logit_bias",
                 f"token ids must be >= 0 and biases in [-100, 100], got {token}: {bias}",
             )
+    if sampling.logprobs is not None and not 0 <= sampling.logprobs <= MAX_TOP_LOGPROBS:
+        raise InvalidArgument(
+            "sampling.logprobs",
+            f"must be in 0..{MAX_TOP_LOGPROBS} (the most likely tokens returned beside each "
+            f"token's), got {sampling.logprobs}",
+        )
     if sampling.repeat_last_n < -1:
         raise InvalidArgument(
             "sampling.repeat_last_n",

@@ -63,7 +63,7 @@ KV_TRANSFER_STATE: KvTransfer
 KV_TRANSFER_TOKEN_IDS: KvTransfer
 
 class SamplingParams(_message.Message):
-    __slots__ = ("max_tokens", "temperature", "top_p", "seed", "stop", "ignore_eos", "response_format", "stream_interval_tokens", "tools", "top_k", "min_p", "repeat_penalty", "frequency_penalty", "presence_penalty", "repeat_last_n", "logit_bias")
+    __slots__ = ("max_tokens", "temperature", "top_p", "seed", "stop", "ignore_eos", "response_format", "stream_interval_tokens", "tools", "top_k", "min_p", "repeat_penalty", "frequency_penalty", "presence_penalty", "repeat_last_n", "logit_bias", "logprobs")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -87,6 +87,7 @@ class SamplingParams(_message.Message):
     PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
     REPEAT_LAST_N_FIELD_NUMBER: _ClassVar[int]
     LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     max_tokens: int
     temperature: float
     top_p: float
@@ -103,7 +104,8 @@ class SamplingParams(_message.Message):
     presence_penalty: float
     repeat_last_n: int
     logit_bias: _containers.ScalarMap[int, float]
-    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., response_format: _Optional[_Union[ResponseFormat, _Mapping]] = ..., stream_interval_tokens: _Optional[int] = ..., tools: _Optional[_Union[ToolSet, _Mapping]] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., repeat_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., repeat_last_n: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ...) -> None: ...
+    logprobs: int
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., response_format: _Optional[_Union[ResponseFormat, _Mapping]] = ..., stream_interval_tokens: _Optional[int] = ..., tools: _Optional[_Union[ToolSet, _Mapping]] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., repeat_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., repeat_last_n: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., logprobs: _Optional[int] = ...) -> None: ...
 
 class ToolSet(_message.Message):
     __slots__ = ("definitions", "choice", "function_name", "parallel_calls")
@@ -190,7 +192,7 @@ class KvFingerprint(_message.Message):
     def __init__(self, model_sha256: _Optional[str] = ..., n_ctx_tokens: _Optional[int] = ..., engine_version: _Optional[str] = ..., type_k: _Optional[str] = ..., type_v: _Optional[str] = ..., flash_attn: _Optional[bool] = ..., kv_unified: _Optional[bool] = ..., swa_full: _Optional[bool] = ...) -> None: ...
 
 class KvReference(_message.Message):
-    __slots__ = ("kv_handle", "first_token_id", "first_token_text", "prompt_tokens", "fingerprint", "kv_size_bytes", "block_hashes", "kv_prefix_tokens", "open_message_token_ids", "penalty_token_ids")
+    __slots__ = ("kv_handle", "first_token_id", "first_token_text", "prompt_tokens", "fingerprint", "kv_size_bytes", "block_hashes", "kv_prefix_tokens", "open_message_token_ids", "penalty_token_ids", "first_token_logprobs")
     KV_HANDLE_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -201,6 +203,7 @@ class KvReference(_message.Message):
     KV_PREFIX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     OPEN_MESSAGE_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PENALTY_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     kv_handle: str
     first_token_id: int
     first_token_text: str
@@ -211,19 +214,40 @@ class KvReference(_message.Message):
     kv_prefix_tokens: int
     open_message_token_ids: _containers.RepeatedScalarFieldContainer[int]
     penalty_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, kv_handle: _Optional[str] = ..., first_token_id: _Optional[int] = ..., first_token_text: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., fingerprint: _Optional[_Union[KvFingerprint, _Mapping]] = ..., kv_size_bytes: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., kv_prefix_tokens: _Optional[int] = ..., open_message_token_ids: _Optional[_Iterable[int]] = ..., penalty_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    first_token_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    def __init__(self, kv_handle: _Optional[str] = ..., first_token_id: _Optional[int] = ..., first_token_text: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., fingerprint: _Optional[_Union[KvFingerprint, _Mapping]] = ..., kv_size_bytes: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., kv_prefix_tokens: _Optional[int] = ..., open_message_token_ids: _Optional[_Iterable[int]] = ..., penalty_token_ids: _Optional[_Iterable[int]] = ..., first_token_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class TextDelta(_message.Message):
-    __slots__ = ("text", "token_ids", "reasoning", "tool_calls")
+    __slots__ = ("text", "token_ids", "reasoning", "tool_calls", "logprobs")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     REASONING_FIELD_NUMBER: _ClassVar[int]
     TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     reasoning: str
     tool_calls: _containers.RepeatedCompositeFieldContainer[ToolCallDelta]
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., reasoning: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCallDelta, _Mapping]]] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., reasoning: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCallDelta, _Mapping]]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
+
+class TokenLogprob(_message.Message):
+    __slots__ = ("chosen", "top")
+    CHOSEN_FIELD_NUMBER: _ClassVar[int]
+    TOP_FIELD_NUMBER: _ClassVar[int]
+    chosen: TokenChoice
+    top: _containers.RepeatedCompositeFieldContainer[TokenChoice]
+    def __init__(self, chosen: _Optional[_Union[TokenChoice, _Mapping]] = ..., top: _Optional[_Iterable[_Union[TokenChoice, _Mapping]]] = ...) -> None: ...
+
+class TokenChoice(_message.Message):
+    __slots__ = ("token_id", "piece", "logprob")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    PIECE_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    piece: bytes
+    logprob: float
+    def __init__(self, token_id: _Optional[int] = ..., piece: _Optional[bytes] = ..., logprob: _Optional[float] = ...) -> None: ...
 
 class Continuation(_message.Message):
     __slots__ = ("generated_token_ids", "generated_text", "first_token_from_prefill", "raw_prompt", "generated_tokens", "prompt_cached_tokens")

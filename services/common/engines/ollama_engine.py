@@ -347,18 +347,18 @@ class OllamaEngine:
                 "named function cannot be held to; use auto, or route the model to embedded "
                 "llama.cpp nodes"
             )
-        if sampling.ignore_eos:
-            raise InvalidArgument(
-                "sampling.ignore_eos",
-                f"is not supported by the Ollama engine at {self.url} (Ollama has no such "
-                "option); route the model to embedded llama.cpp nodes",
-            )
-        if sampling.logit_bias:
-            raise InvalidArgument(
-                "sampling.logit_bias",
-                f"is not supported by the Ollama engine at {self.url} (Ollama has no such "
-                "option); route the model to embedded llama.cpp nodes",
-            )
+        unsupported = (
+            ("ignore_eos", sampling.ignore_eos, "Ollama has no such option"),
+            ("logit_bias", bool(sampling.logit_bias), "Ollama has no such option"),
+            ("logprobs", sampling.logprobs is not None, "not asked of Ollama"),
+        )
+        for name, asked, why in unsupported:
+            if asked:
+                raise InvalidArgument(
+                    f"sampling.{name}",
+                    f"is not supported by the Ollama engine at {self.url} ({why}); route the "
+                    "model to embedded llama.cpp nodes",
+                )
         options: dict[str, Any] = {
             "num_predict": num_predict,
             "temperature": sampling.temperature,

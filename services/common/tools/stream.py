@@ -40,9 +40,8 @@ def _starts_call(pieces: list[Piece]) -> bool:
 
 
 def _chunk(pieces: list[Piece], chunk: TextChunk) -> TextChunk:
-    return TextChunk(
+    return dataclasses.replace(
+        chunk,
         text="".join(p.text for p in pieces if isinstance(p, TextPiece)),
-        token_ids=chunk.token_ids,
-        reasoning=chunk.reasoning,
         tool_calls=[p for p in pieces if not isinstance(p, TextPiece)],
     )

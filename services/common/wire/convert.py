@@ -44,6 +44,8 @@ from disagg_mesh.server.common.types import (
     Sampling,
     StageLimits,
     TextChunk,
+    TokenChoice,
+    TokenLogprob,
 )
 from disagg_mesh.server.common.wire.mirror import (
     duration,
@@ -78,6 +80,7 @@ def sampling_from_proto(msg: types_pb2.SamplingParams, max_tokens_limit: int) ->
             msg.repeat_last_n if msg.HasField("repeat_last_n") else DEFAULT_REPEAT_LAST_N
         ),
         logit_bias=tuple(sorted(msg.logit_bias.items())),
+        logprobs=msg.logprobs if msg.HasField("logprobs") else None,
     )
 
 
@@ -195,6 +198,7 @@ def sampling_to_proto(sampling: Sampling) -> types_pb2.SamplingParams:
         presence_penalty=sampling.presence_penalty,
         repeat_last_n=sampling.repeat_last_n,
         logit_bias=dict(sampling.logit_bias),
+        logprobs=sampling.logprobs,
     )
 
 
@@ -264,6 +268,7 @@ def text_delta_to_proto(chunk: TextChunk) -> types_pb2.TextDelta:
         token_ids=chunk.token_ids,
         reasoning=chunk.reasoning,
         tool_calls=[_call_piece_to_proto(p) for p in chunk.tool_calls],
+        logprobs=[to_proto(lp) for lp in chunk.logprobs],
     )
 
 
@@ -273,6 +278,7 @@ def text_chunk_from_proto(delta: types_pb2.TextDelta) -> TextChunk:
         token_ids=list(delta.token_ids),
         reasoning=delta.reasoning,
         tool_calls=[_call_piece_from_proto(d) for d in delta.tool_calls],
+        logprobs=[from_proto(lp, TokenLogprob) for lp in delta.logprobs],
     )
 
 
@@ -360,12 +366,14 @@ def decode_stats_from_proto(msg: decode_pb2.DecodeSummary) -> DecodeStats:
 register_enum(FinishReason, FINISH_REASON_TO_PROTO)
 register_enum(KvTransferKind, KV_TRANSFER_TO_PROTO)
 register(Fingerprint, types_pb2.KvFingerprint)
+register(TokenChoice, types_pb2.TokenChoice)
+register(TokenLogprob, types_pb2.TokenLogprob)
 register(DecodeStats, decode_pb2.DecodeSummary)
 register(KvReference, types_pb2.KvReference, open_message="open_message_token_ids")
 register(PrefillStats, prefill_pb2.PrefillStats)
 # Both carry a KvReference (and PrefillResponse its PrefillStats) and, for nodes of earlier
 # versions, their values flat (mirror.py), but for the reference's fields added since.
-REFERENCE_ONLY = ("penalty_token_ids",)
+REFERENCE_ONLY = ("penalty_token_ids", "first_token_logprobs")
 register(
     KvSource,
     decode_pb2.KvSource,

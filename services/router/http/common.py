@@ -35,6 +35,8 @@ from disagg_mesh.server.common.types import (
     ResponseFormat,
     Sampling,
     TextChunk,
+    TokenChoice,
+    TokenLogprob,
 )
 from disagg_mesh.server.common.validation import check_format
 from disagg_mesh.server.router.routing import Router, RouteSummary
@@ -234,6 +236,7 @@ def sampling(
     presence_penalty: float | None = None,
     repeat_last_n: int | None = None,
     logit_bias: tuple[tuple[int, float], ...] = (),
+    logprobs: int | None = None,
 ) -> Sampling:
     """A Sampling from an HTTP request; unset max_tokens (or Ollama's -1/-2) means until an
     end token or a full context, bounded by the mesh's max_tokens_limit. An answer sent
@@ -263,6 +266,7 @@ def sampling(
         presence_penalty=presence_penalty or 0.0,
         repeat_last_n=DEFAULT_REPEAT_LAST_N if repeat_last_n is None else repeat_last_n,
         logit_bias=logit_bias,
+        logprobs=logprobs,
     )
 
 
@@ -295,12 +299,15 @@ class Collected:
     reasoning: str
     summary: RouteSummary
     tool_calls: list[ToolCall] = field(default_factory=list)
+    # With Sampling.logprobs: each token's.
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 async def collect(events: Events) -> Collected:
     parts: list[str] = []
     reasoning: list[str] = []
     pieces: list[Piece] = []
+    logprobs: list[TokenLogprob] = []
     summary: RouteSummary | None = None
     async with aclosing(events) as stream:
         async for event in stream:
@@ -310,8 +317,28 @@ async def collect(events: Events) -> Collected:
                 parts.append(event.text)
                 reasoning.append(event.reasoning)
                 pieces.extend(event.tool_calls)
+                logprobs.extend(event.logprobs)
     assert summary is not None, "a generation ends with its summary"
-    return Collected("".join(parts), "".join(reasoning), summary, assemble(pieces)[1])
+    return Collected("".join(parts), "".join(reasoning), summary, assemble(pieces)[1], logprobs)
+
+
+def token_text(piece: bytes) -> str:
+    """A token's text (a piece that ends inside a character shows U+FFFD for it)."""
+    return piece.decode("utf-8", errors="replace")
+
+
+def logprob_json(logprob: TokenLogprob) -> dict[str, Any]:
+    """A token's log probability and the most likely tokens', as OpenAI's chat and Ollama
+    write them: token text, logprob, the token's bytes, top_logprobs."""
+
+    def one(choice: TokenChoice) -> dict[str, Any]:
+        return {
+            "token": token_text(choice.piece),
+            "logprob": choice.logprob,
+            "bytes": list(choice.piece),
+        }
+
+    return {**one(logprob.chosen), "top_logprobs": [one(c) for c in logprob.top]}
 
 
 async def checked_sampling(

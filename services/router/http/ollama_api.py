@@ -40,6 +40,7 @@ from disagg_mesh.server.router.http.common import (
     dry_run,
     first_event,
     json_body,
+    logprob_json,
     mesh_fields,
     reasoning_effort,
     sampling,
@@ -128,6 +129,7 @@ class OllamaApi:
             frequency_penalty=options.number("frequency_penalty"),
             presence_penalty=options.number("presence_penalty"),
             repeat_last_n=options.integer("repeat_last_n"),
+            logprobs=_logprobs(body),
             seed=seed,
             stop=options.strings("stop"),
             max_tokens_field="options.num_predict",
@@ -262,6 +264,8 @@ class OllamaApi:
             line = self._final(model, field, got.text, got.summary, reasoning)
             if got.tool_calls:
                 line["message"]["tool_calls"] = _ollama_calls(got.tool_calls)
+            if got.logprobs:
+                line["logprobs"] = [logprob_json(lp) for lp in got.logprobs]
             return web.json_response(line)
         async with aclosing(events):
             event = await first_event(events)  # errors before any text keep their status
@@ -280,8 +284,10 @@ class OllamaApi:
                         break
                     reasoning = event.reasoning if thinking else ""
                     pieces.extend(event.tool_calls)
-                    if event.text or reasoning:
+                    if event.text or reasoning or event.logprobs:
                         line = self._piece(model, field, event.text, reasoning)
+                        if event.logprobs:
+                            line["logprobs"] = [logprob_json(lp) for lp in event.logprobs]
                         await response.write(_line(line).encode())
                     event = await anext(events)
             except MeshError as exc:  # after text was sent: Ollama's error line ends the stream
@@ -409,6 +415,17 @@ def _read_calls(value: Any, i: int) -> tuple[ToolCall, ...]:
             raise InvalidArgument(f"{where}[{j}].function.arguments", "must be an object")
         calls.append(ToolCall(f"call_{i}_{j}", function["name"], json.dumps(arguments)))
     return tuple(calls)
+
+
+def _logprobs(body: Fields) -> int | None:
+    """Ollama's logprobs (true) and top_logprobs: how many of the most likely tokens beside
+    each token's (None: no log probabilities)."""
+    top = body.integer("top_logprobs")
+    if not body.boolean("logprobs", False):
+        if top:
+            raise InvalidArgument("top_logprobs", "needs logprobs: true")
+        return None
+    return top or 0
 
 
 def _ollama_calls(calls: list[ToolCall]) -> list[dict[str, Any]]:

@@ -20,7 +20,13 @@ from disagg_mesh.server.common.runtime.observability.logging import current_requ
 from disagg_mesh.server.common.structured.response_format import schema_text
 from disagg_mesh.server.common.tools.calls import ArgumentsPiece, CallStart, Piece, ToolCall
 from disagg_mesh.server.common.tools.requests import read_tools
-from disagg_mesh.server.common.types import ChatTurn, Prompt, ResponseFormat, Sampling
+from disagg_mesh.server.common.types import (
+    ChatTurn,
+    Prompt,
+    ResponseFormat,
+    Sampling,
+    TokenLogprob,
+)
 from disagg_mesh.server.router.http.common import (
     Events,
     Fields,
@@ -30,10 +36,12 @@ from disagg_mesh.server.router.http.common import (
     first_event,
     http_status,
     json_body,
+    logprob_json,
     mesh_fields,
     reasoning_effort,
     sampling,
     scoped,
+    token_text,
 )
 from disagg_mesh.server.router.routing import Router, RouteSummary
 
@@ -119,6 +127,20 @@ def _logit_bias(biases: Fields) -> tuple[tuple[int, float], ...]:
     return tuple(sorted(pairs))
 
 
+def _logprobs(body: Fields, chat: bool) -> int | None:
+    """How many of the most likely tokens to return beside each token's log probability
+    (0: none; None: no log probabilities): chat's logprobs (true) and top_logprobs, or
+    completions' logprobs (a number)."""
+    if not chat:
+        return body.integer("logprobs")
+    top = body.integer("top_logprobs")
+    if not body.boolean("logprobs", False):
+        if top is not None:
+            raise InvalidArgument("top_logprobs", "needs logprobs: true")
+        return None
+    return top or 0
+
+
 class OpenAiApi:
     def __init__(self, router: Router) -> None:
         self.router = router
@@ -132,17 +154,12 @@ class OpenAiApi:
             web.get("/v1/models/{model:.+}", api(self.model)),
         ]
 
-    def _sampling(self, body: Fields) -> Sampling:
+    def _sampling(self, body: Fields, chat: bool) -> Sampling:
         for key, what in (("n", "choice"), ("best_of", "candidate")):
             count = body.integer(key)
             if count not in (None, 1):
                 raise InvalidArgument(key, f"only 1 {what} per request is supported, got {count}")
-        for key, why in (
-            ("functions", "the legacy functions field is not supported: use tools"),
-            ("logprobs", "log probabilities are not returned"),
-            ("top_logprobs", "log probabilities are not returned"),
-        ):
-            body.refuse(key, why)
+        body.refuse("functions", "the legacy functions field is not supported: use tools")
         max_tokens = body.integer("max_completion_tokens")
         field = "max_completion_tokens"
         if max_tokens is None:
@@ -166,6 +183,7 @@ class OpenAiApi:
             repeat_penalty=body.number("repetition_penalty"),
             repeat_last_n=body.integer("repeat_last_n"),
             logit_bias=_logit_bias(body.mapping("logit_bias")),
+            logprobs=_logprobs(body, chat),
             seed=body.integer("seed"),
             stop=body.strings("stop"),
             max_tokens_field=field,
@@ -190,7 +208,9 @@ class OpenAiApi:
         modalities = body.strings("modalities")
         if set(modalities) - {"text"}:
             raise InvalidArgument("modalities", f"only text is produced, got {list(modalities)}")
-        sampling_ = await checked_sampling(self.router, self._sampling(body), SCHEMA_FIELD)
+        sampling_ = await checked_sampling(
+            self.router, self._sampling(body, chat=True), SCHEMA_FIELD
+        )
         messages = body.body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise InvalidArgument("messages", "must be a non-empty list of messages")
@@ -206,7 +226,9 @@ class OpenAiApi:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = Fields(await json_body(request))
         model = body.string("model", required=True) or ""
-        sampling_ = await checked_sampling(self.router, self._sampling(body), SCHEMA_FIELD)
+        sampling_ = await checked_sampling(
+            self.router, self._sampling(body, chat=False), SCHEMA_FIELD
+        )
         body.refuse("suffix", "fill-in-the-middle is not implemented")
         body.refuse("tools", "tools need /v1/chat/completions")
         body.refuse("echo", "echoing the prompt is not implemented")
@@ -226,13 +248,14 @@ class OpenAiApi:
     ) -> web.StreamResponse:
         ident = f"{'chatcmpl' if chat else 'cmpl'}-{current_request_id() or ''}"
         obj = "chat.completion" if chat else "text_completion"
+        scored = _logprobs(body, chat) is not None
         if not body.boolean("stream", False):
             got = await collect(events)
             s = got.summary
             choice: dict[str, Any] = {
                 "index": 0,
                 "finish_reason": s.finish_reason.value,
-                "logprobs": None,
+                "logprobs": _logprobs_json(got.logprobs, chat, 0)[0] if scored else None,
             }
             if chat:
                 # reasoning_content: the reasoning beside the answer, as vLLM and DeepSeek
@@ -266,6 +289,7 @@ class OpenAiApi:
         include_usage = body.mapping("stream_options").boolean("include_usage", False)
         chunk_obj = "chat.completion.chunk" if chat else "text_completion"
         created = int(time.time())
+        offset = 0  # of the next token's text in the whole answer (completions' text_offset)
 
         def chunk(
             text: str | None,
@@ -273,8 +297,12 @@ class OpenAiApi:
             first: bool = False,
             reasoning: str = "",
             calls: list[Piece] | None = None,
+            logprobs: list[TokenLogprob] | None = None,
         ) -> dict[str, Any]:
+            nonlocal offset
             choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
+            if logprobs:
+                choice["logprobs"], offset = _logprobs_json(logprobs, chat, offset)
             if chat:
                 delta: dict[str, Any] = {"role": "assistant"} if first else {}
                 if text is not None:
@@ -314,8 +342,12 @@ class OpenAiApi:
                         break
                     reasoning = event.reasoning if chat else ""
                     calls = event.tool_calls if chat else []
-                    if event.text or reasoning or first:
-                        await response.write(_event(chunk(event.text, None, first, reasoning)))
+                    if event.text or reasoning or first or event.logprobs:
+                        await response.write(
+                            _event(
+                                chunk(event.text, None, first, reasoning, logprobs=event.logprobs)
+                            )
+                        )
                         first = False
                     for piece in calls:  # one a chunk, after the text, as OpenAI sends them
                         await response.write(_event(chunk(None, None, calls=[piece])))
@@ -404,6 +436,27 @@ def _call_delta(piece: Piece) -> dict[str, Any]:
         }
     assert isinstance(piece, ArgumentsPiece)
     return {"index": piece.index, "function": {"arguments": piece.text}}
+
+
+def _logprobs_json(
+    logprobs: list[TokenLogprob], chat: bool, offset: int
+) -> tuple[dict[str, Any], int]:
+    """The tokens' log probabilities as OpenAI writes them: chat's content list, or
+    completions' parallel lists (text_offset counting from `offset`, the characters of the
+    answer before them); and the offset after them."""
+    if chat:
+        return {"content": [logprob_json(lp) for lp in logprobs], "refusal": None}, offset
+    texts = [token_text(lp.chosen.piece) for lp in logprobs]
+    offsets = []
+    for text in texts:
+        offsets.append(offset)
+        offset += len(text)
+    return {
+        "tokens": texts,
+        "token_logprobs": [lp.chosen.logprob for lp in logprobs],
+        "top_logprobs": [{token_text(c.piece): c.logprob for c in lp.top} for lp in logprobs],
+        "text_offset": offsets,
+    }, offset
 
 
 def _usage(s: RouteSummary) -> dict[str, Any]:

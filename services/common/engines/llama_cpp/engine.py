@@ -231,7 +231,7 @@ class LlamaCppEngine:
         continuation: Continuation | None = None,
         limits: StageLimits | None = None,
     ) -> PrefillOutput:
-        sampling = self._with_tools(sampling)
+        sampling = self._for_model(sampling)
         tokens, hashes = await asyncio.to_thread(self._tokenize, prompt, sampling)
         job = Job(JobKind.PREFILL, sampling, tokens=tokens, hashes=hashes)
         if continuation is not None:
@@ -261,8 +261,17 @@ class LlamaCppEngine:
         tokens = self._model.tokenize(prompt, self.n_ctx, sampling.tools)
         return tokens, tuple(block_hashes(self._salt, tokens))
 
-    def _with_tools(self, sampling: Sampling) -> Sampling:
-        """The grammar this model's tool format holds the answer to, where it has one."""
+    def _for_model(self, sampling: Sampling) -> Sampling:
+        """The sampling as this model runs it: the grammar its tool format holds the answer
+        to, where it has one. InvalidArgument for log probabilities where the answer's text
+        is not its tokens' (harmony's channels, tool calls read out of the text)."""
+        if sampling.logprobs is not None and (
+            self._model.harmony is not None or sampling.tools is not None
+        ):
+            why = "with tools" if sampling.tools is not None else "for harmony (gpt-oss) models"
+            raise InvalidArgument(
+                "sampling.logprobs", f"log probabilities are not returned {why} (yet)"
+            )
         fmt = self._model.tool_format
         grammar = formats.response_format(fmt, sampling.tools)
         if grammar is None:
@@ -332,7 +341,7 @@ class LlamaCppEngine:
                 f"must be at most kv.prompt_tokens ({reference.prompt_tokens}) token ids in "
                 f"0..{self._model.n_vocab - 1}, got {len(penalty_tokens)}",
             )
-        sampling = self._with_tools(sampling)
+        sampling = self._for_model(sampling)
         job = Job(
             JobKind.CONTINUE,
             sampling,
@@ -342,6 +351,7 @@ class LlamaCppEngine:
                 reference.first_token_id,
                 reference.open_message,
                 penalty_tokens,
+                reference.first_token_logprobs[:1],
             ),
             hashes=reference.block_hashes,
             prefix_tokens=prefix,
@@ -361,7 +371,7 @@ class LlamaCppEngine:
         continuation: Continuation | None = None,
         limits: StageLimits | None = None,
     ) -> Generation:
-        sampling = self._with_tools(sampling)
+        sampling = self._for_model(sampling)
         tokens, hashes = await asyncio.to_thread(self._tokenize, prompt, sampling)
         job = Job(JobKind.GENERATE, sampling, tokens=tokens, hashes=hashes)
         if continuation is not None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import llama_cpp
@@ -23,7 +23,7 @@ import numpy as np
 
 from disagg_mesh.server.common.engines.llama_cpp.grammars import Grammar
 from disagg_mesh.server.common.errors import FailedPrecondition, InvalidArgument
-from disagg_mesh.server.common.types import Sampling
+from disagg_mesh.server.common.types import Sampling, TokenChoice, TokenLogprob
 
 # llama_token_data, as numpy sees it.
 TOKEN_DATA = np.dtype([("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])
@@ -207,6 +207,34 @@ class SlotSampler:
         if self._grammar is not None:
             llama_cpp.llama_sampler_free(self._grammar)
             self._grammar = None
+
+
+def row_logits(ctx: Any, row: int, n_vocab: int) -> np.ndarray[Any, np.dtype[np.float32]]:
+    """A copy of batch row `row`'s logits, as the model gave them (before any sampling step
+    changes them)."""
+    logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, row), shape=(n_vocab,))
+    return logits.copy()
+
+
+def token_logprob(
+    logits: np.ndarray[Any, np.dtype[np.float32]],
+    chosen: int,
+    top: int,
+    piece: Callable[[int], bytes],
+) -> TokenLogprob:
+    """The chosen token's log probability under the model's distribution (the softmax of the
+    raw logits, as llama-server's n_probs and OpenAI's logprobs), and the `top` most likely
+    tokens', most likely first."""
+    values = logits.astype(np.float64)
+    peak = values.max()
+    log_total = peak + math.log(float(np.exp(values - peak).sum()))
+    best = np.argpartition(-values, top - 1)[:top] if top else np.empty(0, dtype=np.intp)
+    best = best[np.argsort(-values[best], kind="stable")]
+
+    def choice(token: int) -> TokenChoice:
+        return TokenChoice(token, piece(token), float(values[token] - log_total))
+
+    return TokenLogprob(choice(chosen), tuple(choice(int(t)) for t in best))
 
 
 def _logit_bias(biases: Sequence[tuple[int, float]], n_vocab: int) -> Any:

@@ -60,7 +60,11 @@ from disagg_mesh.server.common.engines.llama_cpp.grammars import Grammar
 from disagg_mesh.server.common.engines.llama_cpp.host_threads import HostThreads, yield_to_io
 from disagg_mesh.server.common.engines.llama_cpp.model import LlamaModel, attended_from
 from disagg_mesh.server.common.engines.llama_cpp.prefix_cache import Entry, PrefixCache
-from disagg_mesh.server.common.engines.llama_cpp.sampling import SlotSampler
+from disagg_mesh.server.common.engines.llama_cpp.sampling import (
+    SlotSampler,
+    row_logits,
+    token_logprob,
+)
 from disagg_mesh.server.common.engines.llama_cpp.step_plan import SlotPhase, StepPlan, plan_step
 from disagg_mesh.server.common.engines.llama_cpp.text import GeneratedToken, TextStream
 from disagg_mesh.server.common.engines.prefix_keys import common_prefix, reusable_blocks
@@ -74,7 +78,13 @@ from disagg_mesh.server.common.errors import (
 from disagg_mesh.server.common.runtime.observability import metrics
 from disagg_mesh.server.common.structured.offload import start_on_large_stack
 from disagg_mesh.server.common.tools import formats
-from disagg_mesh.server.common.types import FinishReason, GenerationEnd, Sampling, TextChunk
+from disagg_mesh.server.common.types import (
+    FinishReason,
+    GenerationEnd,
+    Sampling,
+    TextChunk,
+    TokenLogprob,
+)
 
 log = structlog.get_logger("engine")
 # Leading prompt blocks (64 tokens each) a queued prompt must share with one being evaluated
@@ -120,6 +130,8 @@ class LoadedState:
     open_message: tuple[int, ...] = ()
     # With repetition penalties: the prompt's last tokens, which they count.
     penalty_tokens: tuple[int, ...] = ()
+    # With Sampling.logprobs: the first token's (one entry, from the prefill node).
+    first_logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(eq=False)
@@ -221,6 +233,9 @@ class Slot:
     # Text made but not sent yet (under the stream interval), and whether any was sent.
     held: TextChunk | None = None
     sent: bool = False
+    # With Sampling.logprobs: those of the tokens taken but not yet in a chunk, in order
+    # (None: a replayed token's, whose chunk is never sent).
+    logprobs: deque[TokenLogprob | None] = field(default_factory=deque)
 
     @property
     def prompt_tokens_total(self) -> int:
@@ -576,7 +591,7 @@ class Scheduler:
         slot.kv_load_seconds = slot.first_at - slot.admitted_at
         slot.text = self._text_stream(job, loaded.open_message)
         if not job.replay:
-            self._take(slot, loaded.first_token)
+            self._take(slot, loaded.first_token, logprob=next(iter(loaded.first_logprobs), None))
             return
         # A generation a prefill node replayed: its tokens are this stream's own, unsent.
         slot.sampler.skip(len(job.replay) - job.seed_offset)
@@ -661,7 +676,7 @@ class Scheduler:
                 slot.sampler.skip(1)  # keeps a seeded sampler's generator in step
                 self._accept_replayed(slot)
             else:
-                self._accept(slot, slot.sampler.sample(self._ctx.ptr, i))
+                self._accept(slot, self._sample(slot, i))
         prompt_tokens = sum(self._prompt_pass(group) for group in self._prompt_groups(plan.prompts))
         if not decoded and not prompt_tokens:
             self._deliver()  # no pass ran, so none handed them over
@@ -755,11 +770,22 @@ class Scheduler:
                 slot.sampler.skip(1)  # the draw that made the first token
             self._accept_replayed(slot)
             return
-        token = slot.sampler.sample(self._ctx.ptr, row)
+        token = self._sample(slot, row)
         if slot.job.kind is JobKind.PREFILL:
             self._finish_prefill(slot, token)
         else:
             self._accept(slot, token)
+
+    def _sample(self, slot: Slot, row: int) -> int:
+        """The slot's next token, from batch row `row`; with Sampling.logprobs, its log
+        probability (and the most likely tokens') kept for its chunk."""
+        top = slot.job.sampling.logprobs
+        if top is None:
+            return slot.sampler.sample(self._ctx.ptr, row)
+        logits = row_logits(self._ctx.ptr, row, self._model.n_vocab)
+        token = slot.sampler.sample(self._ctx.ptr, row)
+        slot.logprobs.append(token_logprob(logits, token, top, self._model.piece))
+        return token
 
     def _accept(self, slot: Slot, token: int, send: bool = True) -> None:
         """A generated token: send its text (unless `send` is false: a replayed token, whose
@@ -774,6 +800,9 @@ class Scheduler:
             if isinstance(event, GenerationEnd):
                 self._finish_generation(slot, event)
                 return
+            if slot.job.sampling.logprobs is not None:  # its tokens' (a sent chunk's: known)
+                taken = [slot.logprobs.popleft() for _ in event.token_ids]
+                event.logprobs = [lp for lp in taken if lp is not None]
             if send:
                 self._send(slot, event)
         slot.generate(token)
@@ -802,14 +831,19 @@ class Scheduler:
         slot.replayed += 1
         self._take(slot, slot.job.replay[slot.replayed - 1], send=False)
 
-    def _take(self, slot: Slot, token: int, send: bool = True) -> None:
-        """A token this slot's sampler did not draw (a prefill node's, a replayed one): into
-        its grammar, then as _accept; the slot fails when its grammar forbids the token."""
+    def _take(
+        self, slot: Slot, token: int, send: bool = True, logprob: TokenLogprob | None = None
+    ) -> None:
+        """A token this slot's sampler did not draw (a prefill node's, with its log
+        probability there; a replayed one): into its grammar, then as _accept; the slot
+        fails when its grammar forbids the token."""
         try:
             slot.sampler.take(token)
         except MeshError as exc:
             self._fail(slot, exc)
             return
+        if slot.job.sampling.logprobs is not None:
+            slot.logprobs.append(logprob)
         self._accept(slot, token, send)
 
     def _replay_for_prefill(self, slot: Slot) -> None:
@@ -863,6 +897,7 @@ class Scheduler:
                 kv_prefix_tokens=slot.job.prefix_tokens,
                 kv_state_bytes=whole,
                 penalty_token_ids=_penalized_tail(slot.job, self._ctx.n_ctx),
+                first_token_logprobs=_first_logprobs(slot),
             ),
         )
         self._free(slot)
@@ -945,6 +980,12 @@ def _penalized_tail(job: Job, n_ctx: int) -> tuple[int, ...]:
     """The prompt's tokens a decode node's repetition penalties count (none without)."""
     window = job.sampling.penalty_window(n_ctx)
     return tuple(job.tokens[-window:]) if window else ()
+
+
+def _first_logprobs(slot: Slot) -> tuple[TokenLogprob, ...]:
+    """A prefill's first token's log probability (sampled last), with Sampling.logprobs."""
+    last = slot.logprobs[-1] if slot.logprobs and not slot.job.replay else None
+    return (last,) if last is not None else ()
 
 
 def _next(slot: Slot) -> int:

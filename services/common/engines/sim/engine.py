@@ -407,7 +407,14 @@ class SimEngine:
     # -- answers -------------------------------------------------------------------------
 
     def _with_tools(self, sampling: Sampling) -> Sampling:
-        """Tools as the generic format holds the answer to them (a call, or a reply)."""
+        """Tools as the generic format holds the answer to them (a call, or a reply).
+        InvalidArgument for log probabilities: a sim node computes no model."""
+        if sampling.logprobs is not None:
+            raise InvalidArgument(
+                "sampling.logprobs",
+                "a sim node computes no model, so no log probabilities; route the model to "
+                "embedded llama.cpp nodes",
+            )
         fmt = formats.response_format(formats.ToolFormat.GENERIC, sampling.tools)
         # validate_sampling refused tools beside a response_format of the request's own.
         return sampling if fmt is None else dataclasses.replace(sampling, response_format=fmt)
