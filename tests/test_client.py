@@ -171,22 +171,10 @@ def test_cli_generate_takes_penalties_and_logit_biases(
     expected = shaped_reference_tokens(
         reference_llm, prompt, 12, (1.25, 0.5, 0.25), {banned: -100.0}, ignore_eos=True
     )
+    greedy = ["-m", "qwen3-coder:30b", "--max-tokens", "12", "--temperature", "0", "--ignore-eos"]
     options = ["--repeat-penalty", "1.25", "--frequency-penalty", "0.5"]
     options += ["--presence-penalty", "0.25", "--logit-bias", f"{banned}=-100"]
-    out = disagg(
-        "--router",
-        mesh.router_address,
-        "generate",
-        "-m",
-        "qwen3-coder:30b",
-        "--max-tokens",
-        "12",
-        "--temperature",
-        "0",
-        "--ignore-eos",
-        *options,
-        prompt,
-    )
+    out = disagg("--router", mesh.router_address, "generate", *greedy, *options, prompt)
     assert out.returncode == 0, out.stderr
     assert out.stdout == reference_llm.detokenize(expected).decode() + "\n"
     out = disagg("--router", mesh.router_address, "generate", "-m", "x", "--logit-bias", "a", "hi")
