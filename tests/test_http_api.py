@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator
+from typing import Any
 
 import grpc
 import httpx
@@ -432,6 +433,47 @@ async def test_logprobs_on_both_doors(mesh: Mesh, reference_llm: llama_cpp.Llama
                 extra_body=extra,
             )
         assert refused.value.body["param"] == field, refused.value.body  # type: ignore[index]
+
+
+def test_n_choices_each_its_own_generation(mesh: Mesh) -> None:
+    """n: as many choices, each its own generation (a seeded request's choice i samples with
+    the request's seed + i, so the choices differ), the prompt counted once in the usage;
+    streamed, each chunk names its choice and each choice ends with its own finish; over
+    16: 400 naming n."""
+    client = openai_client(mesh)
+    fruit: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Name a fruit."}]
+
+    def ask(**extra: Any) -> Any:
+        return client.chat.completions.create(
+            model=QWEN,
+            messages=fruit,
+            max_tokens=8,
+            temperature=1.0,
+            extra_body={"ignore_eos": True},
+            **extra,
+        )
+
+    whole = ask(n=3, seed=11)
+    assert [c.index for c in whole.choices] == [0, 1, 2]
+    alone = [ask(seed=11 + i) for i in range(3)]
+    texts = [c.message.content for c in whole.choices]
+    assert texts == [a.choices[0].message.content for a in alone]
+    assert len(set(texts)) > 1  # three seeds, not one answer three times
+    assert whole.usage.prompt_tokens == alone[0].usage.prompt_tokens
+    assert whole.usage.completion_tokens == 3 * 8
+    assert all("disagg" in (c.model_extra or {}) for c in whole.choices)
+    streamed, finishes = ["", "", ""], [None, None, None]
+    for chunk in ask(n=3, seed=11, stream=True):
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.delta.content or ""
+            finishes[choice.index] = choice.finish_reason or finishes[choice.index]
+    assert streamed == texts and finishes == ["length"] * 3
+    with pytest.raises(openai.BadRequestError) as refused:
+        ask(n=17)
+    assert refused.value.body["param"] == "n", refused.value.body  # type: ignore[index]
+    for stream in (False, True):  # every choice fails before any text: the error's status
+        with pytest.raises(openai.NotFoundError):
+            client.chat.completions.create(model="no/such", messages=fruit, n=2, stream=stream)
 
 
 def test_openai_chat_streaming_and_not_agree(mesh: Mesh) -> None:

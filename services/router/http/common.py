@@ -8,10 +8,10 @@ import asyncio
 import json
 import math
 import time
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 import structlog
@@ -271,6 +271,7 @@ def sampling(
 
 
 Events = AsyncGenerator[TextChunk | RouteSummary, None]
+T = TypeVar("T")
 
 
 def dry_run(
@@ -284,7 +285,7 @@ def dry_run(
     return web.json_response({"valid": True, "model": model})
 
 
-async def first_event(events: Events) -> TextChunk | RouteSummary:
+async def first_event(events: AsyncGenerator[T, None]) -> T:
     """The first event: errors before any text surface here, so they still get their own
     HTTP status (the response has not started yet)."""
     return await anext(events)
@@ -320,6 +321,59 @@ async def collect(events: Events) -> Collected:
                 logprobs.extend(event.logprobs)
     assert summary is not None, "a generation ends with its summary"
     return Collected("".join(parts), "".join(reasoning), summary, assemble(pieces)[1], logprobs)
+
+
+async def collect_all(choices: Sequence[Events]) -> list[Collected]:
+    """Whole generations at once, in order; the first to fail fails them all (the others
+    cancelled), with its own error."""
+    if len(choices) == 1:
+        return [await collect(choices[0])]
+    try:
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(collect(c)) for c in choices]
+    except BaseExceptionGroup as errors:
+        raise errors.exceptions[0] from None
+    return [task.result() for task in tasks]
+
+
+Choice = tuple[int, TextChunk | RouteSummary]
+
+
+async def merged(choices: Sequence[Events]) -> AsyncGenerator[Choice, None]:
+    """The generations' events as they come, each with its generation's index; the first
+    to fail ends them all (the others cancelled), with its own error."""
+    if len(choices) == 1:  # no task of its own: the common case costs nothing more
+        async with aclosing(choices[0]) as only:
+            async for event in only:
+                yield 0, event
+        return
+    queue: asyncio.Queue[tuple[int, TextChunk | RouteSummary | Exception | None]]
+    queue = asyncio.Queue()
+
+    async def pump(index: int, events: Events) -> None:
+        try:
+            async with aclosing(events) as stream:
+                async for event in stream:
+                    queue.put_nowait((index, event))
+            queue.put_nowait((index, None))
+        except Exception as exc:  # handed to the reader, which raises it
+            queue.put_nowait((index, exc))
+
+    tasks = [asyncio.create_task(pump(i, events)) for i, events in enumerate(choices)]
+    try:
+        running = len(tasks)
+        while running:
+            index, item = await queue.get()
+            if item is None:
+                running -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def token_text(piece: bytes) -> str:

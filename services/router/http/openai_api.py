@@ -6,6 +6,7 @@ through `Router.generate`, as gRPC does.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from contextlib import aclosing
@@ -31,12 +32,13 @@ from disagg_mesh.server.router.http.common import (
     Events,
     Fields,
     checked_sampling,
-    collect,
+    collect_all,
     dry_run,
     first_event,
     http_status,
     json_body,
     logprob_json,
+    merged,
     mesh_fields,
     reasoning_effort,
     sampling,
@@ -81,6 +83,8 @@ def _status(exc: MeshError) -> int:
 
 api = scoped("openai", error_body, _status)
 SCHEMA_FIELD = "response_format.json_schema.schema"
+# Choices a request may ask for (`n`): each takes a slot of its own while it generates.
+MAX_CHOICES = 16
 
 
 def _response_format(fields: Fields, limits: SchemaLimits) -> ResponseFormat | None:
@@ -127,6 +131,14 @@ def _logit_bias(biases: Fields) -> tuple[tuple[int, float], ...]:
     return tuple(sorted(pairs))
 
 
+def _n(body: Fields) -> int:
+    """The choices asked for (`n`)."""
+    n = body.integer("n")
+    if n is not None and not 1 <= n <= MAX_CHOICES:
+        raise InvalidArgument("n", f"must be in 1..{MAX_CHOICES}, got {n}")
+    return n or 1
+
+
 def _logprobs(body: Fields, chat: bool) -> int | None:
     """How many of the most likely tokens to return beside each token's log probability
     (0: none; None: no log probabilities): chat's logprobs (true) and top_logprobs, or
@@ -155,10 +167,12 @@ class OpenAiApi:
         ]
 
     def _sampling(self, body: Fields, chat: bool) -> Sampling:
-        for key, what in (("n", "choice"), ("best_of", "candidate")):
-            count = body.integer(key)
-            if count not in (None, 1):
-                raise InvalidArgument(key, f"only 1 {what} per request is supported, got {count}")
+        _n(body)
+        best_of = body.integer("best_of")
+        if best_of not in (None, 1):
+            raise InvalidArgument(
+                "best_of", f"only 1 candidate per choice is supported, got {best_of}"
+            )
         body.refuse("functions", "the legacy functions field is not supported: use tools")
         max_tokens = body.integer("max_completion_tokens")
         field = "max_completion_tokens"
@@ -220,8 +234,8 @@ class OpenAiApi:
         checked = dry_run(request, self.router, model, prompt, sampling_)
         if checked is not None:
             return checked
-        events = self.router.generate(model, prompt, sampling_, None)
-        return await self._answer(request, body, model, events, chat=True)
+        choices = self._choices(body, model, prompt, sampling_)
+        return await self._answer(request, body, model, choices, chat=True)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = Fields(await json_body(request))
@@ -240,58 +254,80 @@ class OpenAiApi:
         checked = dry_run(request, self.router, model, Prompt(text=prompt), sampling_)
         if checked is not None:
             return checked
-        events = self.router.generate(model, Prompt(text=prompt), sampling_, None)
-        return await self._answer(request, body, model, events, chat=False)
+        choices = self._choices(body, model, Prompt(text=prompt), sampling_)
+        return await self._answer(request, body, model, choices, chat=False)
+
+    def _choices(
+        self, body: Fields, model: str, prompt: Prompt, sampling_: Sampling
+    ) -> list[Events]:
+        """`n` generations of the prompt (each its own seed, the request's + its index, so
+        seeded choices differ too); the nodes evaluate the shared prompt once."""
+        n = _n(body)
+        samplings = [sampling_] * n
+        if sampling_.seed is not None:
+            samplings = [
+                dataclasses.replace(sampling_, seed=(sampling_.seed + i) % 2**32) for i in range(n)
+            ]
+        return [self.router.generate(model, prompt, s, None) for s in samplings]
 
     async def _answer(
-        self, request: web.Request, body: Fields, model: str, events: Events, chat: bool
+        self, request: web.Request, body: Fields, model: str, choices: list[Events], chat: bool
     ) -> web.StreamResponse:
+        """The generations as one answer of as many choices (`n`), whole or streamed."""
         ident = f"{'chatcmpl' if chat else 'cmpl'}-{current_request_id() or ''}"
         obj = "chat.completion" if chat else "text_completion"
         scored = _logprobs(body, chat) is not None
+        several = len(choices) > 1
         if not body.boolean("stream", False):
-            got = await collect(events)
-            s = got.summary
-            choice: dict[str, Any] = {
-                "index": 0,
-                "finish_reason": s.finish_reason.value,
-                "logprobs": _logprobs_json(got.logprobs, chat, 0)[0] if scored else None,
-            }
-            if chat:
-                # reasoning_content: the reasoning beside the answer, as vLLM and DeepSeek
-                # return it (OpenAI's own API does not return reasoning).
-                choice["message"] = {"role": "assistant", "content": got.text}
-                if got.reasoning:
-                    choice["message"]["reasoning_content"] = got.reasoning
-                if got.tool_calls:
-                    choice["message"]["content"] = got.text or None
-                    choice["message"]["tool_calls"] = [
-                        {
-                            "id": c.id,
-                            "type": "function",
-                            "function": {"name": c.name, "arguments": c.arguments},
-                        }
-                        for c in got.tool_calls
-                    ]
-            else:
-                choice["text"] = got.text
+            answers = []
+            gots = await collect_all(choices)
+            for index, got in enumerate(gots):
+                s = got.summary
+                choice: dict[str, Any] = {
+                    "index": index,
+                    "finish_reason": s.finish_reason.value,
+                    "logprobs": _logprobs_json(got.logprobs, chat, 0)[0] if scored else None,
+                }
+                if chat:
+                    # reasoning_content: the reasoning beside the answer, as vLLM and
+                    # DeepSeek return it (OpenAI's own API does not return reasoning).
+                    choice["message"] = {"role": "assistant", "content": got.text}
+                    if got.reasoning:
+                        choice["message"]["reasoning_content"] = got.reasoning
+                    if got.tool_calls:
+                        choice["message"]["content"] = got.text or None
+                        choice["message"]["tool_calls"] = [
+                            {
+                                "id": c.id,
+                                "type": "function",
+                                "function": {"name": c.name, "arguments": c.arguments},
+                            }
+                            for c in got.tool_calls
+                        ]
+                else:
+                    choice["text"] = got.text
+                if several:  # each choice's own route; the top level's is the first's
+                    choice["disagg"] = mesh_fields(s)
+                answers.append(choice)
             return web.json_response(
                 {
                     "id": ident,
                     "object": obj,
                     "created": int(time.time()),
                     "model": model,
-                    "choices": [choice],
-                    "usage": _usage(s),
-                    "disagg": mesh_fields(s),
+                    "choices": answers,
+                    "usage": _usage([got.summary for got in gots]),
+                    "disagg": mesh_fields(gots[0].summary),
                 }
             )
         include_usage = body.mapping("stream_options").boolean("include_usage", False)
         chunk_obj = "chat.completion.chunk" if chat else "text_completion"
         created = int(time.time())
-        offset = 0  # of the next token's text in the whole answer (completions' text_offset)
+        # Each choice's: the characters of its answer so far (completions' text_offset).
+        offsets = [0] * len(choices)
 
         def chunk(
+            index: int,
             text: str | None,
             finish: str | None,
             first: bool = False,
@@ -299,10 +335,9 @@ class OpenAiApi:
             calls: list[Piece] | None = None,
             logprobs: list[TokenLogprob] | None = None,
         ) -> dict[str, Any]:
-            nonlocal offset
-            choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
+            choice: dict[str, Any] = {"index": index, "finish_reason": finish, "logprobs": None}
             if logprobs:
-                choice["logprobs"], offset = _logprobs_json(logprobs, chat, offset)
+                choice["logprobs"], offsets[index] = _logprobs_json(logprobs, chat, offsets[index])
             if chat:
                 delta: dict[str, Any] = {"role": "assistant"} if first else {}
                 if text is not None:
@@ -322,36 +357,42 @@ class OpenAiApi:
                 "choices": [choice],
             }
 
+        events = merged(choices)
         async with aclosing(events):
-            event = await first_event(events)  # errors before any text keep their status
+            index, event = await first_event(events)  # errors before any text: their status
             response = web.StreamResponse(
                 headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
             )
             await response.prepare(request)
-            first = True
+            started: set[int] = set()  # the choices that sent their first chunk
+            summaries: dict[int, RouteSummary] = {}
             try:
                 while True:
                     if isinstance(event, RouteSummary):
-                        last = chunk(None, event.finish_reason.value)
+                        summaries[index] = event
+                        last = chunk(index, None, event.finish_reason.value)
                         last["disagg"] = mesh_fields(event)
                         await response.write(_event(last))
-                        if include_usage:
-                            usage = chunk(None, None)
-                            usage.update(choices=[], usage=_usage(event))
-                            await response.write(_event(usage))
-                        break
-                    reasoning = event.reasoning if chat else ""
-                    calls = event.tool_calls if chat else []
-                    if event.text or reasoning or first or event.logprobs:
-                        await response.write(
-                            _event(
-                                chunk(event.text, None, first, reasoning, logprobs=event.logprobs)
+                        if len(summaries) == len(choices):
+                            if include_usage:
+                                usage = chunk(0, None, None)
+                                ordered = [summaries[i] for i in range(len(choices))]
+                                usage.update(choices=[], usage=_usage(ordered))
+                                await response.write(_event(usage))
+                            break
+                    else:
+                        reasoning = event.reasoning if chat else ""
+                        calls = event.tool_calls if chat else []
+                        first = index not in started
+                        if event.text or reasoning or first or event.logprobs:
+                            piece = chunk(
+                                index, event.text, None, first, reasoning, logprobs=event.logprobs
                             )
-                        )
-                        first = False
-                    for piece in calls:  # one a chunk, after the text, as OpenAI sends them
-                        await response.write(_event(chunk(None, None, calls=[piece])))
-                    event = await anext(events)
+                            await response.write(_event(piece))
+                            started.add(index)
+                        for call in calls:  # one a chunk, after the text, as OpenAI sends them
+                            await response.write(_event(chunk(index, None, None, calls=[call])))
+                    index, event = await anext(events)
             except MeshError as exc:  # after text was sent: an error event ends the stream
                 await response.write(_event(error_body(exc, 500)))
             await response.write(b"data: [DONE]\n\n")
@@ -459,14 +500,17 @@ def _logprobs_json(
     }, offset
 
 
-def _usage(s: RouteSummary) -> dict[str, Any]:
+def _usage(summaries: list[RouteSummary]) -> dict[str, Any]:
+    """Every choice's tokens; the prompt counted once, as OpenAI counts it."""
+    first = summaries[0]
+    completion = sum(s.completion_tokens for s in summaries)
     return {
-        "prompt_tokens": s.prompt_tokens,
-        "completion_tokens": s.completion_tokens,
-        "total_tokens": s.prompt_tokens + s.completion_tokens,
+        "prompt_tokens": first.prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": first.prompt_tokens + completion,
         # OpenAI's own field: prompt tokens served from a cache (the prefill node's prefix
         # cache here) instead of evaluated.
-        "prompt_tokens_details": {"cached_tokens": s.cached_prompt_tokens},
+        "prompt_tokens_details": {"cached_tokens": first.cached_prompt_tokens},
     }
 
 

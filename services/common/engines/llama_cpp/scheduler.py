@@ -801,7 +801,9 @@ class Scheduler:
                 self._finish_generation(slot, event)
                 return
             if slot.job.sampling.logprobs is not None:  # its tokens' (a sent chunk's: known)
-                taken = [slot.logprobs.popleft() for _ in event.token_ids]
+                taken = [
+                    slot.logprobs.popleft() if slot.logprobs else None for _ in event.token_ids
+                ]
                 event.logprobs = [lp for lp in taken if lp is not None]
             if send:
                 self._send(slot, event)
