@@ -459,16 +459,19 @@ def test_openai_returns_reasoning_content_and_takes_reasoning_effort(
 
 
 @pytest.mark.parametrize("model", [SPLIT, ALONE])
-def test_logprobs_are_refused_for_harmony_naming_the_field(
-    scripted: ScriptedMesh, model: str
-) -> None:
-    """Harmony's channels make an answer whose text is not its tokens': refused, not
-    returned wrong."""
+def test_logprobs_are_the_answers_tokens_only(scripted: ScriptedMesh, model: str) -> None:
+    """gpt-oss's log probabilities are its answer's: the final channel's tokens, whose texts
+    join to the content; not harmony's control tokens, headers or reasoning (the first of
+    which, disaggregated, the prefill node sampled)."""
     client = openai.OpenAI(base_url=f"{scripted.http}/v1", api_key="unused", max_retries=0)
-    with pytest.raises(openai.BadRequestError) as refused:
-        client.chat.completions.create(model=model, messages=OPENAI_QUESTION, logprobs=True)
-    assert refused.value.body["param"] == "sampling.logprobs", refused.value.body  # type: ignore[index]
-    assert "harmony" in refused.value.message
+    reply = client.chat.completions.create(
+        model=model, messages=OPENAI_QUESTION, temperature=0, logprobs=True, top_logprobs=2
+    )
+    content = reply.choices[0].logprobs.content if reply.choices[0].logprobs else None
+    assert reply.choices[0].message.content == SCRIPTED_ANSWER
+    assert content and "".join(e.token for e in content) == SCRIPTED_ANSWER
+    assert reply.usage is not None and len(content) < reply.usage.completion_tokens
+    assert all(e.logprob <= 0 and len(e.top_logprobs) == 2 for e in content)
 
 
 def test_the_cli_prints_the_answer_and_the_reasoning_apart(scripted: ScriptedMesh) -> None:

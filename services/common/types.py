@@ -223,7 +223,8 @@ class TextChunk:
     reasoning: str = ""
     # Pieces of tool calls these tokens made (CallStart, ArgumentsPiece), apart from `text`.
     tool_calls: list[Piece] = field(default_factory=list)
-    # With Sampling.logprobs: one per token of token_ids, in order.
+    # With Sampling.logprobs: one per answer token of token_ids, in order (harmony's control
+    # tokens, headers and reasoning have none).
     logprobs: list[TokenLogprob] = field(default_factory=list)
 
     def __add__(self, later: TextChunk) -> TextChunk:

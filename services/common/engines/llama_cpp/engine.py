@@ -263,14 +263,11 @@ class LlamaCppEngine:
 
     def _for_model(self, sampling: Sampling) -> Sampling:
         """The sampling as this model runs it: the grammar its tool format holds the answer
-        to, where it has one. InvalidArgument for log probabilities where the answer's text
-        is not its tokens' (harmony's channels, tool calls read out of the text)."""
-        if sampling.logprobs is not None and (
-            self._model.harmony is not None or sampling.tools is not None
-        ):
-            why = "with tools" if sampling.tools is not None else "for harmony (gpt-oss) models"
+        to, where it has one. InvalidArgument for log probabilities with tools (the calls
+        are read out of the answer's text, whose tokens they then are not)."""
+        if sampling.logprobs is not None and sampling.tools is not None:
             raise InvalidArgument(
-                "sampling.logprobs", f"log probabilities are not returned {why} (yet)"
+                "sampling.logprobs", "log probabilities are not returned with tools (yet)"
             )
         fmt = self._model.tool_format
         grammar = formats.response_format(fmt, sampling.tools)

@@ -234,7 +234,8 @@ class Slot:
     held: TextChunk | None = None
     sent: bool = False
     # With Sampling.logprobs: those of the tokens taken but not yet in a chunk, in order
-    # (None: a replayed token's, whose chunk is never sent).
+    # (None: a replayed token's, whose chunk is never sent, or one not of the answer:
+    # harmony's control tokens, headers, reasoning).
     logprobs: deque[TokenLogprob | None] = field(default_factory=deque)
 
     @property
@@ -794,6 +795,8 @@ class Scheduler:
         is_end = self._model.is_end(token)
         piece = b"" if is_end else self._model.piece(token)
         events = slot.text.push(GeneratedToken(token, piece, is_end))
+        if slot.logprobs and not slot.text.answered:  # its own, last: not the answer's
+            slot.logprobs[-1] = None
         if not slot.text.done and slot.n_past >= self._ctx.n_ctx:
             events += slot.text.end(FinishReason.LENGTH)  # no room to evaluate it
         for event in events:

@@ -100,16 +100,24 @@ class TextStream:
         self._max_tokens = max_tokens
         self.count = 0
         self.done = False
+        # Whether the last token pushed was the answer's (harmony: its final channel's; not
+        # a control token, a header, reasoning or a call's), whose log probability goes
+        # with the answer's.
+        self.answered = False
 
     def push(self, token: GeneratedToken) -> list[TextChunk | GenerationEnd]:
         assert not self.done, "a finished TextStream takes no more tokens"
+        self.answered = False
         if token.is_end:
             return self.end(FinishReason.STOP)
         self.count += 1
         if self._harmony is None:
+            self.answered = True
             chunk = self._assembler.feed(token.token_id, token.piece)
         else:
-            chunk = self._split(token.token_id, self._harmony.feed(token.token_id, token.piece))
+            parts = self._harmony.feed(token.token_id, token.piece)
+            self.answered = any(part is Part.ANSWER for part, _ in parts)
+            chunk = self._split(token.token_id, parts)
         out: list[TextChunk | GenerationEnd] = [chunk] if chunk is not None else []
         if self._assembler.stopped:
             out += self.end(FinishReason.STOP)
