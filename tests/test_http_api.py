@@ -476,6 +476,33 @@ def test_n_choices_each_its_own_generation(mesh: Mesh) -> None:
             client.chat.completions.create(model="no/such", messages=fruit, n=2, stream=stream)
 
 
+def test_completions_take_a_list_of_prompts(mesh: Mesh, reference_llm: llama_cpp.Llama) -> None:
+    """/v1/completions' prompt as a list: n choices for each prompt in turn (choice k*n + j:
+    prompt k's j-th), each prompt counted once in the usage; more than 16 choices in all,
+    or a list of token ids: 400 naming prompt."""
+    prompts = ["The tallest mountains are", "The longest rivers are"]
+    client = openai_client(mesh)
+    got = client.completions.create(
+        model=QWEN,
+        prompt=prompts,
+        n=2,
+        max_tokens=6,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    expected = [reference_tokens(reference_llm, p, 6, ignore_eos=True) for p in prompts]
+    texts = [reference_llm.detokenize(tokens).decode() for tokens in expected]
+    assert [c.index for c in got.choices] == [0, 1, 2, 3]
+    assert [c.text for c in got.choices] == [texts[0], texts[0], texts[1], texts[1]]
+    counted = [len(reference_llm.tokenize(p.encode(), special=True)) for p in prompts]
+    assert got.usage is not None and got.usage.prompt_tokens == sum(counted)
+    assert got.usage.completion_tokens == 4 * 6
+    for bad in ([[1, 2, 3]], ["a"] * 9):
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.completions.create(model=QWEN, prompt=bad, n=2, max_tokens=2)
+        assert refused.value.body["param"] == "prompt", refused.value.body  # type: ignore[index]
+
+
 def test_openai_chat_streaming_and_not_agree(mesh: Mesh) -> None:
     client = openai_client(mesh)
     messages: list[ChatCompletionMessageParam] = [

@@ -247,14 +247,20 @@ class OpenAiApi:
         body.refuse("tools", "tools need /v1/chat/completions")
         body.refuse("echo", "echoing the prompt is not implemented")
         prompt = body.body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-            prompt = prompt[0]
-        if not isinstance(prompt, str):
-            raise InvalidArgument("prompt", "must be a string (one prompt per request)")
-        checked = dry_run(request, self.router, model, Prompt(text=prompt), sampling_)
-        if checked is not None:
-            return checked
-        choices = self._choices(body, model, Prompt(text=prompt), sampling_)
+        texts = [prompt] if isinstance(prompt, str) else prompt
+        if not isinstance(texts, list) or not texts or not all(isinstance(t, str) for t in texts):
+            raise InvalidArgument("prompt", "must be a string or a list of strings")
+        if len(texts) * _n(body) > MAX_CHOICES:
+            raise InvalidArgument(
+                "prompt",
+                f"{len(texts)} prompts of {_n(body)} choices each: at most {MAX_CHOICES} "
+                "choices a request",
+            )
+        prompts = [Prompt(text=t) for t in texts]
+        checked = [dry_run(request, self.router, model, one, sampling_) for one in prompts]
+        if checked[-1] is not None:  # a dry run: every prompt checked
+            return checked[-1]
+        choices = [c for one in prompts for c in self._choices(body, model, one, sampling_)]
         return await self._answer(request, body, model, choices, chat=False)
 
     def _choices(
@@ -316,7 +322,7 @@ class OpenAiApi:
                     "created": int(time.time()),
                     "model": model,
                     "choices": answers,
-                    "usage": _usage([got.summary for got in gots]),
+                    "usage": _usage([got.summary for got in gots], _n(body)),
                     "disagg": mesh_fields(gots[0].summary),
                 }
             )
@@ -377,7 +383,7 @@ class OpenAiApi:
                             if include_usage:
                                 usage = chunk(0, None, None)
                                 ordered = [summaries[i] for i in range(len(choices))]
-                                usage.update(choices=[], usage=_usage(ordered))
+                                usage.update(choices=[], usage=_usage(ordered, _n(body)))
                                 await response.write(_event(usage))
                             break
                     else:
@@ -500,17 +506,19 @@ def _logprobs_json(
     }, offset
 
 
-def _usage(summaries: list[RouteSummary]) -> dict[str, Any]:
-    """Every choice's tokens; the prompt counted once, as OpenAI counts it."""
-    first = summaries[0]
+def _usage(summaries: list[RouteSummary], n: int) -> dict[str, Any]:
+    """Every choice's tokens; each prompt (the first of each n choices) counted once, as
+    OpenAI counts them."""
+    prompts = summaries[::n]
+    prompt = sum(s.prompt_tokens for s in prompts)
     completion = sum(s.completion_tokens for s in summaries)
     return {
-        "prompt_tokens": first.prompt_tokens,
+        "prompt_tokens": prompt,
         "completion_tokens": completion,
-        "total_tokens": first.prompt_tokens + completion,
+        "total_tokens": prompt + completion,
         # OpenAI's own field: prompt tokens served from a cache (the prefill node's prefix
         # cache here) instead of evaluated.
-        "prompt_tokens_details": {"cached_tokens": first.cached_prompt_tokens},
+        "prompt_tokens_details": {"cached_tokens": sum(s.cached_prompt_tokens for s in prompts)},
     }
 
 
