@@ -10,7 +10,7 @@ import os
 import signal
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import grpc
@@ -302,6 +302,8 @@ class Streamed:
     deltas: list[str]
     summary: router_pb2.GenerateSummary | None
     error: grpc.aio.AioRpcError | None
+    # With logprobs: each token's (id, log probability).
+    logprobs: list[tuple[int, float]] = field(default_factory=list)
 
 
 async def stream(
@@ -314,11 +316,13 @@ async def stream(
     seed: int | None = None,
     ignore_eos: bool = True,
     fmt: types_pb2.ResponseFormat | None = None,
+    logprobs: int | None = None,
 ) -> Streamed:
     """A generation through the router, greedy (or, with a seed, at temperature 0.9);
     action() runs once the caller has received each number of deltas in `at`. ignore_eos
     (the default): the answer runs on past the kills, on any CPU."""
     deltas: list[str] = []
+    scores: list[tuple[int, float]] = []
     summary = None
     async with grpc.aio.insecure_channel(router) as channel:
         stub = router_pb2_grpc.RouterServiceStub(channel)
@@ -332,19 +336,23 @@ async def stream(
                 stop=list(stop),
                 ignore_eos=ignore_eos and fmt is None,
                 response_format=fmt,
+                logprobs=logprobs,
             ),
         )
         try:
             async for reply in stub.Generate(request, timeout=120):
                 if reply.HasField("delta"):
                     deltas.append(reply.delta.text)
+                    scores += [
+                        (lp.chosen.token_id, lp.chosen.logprob) for lp in reply.delta.logprobs
+                    ]
                     if len(deltas) in at and action is not None:
                         await action()
                 else:
                     summary = reply.summary
         except grpc.aio.AioRpcError as exc:
-            return Streamed(deltas, summary, exc)
-    return Streamed(deltas, summary, None)
+            return Streamed(deltas, summary, exc, scores)
+    return Streamed(deltas, summary, None, scores)
 
 
 async def serving_decode_node(mesh: MigrationMesh, names: tuple[str, ...] = DECODE_NODES) -> str:
@@ -392,11 +400,13 @@ async def interrupted(
     seed: int | None = None,
     also: tuple[str, ...] = (),
     fmt: types_pb2.ResponseFormat | None = None,
+    logprobs: int | None = None,
 ) -> AsyncIterator[tuple[Streamed, Streamed, list[str]]]:
     """The same request uninterrupted, then with the generating decode node (and the nodes
     in `also`) killed or stopped after each number of deltas in `at`; the nodes are
     restarted afterwards."""
     args: dict[str, Any] = {"stop": stop, "model": model, "seed": seed, "fmt": fmt}
+    args["logprobs"] = logprobs
     alone = await stream(mesh.router, max_tokens, **args)
     assert alone.error is None and alone.summary is not None and not alone.summary.migrations
     killed: list[str] = []
@@ -431,6 +441,17 @@ async def test_a_killed_decode_node_is_replaced_mid_answer_with_the_same_text(
         assert m.via_prefill_node == "" and m.reason == "migrate_via = decode"
     else:  # the estimate chose, and says how
         assert m.reason.startswith("auto: ") and "delivered tokens" in m.reason
+
+
+async def test_logprobs_go_on_across_a_migration(migration_mesh: MigrationMesh) -> None:
+    """Each token's log probability arrives once, across a decode node's death: those of
+    the tokens delivered before it are not sent again, the new node's follow."""
+    at = frozenset({5})
+    async with interrupted(migration_mesh, signal.SIGKILL, at, logprobs=1) as (alone, got, _):
+        same_answer(alone, got)
+    assert got.summary is not None and len(got.logprobs) == got.summary.completion_tokens
+    assert [t for t, _ in got.logprobs] == [t for t, _ in alone.logprobs]
+    assert [v for _, v in got.logprobs] == pytest.approx([v for _, v in alone.logprobs], abs=1e-3)
 
 
 async def test_a_hung_decode_node_is_replaced_after_its_stage_deadline(
