@@ -266,8 +266,9 @@ class OpenAiApi:
     def _choices(
         self, body: Fields, model: str, prompt: Prompt, sampling_: Sampling
     ) -> list[Events]:
-        """`n` generations of the prompt (each its own seed, the request's + its index, so
-        seeded choices differ too); the nodes evaluate the shared prompt once."""
+        """`n` generations of the prompt, at once (each its own seed, the request's + its
+        index, so seeded choices differ too); a long prompt is evaluated once per node, as
+        a burst's."""
         n = _n(body)
         samplings = [sampling_] * n
         if sampling_.seed is not None:
