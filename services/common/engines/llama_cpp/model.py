@@ -267,9 +267,10 @@ class LlamaModel:
     def _tokenize(self, text: bytes, add_bos: bool) -> list[int]:
         return list(self._model.tokenize(text, add_bos, True))
 
-    def piece(self, token: int) -> bytes:
-        """A token's bytes, as Llama.detokenize([token]) gives them."""
-        return bytes(self._model.detokenize([token], special=False))
+    def piece(self, token: int, special: bool = False) -> bytes:
+        """A token's bytes, as Llama.detokenize([token]) gives them (special: a control
+        token's own text, e.g. <|im_end|>, where the answer's text has none)."""
+        return bytes(self._model.detokenize([token], special=special))
 
     def is_end(self, token: int) -> bool:
         return bool(llama_cpp.llama_vocab_is_eog(self._model.vocab, token))

@@ -220,21 +220,23 @@ def token_logprob(
     logits: np.ndarray[Any, np.dtype[np.float32]],
     chosen: int,
     top: int,
-    piece: Callable[[int], bytes],
+    piece: Callable[[int, bool], bytes],
 ) -> TokenLogprob:
     """The chosen token's log probability under the model's distribution (the softmax of the
     raw logits, as llama-server's n_probs and OpenAI's logprobs), and the `top` most likely
-    tokens', most likely first."""
+    tokens', most likely first. piece(token, special): its bytes; the chosen token's as the
+    answer has them, the others' with a control token's own text (an end token's
+    <|im_end|>, not nothing)."""
     values = logits.astype(np.float64)
     peak = values.max()
     log_total = peak + math.log(float(np.exp(values - peak).sum()))
     best = np.argpartition(-values, top - 1)[:top] if top else np.empty(0, dtype=np.intp)
     best = best[np.argsort(-values[best], kind="stable")]
 
-    def choice(token: int) -> TokenChoice:
-        return TokenChoice(token, piece(token), float(values[token] - log_total))
+    def choice(token: int, special: bool) -> TokenChoice:
+        return TokenChoice(token, piece(token, special), float(values[token] - log_total))
 
-    return TokenLogprob(choice(chosen), tuple(choice(int(t)) for t in best))
+    return TokenLogprob(choice(chosen, False), tuple(choice(int(t), True) for t in best))
 
 
 def _logit_bias(biases: Sequence[tuple[int, float]], n_vocab: int) -> Any:
