@@ -250,11 +250,12 @@ class OpenAiApi:
         texts = [prompt] if isinstance(prompt, str) else prompt
         if not isinstance(texts, list) or not texts or not all(isinstance(t, str) for t in texts):
             raise InvalidArgument("prompt", "must be a string or a list of strings")
-        if len(texts) * _n(body) > MAX_CHOICES:
+        n = _n(body)
+        if len(texts) * n > MAX_CHOICES:
             raise InvalidArgument(
                 "prompt",
-                f"{len(texts)} prompts of {_n(body)} choices each: at most {MAX_CHOICES} "
-                "choices a request",
+                f"{len(texts)} prompts of {n} choices each: at most {MAX_CHOICES} choices a "
+                "request",
             )
         prompts = [Prompt(text=t) for t in texts]
         checked = [dry_run(request, self.router, model, one, sampling_) for one in prompts]
