@@ -206,18 +206,33 @@ async def test_an_over_full_node_refuses_at_once_what_it_would_serve_too_late(
         assert code == grpc.StatusCode.OK
         calls = [asyncio.create_task(timed_call(stub, f"List {i}:", tokens)) for i in range(12)]
         await asyncio.sleep(0.05)  # queued or refused: the doors meet the same queue
+        # Two calls a door: the first to arrive may still find a spot (the burst's last
+        # refused call missed one by less than the moments since, on a slow machine), the
+        # others come after it and cannot.
         async with httpx.AsyncClient(base_url=http_base(overfull), timeout=60) as http:
-            openai_door, ollama_door = await asyncio.gather(
-                http.post(
-                    "/v1/chat/completions",
-                    json={
-                        "model": OVERFULL,
-                        "max_tokens": 4,
-                        "messages": [{"role": "user", "content": "Hi"}],
-                    },
+            doors = await asyncio.gather(
+                *(
+                    http.post(
+                        "/v1/chat/completions",
+                        json={
+                            "model": OVERFULL,
+                            "max_tokens": 4,
+                            "messages": [{"role": "user", "content": "Hi"}],
+                        },
+                    )
+                    for _ in range(2)
                 ),
-                http.post(
-                    "/api/generate", json={"model": OVERFULL, "prompt": "Hi", "stream": False}
+                *(
+                    http.post(
+                        "/api/generate",
+                        json={
+                            "model": OVERFULL,
+                            "prompt": "Hi",
+                            "stream": False,
+                            "options": {"num_predict": 4},
+                        },
+                    )
+                    for _ in range(2)
                 ),
             )
         burst = await asyncio.gather(*calls)
@@ -229,9 +244,16 @@ async def test_an_over_full_node_refuses_at_once_what_it_would_serve_too_late(
     assert len(refused) >= 4 and len(served) >= 1, (one_s, burst)
     assert max(s for s, _ in refused) < 0.5  # at once, not after waiting
     assert min(int(meta["retry-after-ms"]) for _, meta in refused) >= 1000
-    assert (openai_door.status_code, ollama_door.status_code) == (429, 503)
-    assert int(openai_door.headers["Retry-After"]) >= 1
-    assert "over-full" in openai_door.json()["error"]["message"]
+    openai_codes = [r.status_code for r in doors[:2]]
+    ollama_codes = [r.status_code for r in doors[2:]]
+    assert sorted(openai_codes + ollama_codes).count(200) <= 1, doors
+    assert 429 in openai_codes and set(openai_codes) <= {200, 429}, openai_codes
+    assert 503 in ollama_codes and set(ollama_codes) <= {200, 503}, ollama_codes
+    for refused_door in doors:
+        if refused_door.status_code != 200:
+            assert int(refused_door.headers["Retry-After"]) >= 1
+    openai_refused = next(r for r in doors[:2] if r.status_code == 429)
+    assert "over-full" in openai_refused.json()["error"]["message"]
     assert "node cooling down" not in overfull.log_tail("router", 100_000)
     # The clients wait as told and finish.
     async with AsyncMeshClient(address, timeout=300) as client:
