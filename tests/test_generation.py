@@ -201,10 +201,18 @@ async def test_stop_strings_end_the_text_before_them(
     stop = late_word(pieces, 30)
     assert stop in full
     got = await collect(
-        router.Generate(request("qwen3-coder:30b", SHORT_PROMPT, 48, stop=[stop], ignore_eos=True))
+        router.Generate(
+            request("qwen3-coder:30b", SHORT_PROMPT, 48, stop=[stop], ignore_eos=True, logprobs=1)
+        )
     )
     assert got.text == full[: full.index(stop)]
     assert got.summary.finish_reason == types_pb2.FINISH_REASON_STOP
+    # Log probabilities for the tokens whose text begins before the stop string, not for
+    # those that are only the stop string's (llama-server leaves those out too).
+    cut = reference_llm.detokenize(ids).index(stop.encode())
+    before = [t for i, t in enumerate(ids) if len(reference_llm.detokenize(ids[:i])) < cut]
+    assert [lp.chosen.token_id for lp in got.logprobs] == before
+    assert len(got.token_ids) > len(before)  # the stop string's tokens were generated
 
 
 async def test_max_tokens_ends_with_length(router: router_pb2_grpc.RouterServiceAsyncStub) -> None:

@@ -45,6 +45,27 @@ def test_stop_string_across_tokens_is_cut_and_never_sent() -> None:
     assert end.finish_reason == FinishReason.STOP and end.completion_tokens == 3
 
 
+def test_the_tokens_only_of_a_stop_string_are_marked_as_such() -> None:
+    """The chunk that ends on a stop string carries every token fed since the last chunk
+    (a migration replays them) and says how many of the last are the stop string's alone;
+    one that began before it (" wor" of "Hello world") is not."""
+    assembler = TextAssembler(("world",))
+    first = assembler.feed(0, b"Hello wor")
+    assert first is not None and first.text == "Hello " and first.token_ids == [0]
+    assert assembler.feed(1, b"l") is None
+    last = assembler.feed(2, b"d!")
+    assert last is not None and last.text == "" and last.token_ids == [1, 2]
+    assert last.stop_tokens == 2
+    assembler = TextAssembler(("world",))
+    assert assembler.feed(0, b"w") is None and assembler.feed(1, b"or") is None
+    chunk = assembler.feed(2, b"ld")
+    assert chunk is not None and chunk.token_ids == [0, 1, 2] and chunk.stop_tokens == 3
+    assembler = TextAssembler(("world",))
+    assert assembler.feed(0, b"a wo") is not None  # "a " out, "wo" held
+    chunk = assembler.feed(1, b"rld")
+    assert chunk is not None and chunk.text == "" and chunk.stop_tokens == 1
+
+
 def test_text_that_only_looks_like_a_stop_string_is_sent() -> None:
     text, end = run(tokens(b"a wo", b"rm"), stop=("world",))
     assert text == "a worm"

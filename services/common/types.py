@@ -226,6 +226,9 @@ class TextChunk:
     # With Sampling.logprobs: one per answer token of token_ids, in order (harmony's control
     # tokens, headers and reasoning have none).
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    # The last this many of token_ids made a stop string and nothing of `text` (the chunk
+    # that ends a generation on a stop string): they have no log probability to send.
+    stop_tokens: int = 0
 
     def __add__(self, later: TextChunk) -> TextChunk:
         """One chunk for this one and a later one's tokens (text, reasoning, calls alike)."""
@@ -235,6 +238,7 @@ class TextChunk:
             self.reasoning + later.reasoning,
             self.tool_calls + later.tool_calls,
             self.logprobs + later.logprobs,
+            later.stop_tokens,
         )
 
 

@@ -807,7 +807,8 @@ class Scheduler:
                 taken = [
                     slot.logprobs.popleft() if slot.logprobs else None for _ in event.token_ids
                 ]
-                event.logprobs = [lp for lp in taken if lp is not None]
+                answered = taken[: len(taken) - event.stop_tokens]  # not the stop string's
+                event.logprobs = [lp for lp in answered if lp is not None]
             if send:
                 self._send(slot, event)
         slot.generate(token)

@@ -29,21 +29,30 @@ class TextAssembler:
         self._stop = stop
         self._pending = ""
         self._pending_ids: list[int] = []
+        # Where each pending token's text begins in the pending text (it grows from the
+        # same start until a chunk is emitted).
+        self._pending_starts: list[int] = []
         self.stopped = False
 
     def feed(self, token_id: int, piece: bytes) -> TextChunk | None:
+        self._pending_starts.append(len(self._pending))
         text = self._pending + self._decoder.decode(piece)
         self._pending_ids.append(token_id)
         cut = min((i for i in (text.find(s) for s in self._stop) if i >= 0), default=-1)
         if cut >= 0:
             self.stopped = True
-            return self._emit(text[:cut], keep="", final=True)
+            inside = sum(start >= cut for start in self._pending_starts)
+            chunk = self._emit(text[:cut], keep="", final=True)
+            if chunk is not None:
+                chunk.stop_tokens = inside
+            return chunk
         hold = self._held_suffix(text)
         return self._emit(text[: len(text) - hold], keep=text[len(text) - hold :], final=False)
 
     def take_ids(self) -> list[int]:
         """The tokens fed since the last chunk, to travel with text that is not from here."""
         ids, self._pending_ids = self._pending_ids, []
+        self._pending_starts = []
         return ids
 
     def flush(self) -> TextChunk | None:
@@ -67,7 +76,7 @@ class TextAssembler:
         if not text and not (final and self._pending_ids):
             return None
         chunk = TextChunk(text=text, token_ids=self._pending_ids)
-        self._pending_ids = []
+        self._pending_ids, self._pending_starts = [], []
         return chunk
 
 
