@@ -241,7 +241,7 @@ class TokenLogprob:
     """A generated token's log probability (natural log, under the model's distribution)
     and the most likely tokens at its place, most likely first (GenerateCall.logprobs)."""
 
-    token_id: int
+    token_id: int  # -1 from an Ollama node (its server gives the text, not the id)
     text: str  # its bytes as text (a piece ending inside a character: U+FFFD for it)
     logprob: float
     top: tuple[TokenLogprob, ...] = ()

@@ -14,6 +14,10 @@ durations are measured. Run it as its own process (one per "machine"):
 
     python -m tests.fake_ollama --gguf FILE --model smollm2:135m [--port N] [--threads N]
 
+With `logprobs: true` (Ollama 0.12.11's), each line's `logprobs` has an entry for its
+word (WordModel: the word most likely, at log(0.5), the others after it); `old = True`
+makes it an older Ollama that ignores the field.
+
 Switches for failure tests: `delay_s` per streamed token, `status` (answer every request
 with that HTTP error), `drop_after` (close the connection mid-stream after N chunks),
 `error_after` (an `{"error": …}` line after N chunks). `disconnects` counts streams whose
@@ -25,6 +29,7 @@ from __future__ import annotations
 import argparse
 import codecs
 import json
+import math
 import os
 import threading
 import time
@@ -56,6 +61,19 @@ DIGEST = "sha256:" + "c0ffee" * 10 + "abcd"
 
 def next_word(text: str) -> str:
     return WORDS[sum(map(ord, text)) % len(WORDS)]
+
+
+def word_logprobs(word: str, top: int) -> dict[str, Any]:
+    """A word's entry in Ollama's `logprobs`: the word at log(0.5), and the `top` most
+    likely (the word first, then the others in WORDS' order, each less likely)."""
+
+    def entry(token: str, logprob: float) -> dict[str, Any]:
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+    others = [w for w in WORDS if w != word]
+    alternatives = [entry(word, math.log(0.5))]
+    alternatives += [entry(w, math.log(0.5 / len(WORDS)) - i / 10) for i, w in enumerate(others)]
+    return {**entry(word, math.log(0.5)), "top_logprobs": alternatives[:top]}
 
 
 def now() -> str:
@@ -252,6 +270,7 @@ class FakeOllama:
         self.status = 0
         self.drop_after = -1
         self.error_after = -1
+        self.old = False
         self.disconnects = 0
         self.disconnected = threading.Event()
         self.requests: list[tuple[str, dict[str, Any]]] = []
@@ -271,6 +290,7 @@ class FakeOllama:
 
     def reset(self) -> None:
         self.delay_s, self.status, self.drop_after, self.error_after = 0.0, 0, -1, -1
+        self.old = False
         self.requests.clear()
         self.disconnected.clear()
 
@@ -304,7 +324,7 @@ class FakeOllama:
         if self.status:
             return self._json(h, {"error": f"fake failure {self.status}"}, self.status)
         if path == "/api/version":
-            return self._json(h, {"version": "0.12.6"})
+            return self._json(h, {"version": "0.12.6" if self.old else "0.13.0"})
         if path == "/api/tags":
             return self._json(h, {"models": [self._model_entry(m) for m in sorted(self.models)]})
         if path == "/api/ps":
@@ -380,16 +400,26 @@ class FakeOllama:
         self.loaded.add(model)
         started = time.perf_counter_ns()
         run = self.model.run(prompt, body.get("options") or {})
+        top = self._top_logprobs(body)
         if body.get("stream") is False:
-            content = "".join(run.pieces)
+            words = list(run.pieces)
             final = self._final(model, run, started, chat)
             reply = (
-                {**final, "message": {"role": "assistant", "content": content}}
+                {**final, "message": {"role": "assistant", "content": "".join(words)}}
                 if chat
-                else {**final, "response": content}
+                else {**final, "response": "".join(words)}
             )
+            if top is not None:
+                reply["logprobs"] = [word_logprobs(w, top) for w in words]
             return self._json(h, reply)
-        self._stream(h, model, run, started, chat)
+        self._stream(h, model, run, started, chat, top)
+
+    def _top_logprobs(self, body: dict[str, Any]) -> int | None:
+        """How many alternatives each word's entry lists, when the request asked for log
+        probabilities (a WordModel's only; an older Ollama ignores the fields)."""
+        if self.old or not body.get("logprobs") or not isinstance(self.model, WordModel):
+            return None
+        return int(body.get("top_logprobs") or 0)
 
     def _final(self, model: str, run: Run, started: int, chat: bool) -> dict[str, Any]:
         stats = dict(run.stats)
@@ -407,7 +437,13 @@ class FakeOllama:
         return final
 
     def _stream(
-        self, h: BaseHTTPRequestHandler, model: str, run: Run, started: int, chat: bool
+        self,
+        h: BaseHTTPRequestHandler,
+        model: str,
+        run: Run,
+        started: int,
+        chat: bool,
+        top: int | None = None,
     ) -> None:
         h.send_response(200)
         h.send_header("Content-Type", "application/x-ndjson")
@@ -429,6 +465,8 @@ class FakeOllama:
                 piece = {"role": "assistant", "content": word}
                 part = {"model": model, "created_at": now(), "done": False}
                 part.update({"message": piece} if chat else {"response": word})
+                if top is not None:
+                    part["logprobs"] = [word_logprobs(word, top)]
                 self._chunk(h, part)
             final = self._final(model, run, started, chat)
             last = (

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +31,7 @@ from disagg_mesh.server.common.config.topology import Topology
 from disagg_mesh.server.common.runtime.processes import MeshProcesses, free_port
 from tests import conftest
 from tests.conftest import route, router_node, running_mesh
-from tests.fake_ollama import FakeOllama
+from tests.fake_ollama import FakeOllama, word_logprobs
 from tests.streams import Collected, collect, streamed_calls
 
 MODEL = "qwen3-coder:30b"
@@ -203,7 +204,6 @@ async def test_direct_ollama_streams_and_unknown_model_is_not_found(
     [
         ("ignore_eos", {"ignore_eos": True}),
         ("logit_bias", {"logit_bias": {5: 1.0}}),
-        ("logprobs", {"logprobs": 0}),
     ],
 )
 async def test_what_ollama_lacks_is_refused_naming_the_field(
@@ -216,6 +216,89 @@ async def test_what_ollama_lacks_is_refused_naming_the_field(
             await collect(router.Generate(ollama_request(model, 8, **setting)))
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, model
         assert f"sampling.{field}" in (info.value.details() or ""), info.value.details()
+
+
+@pytest.mark.parametrize("model", [MODEL, "ollama/decode-only", "ollama/direct"])
+async def test_log_probabilities_come_from_ollama(
+    router: router_pb2_grpc.RouterServiceAsyncStub, ollama_mesh: OllamaMesh, model: str
+) -> None:
+    """SamplingParams.logprobs becomes Ollama's logprobs and top_logprobs; each token's
+    entry comes back as Ollama gave it (its text, no token id: -1), on every route: over
+    two Ollama nodes the first token's from the prefill node's reply."""
+    got = await collect(router.Generate(ollama_request(model, 6, logprobs=2)))
+    assert not got.summary.failed_attempts
+    pieces = [lp.chosen.piece.decode() for lp in got.logprobs]
+    assert "".join(pieces) == got.text and len(pieces) == 6
+    for lp, piece in zip(got.logprobs, pieces, strict=True):
+        expected = word_logprobs(piece, 2)
+        assert lp.chosen.token_id == -1
+        assert lp.chosen.logprob == pytest.approx(expected["logprob"])
+        assert [(c.piece.decode(), c.token_id) for c in lp.top] == [
+            (t["token"], -1) for t in expected["top_logprobs"]
+        ]
+    fakes = [ollama_mesh.nodes_ollama, ollama_mesh.direct_ollama]
+    sent = [b for fake in fakes for p, b in fake.requests if p == "/api/generate"]
+    assert sent and all((b["logprobs"], b["top_logprobs"]) == (True, 2) for b in sent)
+    for fake in fakes:
+        fake.requests.clear()
+    plain = await collect(router.Generate(ollama_request(model, 4)))
+    assert not plain.logprobs
+    sent = [b for fake in fakes for p, b in fake.requests if p == "/api/generate"]
+    assert sent and not any("logprobs" in b for b in sent)
+
+
+async def test_log_probabilities_from_an_older_ollama_are_refused_not_left_out(
+    router: router_pb2_grpc.RouterServiceAsyncStub, ollama_mesh: OllamaMesh
+) -> None:
+    """An Ollama older than 0.12.11 ignores logprobs: the answer is refused, saying why,
+    not sent without them; and with tools (not yet) the node refuses them, as embedded
+    nodes do."""
+    ollama_mesh.direct_ollama.old = True
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await collect(router.Generate(ollama_request("ollama/direct", 4, logprobs=0)))
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "0.12.11" in (info.value.details() or "")
+    tools = types_pb2.ToolSet(
+        definitions=[types_pb2.ToolDefinition(name="f", parameters_json_schema="{}")]
+    )
+    asked = router_pb2.GenerateRequest(
+        model="ollama/decode-only",
+        messages=[types_pb2.ChatMessage(role="user", content="Call f.")],
+        sampling=types_pb2.SamplingParams(max_tokens=4, logprobs=0, tools=tools),
+    )
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await collect(router.Generate(asked))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "sampling.logprobs" in (info.value.details() or "")
+
+
+def test_log_probabilities_over_ollama_nodes_reach_both_doors(ollama_mesh: OllamaMesh) -> None:
+    """The `ollama` client's logprobs/top_logprobs and the `openai` client's, through the
+    mesh's doors to Ollama nodes and back."""
+    router = ollama_mesh.topology.router
+    url = f"http://{router.host}:{router.http_port}"
+    answer = ollama.Client(host=url).generate(
+        model="ollama/decode-only",
+        prompt=PROMPT,
+        options={"num_predict": 4, "temperature": 0},
+        logprobs=True,
+        top_logprobs=3,
+    )
+    entries = answer.logprobs or []
+    assert "".join(e.token for e in entries) == answer.response and len(entries) == 4
+    assert [len(e.top_logprobs or ()) for e in entries] == [3] * 4
+    client: Any = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+    chat = client.chat.completions.create(
+        model="ollama/decode-only",
+        messages=[{"role": "user", "content": "Grade this."}],
+        max_tokens=4,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=1,
+    )
+    content = chat.choices[0].logprobs.content
+    assert "".join(c.token for c in content) == chat.choices[0].message.content
+    assert all(c.logprob == pytest.approx(math.log(0.5)) for c in content)
 
 
 async def test_response_format_reaches_ollama_as_its_format(

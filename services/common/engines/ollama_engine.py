@@ -14,6 +14,9 @@ What Ollama's HTTP API can and cannot do for disaggregation:
   or a raw `httpx.ConnectError` on a stream's first read; timeouts are raw httpx timeouts.
   `_mapped_errors` turns each into the mesh's errors, in one place.
 - Closing a stream stops generation on the server: the caller's cancellation closes it.
+- Log probabilities (Ollama 0.12.11 and later: `logprobs`, `top_logprobs`): each streamed
+  line's `logprobs` holds its tokens' entries (text and log probability, no token id). An
+  older server ignores the fields: a reply with text and no entries is refused.
 """
 
 from __future__ import annotations
@@ -64,6 +67,8 @@ from disagg_mesh.server.common.types import (
     Sampling,
     StageLimits,
     TextChunk,
+    TokenChoice,
+    TokenLogprob,
 )
 
 ENGINE_VERSION = "ollama"
@@ -81,6 +86,8 @@ _NO_CONSTRAINED_HANDOFF = (
     "another node started: Ollama would start its grammar again from the handed-over text; "
     "the generation runs whole on one node (decode_only, direct_ollama)"
 )
+# Ollama gives a token's text, not its id.
+UNKNOWN_TOKEN_ID = -1
 
 
 class OllamaEngine:
@@ -157,17 +164,20 @@ class OllamaEngine:
                 prompt=prompt.text,
                 options=self._options(sampling, num_predict=1),
                 keep_alive=self.keep_alive,
+                **_logprob_fields(sampling),
             )
         self._rates.add(reply.prompt_eval_count or 0, reply.eval_count or 0)
         ids = list(reply.context or [])
         if not ids:
             raise Unavailable(f"Ollama at {self.url} returned no context for the prompt")
+        first_logprobs = self._logprobs(sampling, reply, bool(reply.response))
         state = memoryview(_ids_to_bytes(ids))
         return PrefillOutput(
             kv_state=state,
             kv_sha256=hashlib.sha256(state).hexdigest(),
             first_token_id=ids[-1],
             first_token_text=reply.response or "",
+            first_token_logprobs=tuple(first_logprobs[:1]),
             prompt_tokens=reply.prompt_eval_count or 0,
             prefill_seconds=time.perf_counter() - started,
         )
@@ -189,7 +199,10 @@ class OllamaEngine:
         completion = 0
         if reference.first_token_text:
             completion = 1
-            yield TextChunk(text=reference.first_token_text)
+            yield TextChunk(
+                text=reference.first_token_text,
+                logprobs=list(reference.first_token_logprobs[:1]),
+            )
         if sampling.max_tokens <= completion:
             yield GenerationEnd(
                 completion, FinishReason.LENGTH, prompt_tokens=reference.prompt_tokens
@@ -205,7 +218,9 @@ class OllamaEngine:
                     options=self._options(sampling, num_predict=sampling.max_tokens - completion),
                     keep_alive=self.keep_alive,
                     stream=True,
+                    **_logprob_fields(sampling),
                 ),
+                sampling,
                 already=completion,
             ):
                 yield item
@@ -265,6 +280,7 @@ class OllamaEngine:
                     stream=True,
                     think=think,
                     format=fmt,
+                    **_logprob_fields(sampling),
                 )
             else:
                 request = self._client.generate(
@@ -275,15 +291,17 @@ class OllamaEngine:
                     keep_alive=self.keep_alive,
                     stream=True,
                     format=fmt,
+                    **_logprob_fields(sampling),
                 )
-            async for item in self._stream(request, already=already):
+            async for item in self._stream(request, sampling, already=already):
                 yield item
 
-    async def _stream(self, request: Any, already: int) -> Generation:
+    async def _stream(self, request: Any, sampling: Sampling, already: int) -> Generation:
         """Relay an NDJSON stream of /api/generate or /api/chat as chunks, then the end."""
         async with self._mapped_errors():
             parts: AsyncIterator[Any] = await request
             calls = 0
+            answered = False  # text sent
             try:
                 async for part in parts:
                     message = part if hasattr(part, "response") else part.message
@@ -297,8 +315,18 @@ class OllamaEngine:
                         pieces.append(CallStart(calls, new_call_id(), call.function.name))
                         pieces.append(ArgumentsPiece(calls, arguments))
                         calls += 1
-                    if text or thinking or pieces:
-                        yield TextChunk(text=text or "", reasoning=thinking, tool_calls=pieces)
+                    # The answer's tokens' (a line of reasoning alone has its own).
+                    answer = bool(text) or not thinking
+                    logprobs = self._logprobs(sampling, part, bool(text) and not answered)
+                    logprobs = logprobs if answer else []
+                    answered = answered or bool(text)
+                    if text or thinking or pieces or logprobs:
+                        yield TextChunk(
+                            text=text or "",
+                            reasoning=thinking,
+                            tool_calls=pieces,
+                            logprobs=logprobs,
+                        )
                     if part.done:
                         self._rates.add(part.prompt_eval_count or 0, part.eval_count or 0)
                         yield GenerationEnd(
@@ -340,6 +368,27 @@ class OllamaEngine:
 
     # -- helpers ---------------------------------------------------------------------------
 
+    def _logprobs(self, sampling: Sampling, reply: Any, first_text: bool) -> list[TokenLogprob]:
+        """A reply's (or streamed line's) log probabilities, when the request asked for them;
+        FailedPrecondition when its first text came without any (an Ollama older than
+        0.12.11 ignores the request's fields)."""
+        if sampling.logprobs is None:
+            return []
+        entries = reply.logprobs or []
+        if first_text and not entries:
+            raise FailedPrecondition(
+                f"sampling.logprobs: the Ollama server at {self.url} returned no log "
+                "probabilities (they need Ollama 0.12.11 or later); upgrade it, or route the "
+                "model to embedded llama.cpp nodes"
+            )
+        return [
+            TokenLogprob(
+                _choice(entry),
+                tuple(_choice(top) for top in (entry.top_logprobs or ())[: sampling.logprobs]),
+            )
+            for entry in entries
+        ]
+
     def _options(self, sampling: Sampling, num_predict: int) -> dict[str, Any]:
         if sampling.tools is not None and sampling.tools.forced:
             raise FailedPrecondition(
@@ -350,7 +399,11 @@ class OllamaEngine:
         unsupported = (
             ("ignore_eos", sampling.ignore_eos, "Ollama has no such option"),
             ("logit_bias", bool(sampling.logit_bias), "Ollama has no such option"),
-            ("logprobs", sampling.logprobs is not None, "not asked of Ollama"),
+            (
+                "logprobs",
+                sampling.logprobs is not None and sampling.tools is not None,
+                "not with tools, yet",
+            ),
         )
         for name, asked, why in unsupported:
             if asked:
@@ -418,6 +471,19 @@ class OllamaEngine:
 
     async def close(self) -> None:
         await self._client.close()  # type: ignore[no-untyped-call]
+
+
+def _logprob_fields(sampling: Sampling) -> dict[str, Any]:
+    """Ollama's request fields for log probabilities (none unless asked)."""
+    if sampling.logprobs is None:
+        return {}
+    return {"logprobs": True, "top_logprobs": sampling.logprobs}
+
+
+def _choice(entry: Any) -> TokenChoice:
+    """An Ollama log-probability entry (its `bytes`, when sent, are not kept by the ollama
+    package: the token's text stands for them)."""
+    return TokenChoice(UNKNOWN_TOKEN_ID, str(entry.token).encode(), float(entry.logprob))
 
 
 def _ids_to_bytes(ids: list[int]) -> bytes:
