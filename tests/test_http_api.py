@@ -287,6 +287,8 @@ async def test_repetition_penalties_on_both_doors(
         ({"repeat_penalty": 0}, "repeat_penalty"),
         ({"presence_penalty": 2.5}, "presence_penalty"),
         ({"repeat_last_n": -2}, "repeat_last_n"),
+        ({"repeat_last_n": 2**63}, "repeat_last_n"),  # beyond int32: named, not a 500
+        ({"top_k": 2**63}, "top_k"),
     ):
         with pytest.raises(ollama.ResponseError) as info:
             await client.generate(model=QWEN, prompt="hi", options=bad)
@@ -340,6 +342,7 @@ async def test_logit_bias_on_the_openai_door_and_grpc(
         ({"the": 1}, "logit_bias"),
         ({"99999999": 1}, "sampling.logit_bias"),
         ({"5": 101}, "sampling.logit_bias"),
+        ({str(2**63): 1}, "sampling.logit_bias"),  # beyond int32: named, not a 500
     ):
         with pytest.raises(openai.BadRequestError) as refused:
             await asyncio.to_thread(
@@ -772,3 +775,68 @@ def test_the_grader_works_unchanged_against_the_ollama_door(grader_door: str) ->
     assert "== code analysis (qwen3-coder:30b)\n" in done.stdout
     assert "== written feedback (gpt-oss:120b)\n" in done.stdout
     assert done.stdout.count(" generated at ") == 2
+
+
+# -- Any field, any value ------------------------------------------------------------------
+
+ODD_VALUES: list[Any] = [None, True, -1, 2**63, -(2**63), 1.5, "x", [], {}, [1], {"a": 1}]
+OPENAI_FIELDS = {
+    "/v1/chat/completions": (
+        "messages max_tokens max_completion_tokens temperature top_p top_k min_p n stop seed "
+        "stream logprobs top_logprobs logit_bias frequency_penalty presence_penalty "
+        "repetition_penalty repeat_last_n response_format tools tool_choice "
+        "parallel_tool_calls stream_options reasoning_effort ignore_eos modalities"
+    ),
+    "/v1/completions": "prompt max_tokens temperature n stop seed logprobs logit_bias echo",
+}
+OLLAMA_FIELDS = "prompt messages format options keep_alive think logprobs top_logprobs raw context"
+OLLAMA_OPTIONS = (
+    "num_predict temperature top_p top_k min_p seed stop num_ctx repeat_penalty "
+    "frequency_penalty presence_penalty repeat_last_n"
+)
+
+
+def test_odd_values_in_any_field_are_answered_never_a_500(mesh: Mesh) -> None:
+    """Every field of both doors given values of every JSON kind (and integers beyond
+    int64): each request is served or refused with a 4xx and an error body in JSON, never a
+    500 (integers beyond a proto field's int32 were one: top_k, repeat_last_n). One token
+    each, so the sweep stays short: a field that bounds the answer (max_tokens, options,
+    num_predict) is not given a value that lifts the bound (absent, -1, no options)."""
+
+    def values(name: str) -> list[Any]:
+        if name not in ("max_tokens", "max_completion_tokens", "options", "num_predict"):
+            return ODD_VALUES
+        return [v for v in ODD_VALUES if v not in (None, -1, {})]
+
+    short = {"max_tokens": 1}
+    bases: list[tuple[str, dict[str, Any], str, str]] = [
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], **short}, "", ""),
+        ("/v1/completions", {"prompt": "Hi", **short}, "", ""),
+    ]
+    cases = []
+    for path, base, _, _ in bases:
+        for name in OPENAI_FIELDS[path].split():
+            cases += [(path, {"model": QWEN, **base, name: v}) for v in values(name)]
+    for path, text in (("/api/generate", "prompt"), ("/api/chat", "messages")):
+        base = {
+            "model": QWEN,
+            "prompt": "Hi",
+            "messages": [{"role": "user", "content": "Hi"}],
+            "stream": False,
+            "options": {"num_predict": 1},
+        }
+        base.pop("messages" if text == "prompt" else "prompt")
+        for name in OLLAMA_FIELDS.split():
+            cases += [(path, {**base, name: v}) for v in values(name)]
+        for name in OLLAMA_OPTIONS.split():
+            options = [{"num_predict": 1, name: v} for v in values(name)]
+            cases += [(path, {**base, "options": o}) for o in options]
+    failures = []
+    with httpx.Client(base_url=http_url(mesh), timeout=60) as client:
+        for path, body in cases:
+            reply = client.post(path, json=body)
+            if reply.status_code >= 500:
+                failures.append((path, body, reply.status_code, reply.text[:200]))
+            elif reply.status_code >= 400 and "error" not in reply.json():
+                failures.append((path, body, reply.status_code, reply.text[:200]))
+    assert not failures, failures[:5]

@@ -17,6 +17,9 @@ MAX_PROMPT_BYTES = 4 * 1024 * 1024
 MAX_STOP_STRINGS = 8
 # OpenAI documents no limit; a bias sampler of this many entries costs nothing to speak of.
 MAX_LOGIT_BIASES = 1024
+# The largest value of an int32 field of SamplingParams (top_k, repeat_last_n, a logit_bias
+# token id): a larger one from a door is refused naming its field.
+INT32_MAX = 2**31 - 1
 # OpenAI's top_logprobs limit.
 MAX_TOP_LOGPROBS = 20
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
@@ -85,9 +88,10 @@ def validate_sampling(
         raise InvalidArgument("sampling.temperature", f"must be >= 0, got {sampling.temperature}")
     if not 0.0 < sampling.top_p <= 1.0:
         raise InvalidArgument("sampling.top_p", f"must be in (0, 1], got {sampling.top_p}")
-    if sampling.top_k < -1:  # vLLM's -1, as 0: no limit
+    if not -1 <= sampling.top_k <= INT32_MAX:  # vLLM's -1, as 0: no limit
         raise InvalidArgument(
-            "sampling.top_k", f"must be >= 0, or -1 (0 and -1: no limit), got {sampling.top_k}"
+            "sampling.top_k",
+            f"must be in 0..{INT32_MAX}, or -1 (0 and -1: no limit), got {sampling.top_k}",
         )
     if not 0.0 <= sampling.min_p <= 1.0:
         raise InvalidArgument("sampling.min_p", f"must be in [0, 1], got {sampling.min_p}")
@@ -106,10 +110,11 @@ def validate_sampling(
             f"at most {MAX_LOGIT_BIASES} tokens, got {len(sampling.logit_bias)}",
         )
     for token, bias in sampling.logit_bias:
-        if token < 0 or not -100.0 <= bias <= 100.0:
+        if not 0 <= token <= INT32_MAX or not -100.0 <= bias <= 100.0:
             raise InvalidArgument(
                 "sampling.logit_bias",
-                f"token ids must be >= 0 and biases in [-100, 100], got {token}: {bias}",
+                f"token ids must be in 0..{INT32_MAX} and biases in [-100, 100], got "
+                f"{token}: {bias}",
             )
     if sampling.logprobs is not None and not 0 <= sampling.logprobs <= MAX_TOP_LOGPROBS:
         raise InvalidArgument(
@@ -117,10 +122,11 @@ def validate_sampling(
             f"must be in 0..{MAX_TOP_LOGPROBS} (the most likely tokens returned beside each "
             f"token's), got {sampling.logprobs}",
         )
-    if sampling.repeat_last_n < -1:
+    if not -1 <= sampling.repeat_last_n <= INT32_MAX:
         raise InvalidArgument(
             "sampling.repeat_last_n",
-            f"must be >= 0, or -1 (the whole context), got {sampling.repeat_last_n}",
+            f"must be in 0..{INT32_MAX}, or -1 (the whole context), got "
+            f"{sampling.repeat_last_n}",
         )
     if len(sampling.stop) > MAX_STOP_STRINGS:
         raise InvalidArgument(
