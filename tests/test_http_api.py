@@ -808,15 +808,15 @@ def test_odd_values_in_any_field_are_answered_never_a_500(mesh: Mesh) -> None:
             return ODD_VALUES
         return [v for v in ODD_VALUES if v not in (None, -1, {})]
 
-    short = {"max_tokens": 1}
-    bases: list[tuple[str, dict[str, Any], str, str]] = [
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], **short}, "", ""),
-        ("/v1/completions", {"prompt": "Hi", **short}, "", ""),
-    ]
+    openai_bases: dict[str, dict[str, Any]] = {
+        "/v1/chat/completions": {"messages": [{"role": "user", "content": "Hi"}]},
+        "/v1/completions": {"prompt": "Hi"},
+    }
     cases = []
-    for path, base, _, _ in bases:
+    for path, base in openai_bases.items():
+        base = {"model": QWEN, **base, "max_tokens": 1}
         for name in OPENAI_FIELDS[path].split():
-            cases += [(path, {"model": QWEN, **base, name: v}) for v in values(name)]
+            cases += [(path, {**base, name: v}) for v in values(name)]
     for path, text in (("/api/generate", "prompt"), ("/api/chat", "messages")):
         base = {
             "model": QWEN,

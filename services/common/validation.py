@@ -125,8 +125,7 @@ def validate_sampling(
     if not -1 <= sampling.repeat_last_n <= INT32_MAX:
         raise InvalidArgument(
             "sampling.repeat_last_n",
-            f"must be in 0..{INT32_MAX}, or -1 (the whole context), got "
-            f"{sampling.repeat_last_n}",
+            f"must be in 0..{INT32_MAX}, or -1 (the whole context), got {sampling.repeat_last_n}",
         )
     if len(sampling.stop) > MAX_STOP_STRINGS:
         raise InvalidArgument(
