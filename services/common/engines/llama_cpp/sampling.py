@@ -122,9 +122,7 @@ class SlotSampler:
         the token is accepted into the chain's state."""
         if self._grammar is None and (self._shaped or not self._greedy):
             return int(llama_cpp.llama_sampler_sample(self._chain, ctx, row))
-        logits = np.ctypeslib.as_array(
-            llama_cpp.llama_get_logits_ith(ctx, row), shape=(self._n_vocab,)
-        )
+        logits = logits_view(ctx, row, self._n_vocab)
         if self._grammar is None:
             # What the greedy chain picks (end tokens at -inf for ignore_eos, then the first
             # most likely token), without its copy of every logit: ~40 us less a row here.
@@ -209,11 +207,16 @@ class SlotSampler:
             self._grammar = None
 
 
+def logits_view(ctx: Any, row: int, n_vocab: int) -> np.ndarray[Any, np.dtype[np.float32]]:
+    """Batch row `row`'s logits in the context's own memory (a sampling step that changes
+    them changes these)."""
+    return np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, row), shape=(n_vocab,))
+
+
 def row_logits(ctx: Any, row: int, n_vocab: int) -> np.ndarray[Any, np.dtype[np.float32]]:
     """A copy of batch row `row`'s logits, as the model gave them (before any sampling step
     changes them)."""
-    logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, row), shape=(n_vocab,))
-    return logits.copy()
+    return logits_view(ctx, row, n_vocab).copy()
 
 
 def token_logprob(
