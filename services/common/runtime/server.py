@@ -69,6 +69,9 @@ class HealthServicer(health.aio.HealthServicer):
 
     async def _watch(self, request: Any, context: Any) -> None:
         watching = asyncio.ensure_future(super().Watch(request, context))
+        # Once this call is over (the watcher cancelled it, or the server stopped), what the
+        # stream's own task ends with is nobody's to hear.
+        watching.add_done_callback(_heard)
         closing = asyncio.ensure_future(self._closing.wait())
         try:
             await asyncio.wait({watching, closing}, return_when=asyncio.FIRST_COMPLETED)
@@ -76,16 +79,30 @@ class HealthServicer(health.aio.HealthServicer):
             closing.cancel()
             if not watching.done():
                 watching.cancel()
-        if not watching.cancelled():
-            watching.result()  # it ended by itself: its error, if any
-            return
-        await context.write(
-            health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.NOT_SERVING)
-        )
+        try:
+            if not watching.cancelled():
+                watching.result()  # it ended by itself: its error, if any
+                return
+            await context.write(
+                health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.NOT_SERVING)
+            )
+        except Exception:
+            # A watcher that went away as this node stopped (a router stopping with it)
+            # cannot be told: that is no error of the node's.
+            if not self._closing.is_set():
+                raise
+            log.debug("health watcher gone at shutdown")
 
     async def enter_graceful_shutdown(self) -> None:
         await super().enter_graceful_shutdown()
         self._closing.set()
+
+
+def _heard(task: asyncio.Future[Any]) -> None:
+    """Takes a finished task's error, so that asyncio does not report it as never
+    retrieved."""
+    if not task.cancelled():
+        task.exception()
 
 
 class BindError(Exception):
