@@ -26,6 +26,7 @@ from disagg_mesh.server.common.errors import (
     UpstreamError,
 )
 from disagg_mesh.server.common.runtime.observability import metrics
+from disagg_mesh.server.common.runtime.server import retrieved
 from disagg_mesh.server.common.types import StageLimits
 from disagg_mesh.server.router.deaths import QueryOfDeath, dropped
 from disagg_mesh.server.router.node_health import (
@@ -217,7 +218,8 @@ async def watched(
     finally:
         if not task.done():
             task.cancel()
-            task.add_done_callback(_retrieved)
+        # Let go, however it ends (it may have ended as this call was cancelled).
+        task.add_done_callback(retrieved)
 
 
 async def watched_events(
@@ -268,12 +270,6 @@ def _hung(stage: str, node: Node, stage_s: float) -> StageDeadlineExceeded:
         f"stage deadline passed and the node did not answer a health check within "
         f"{CHECK_TIMEOUT_S:g} s (hung)"
     )
-
-
-def _retrieved(task: asyncio.Future[Any]) -> None:
-    """Read a task's end, so an error it ended with after it was let go is not logged."""
-    if not task.cancelled():
-        task.exception()
 
 
 @asynccontextmanager

@@ -63,7 +63,10 @@ class _Scope:
             if exc is None:
                 self._count_and_log("rpc done", "OK", elapsed_ms)
                 return
-            if isinstance(exc, asyncio.CancelledError):
+            # The caller went away: its task cancelled, or, when that came while gRPC was
+            # sending a message, the stream's generator closed later (GeneratorExit): no
+            # status to send either way.
+            if isinstance(exc, asyncio.CancelledError | GeneratorExit):
                 self._count_and_log("rpc cancelled", "CANCELLED", elapsed_ms)
                 return
             if isinstance(exc, grpc.aio.AbortError):  # the handler set its own status

@@ -71,7 +71,7 @@ class HealthServicer(health.aio.HealthServicer):
         watching = asyncio.ensure_future(super().Watch(request, context))
         # Once this call is over (the watcher cancelled it, or the server stopped), what the
         # stream's own task ends with is nobody's to hear.
-        watching.add_done_callback(_heard)
+        watching.add_done_callback(retrieved)
         closing = asyncio.ensure_future(self._closing.wait())
         try:
             await asyncio.wait({watching, closing}, return_when=asyncio.FIRST_COMPLETED)
@@ -98,9 +98,9 @@ class HealthServicer(health.aio.HealthServicer):
         self._closing.set()
 
 
-def _heard(task: asyncio.Future[Any]) -> None:
-    """Takes a finished task's error, so that asyncio does not report it as never
-    retrieved."""
+def retrieved(task: asyncio.Future[Any]) -> None:
+    """Read a task's end (a done callback), so an error it ended with after it was let go
+    is not logged as never retrieved."""
     if not task.cancelled():
         task.exception()
 
