@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import sys
 import time
@@ -42,6 +43,7 @@ from disagg_mesh.client import (
     MeshClient,
     Reasoning,
     TlsFiles,
+    TokenLogprob,
     ToolCall,
     ToolCallDelta,
 )
@@ -126,6 +128,13 @@ def _parser() -> argparse.ArgumentParser:
         default=[],
         metavar="ID=BIAS",
         help="add BIAS (-100..100) to token ID's logit (repeatable)",
+    )
+    gen.add_argument(
+        "--logprobs",
+        type=int,
+        metavar="N",
+        help="each token's log probability and the N (0-20) most likely at its place: a "
+        'line a token on stderr after the answer (with --json, its "logprobs")',
     )
     gen.add_argument("--seed", type=int)
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
@@ -409,6 +418,7 @@ def _generate(args: argparse.Namespace) -> int:
         presence_penalty=args.presence_penalty,
         repeat_last_n=args.repeat_last_n,
         logit_bias=_logit_bias(args.logit_bias),
+        logprobs=args.logprobs,
         ignore_eos=args.ignore_eos,
         seed=args.seed,
         stop=args.stop,
@@ -424,10 +434,13 @@ def _generate(args: argparse.Namespace) -> int:
                 "reasoning": result.reasoning,
                 "tool_calls": [_call_json(c) for c in result.tool_calls],
             }
+            if args.logprobs is not None:
+                out["logprobs"] = [_logprob_json(lp) for lp in result.logprobs]
             print(json.dumps({**out, "metrics": result.metrics.as_dict()}, indent=2))
             return 0
         metrics: Metrics | None = None
         calls: dict[int, ToolCall] = {}
+        scores: list[TokenLogprob] = []
         for item in mesh.stream(call, reasoning=True):
             if isinstance(item, Metrics):
                 metrics = item
@@ -437,17 +450,36 @@ def _generate(args: argparse.Namespace) -> int:
             elif isinstance(item, Reasoning):  # on stderr: stdout is the answer alone
                 sys.stderr.write(item)
                 sys.stderr.flush()
-            elif isinstance(item, Logprobs):  # not asked for here
-                continue
+            elif isinstance(item, Logprobs):  # shown after the answer
+                scores.extend(item)
             else:
                 sys.stdout.write(item)
                 sys.stdout.flush()
         sys.stdout.write("\n")
         for index in sorted(calls):
             print(json.dumps(_call_json(calls[index])))
+        for score in scores:
+            print(_logprob_line(score), file=sys.stderr)
         if metrics is not None:
             print(metrics.one_line(), file=sys.stderr)
     return 0
+
+
+def _logprob_json(lp: TokenLogprob) -> dict[str, Any]:
+    out: dict[str, Any] = {"token_id": lp.token_id, "text": lp.text, "logprob": lp.logprob}
+    if lp.top:
+        out["top"] = [_logprob_json(t) for t in lp.top]
+    return out
+
+
+def _logprob_line(lp: TokenLogprob) -> str:
+    """A token's log probability as --logprobs prints it: its text (quoted, as Python
+    writes it), the log probability and the probability, then the most likely tokens at
+    its place."""
+    line = f"{lp.text!r:>16} {lp.logprob:9.4f} {100 * math.exp(lp.logprob):6.2f} %"
+    if lp.top:
+        line += "   " + "  ".join(f"{t.text!r} {100 * math.exp(t.logprob):.2f} %" for t in lp.top)
+    return line
 
 
 def _call_json(call: ToolCall) -> dict[str, Any]:

@@ -113,8 +113,8 @@ class GenerateCall:
     # (OpenAI's logit_bias; embedded nodes only).
     logit_bias: Mapping[int, float] | None = None
     # Each token's log probability, and this many of the most likely tokens at its place
-    # (0 to 20; Result.logprobs, stream()'s Logprobs items; gpt-oss: its answer's tokens);
-    # None: none. Embedded nodes, calls without tools.
+    # (0 to 20; Result.logprobs, stream()'s Logprobs items; gpt-oss: its answer's and its
+    # calls' arguments' tokens); None: none. Embedded and Ollama (0.12.11+) nodes.
     logprobs: int | None = None
 
     def __post_init__(self) -> None:

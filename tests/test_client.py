@@ -181,6 +181,24 @@ def test_cli_generate_takes_penalties_and_logit_biases(
     assert out.returncode == 2 and out.stderr.count("\n") == 1 and "--logit-bias" in out.stderr
 
 
+def test_cli_generate_shows_log_probabilities(mesh: Mesh) -> None:
+    """--logprobs N: after the answer, a line a token on stderr (its text, log probability,
+    probability and the N most likely), then the summary line; with --json, "logprobs":
+    one per token, their texts the answer."""
+    common = ["--router", mesh.router_address, "generate", "-m", "qwen3-coder:30b"]
+    common += ["--max-tokens", "5", "--temperature", "0", "--ignore-eos", "--logprobs", "2"]
+    out = disagg(*common, "def cube(x):")
+    assert out.returncode == 0, out.stderr
+    *scores, summary = out.stderr.strip().splitlines()
+    assert len(scores) == 5 and "5 tok" in summary
+    assert all(line.count("%") == 3 for line in scores), scores  # its own and 2 more
+    out = disagg(*common, "--json", "def cube(x):")
+    data = json.loads(out.stdout)
+    assert "".join(lp["text"] for lp in data["logprobs"]) == data["text"]
+    assert [len(lp["top"]) for lp in data["logprobs"]] == [2] * 5
+    assert all(lp["logprob"] <= 0 for lp in data["logprobs"])
+
+
 def test_cli_generate_json_from_stdin(mesh: Mesh) -> None:
     out = disagg(
         "--router",

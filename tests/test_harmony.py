@@ -733,3 +733,9 @@ def test_a_named_function_makes_gpt_oss_call_it_through_the_openai_door(
     assert (choice.message.model_extra or {})["reasoning_content"] == SCRIPTED_REASONING
     (streamed,), _ = streamed_calls(client.chat.completions.create(**args, stream=True))
     assert (streamed.name, streamed.arguments) == ("look_up_rubric", call.function.arguments)
+    if seed is None:  # with log probabilities: the same call, its arguments' tokens scored
+        scored = client.chat.completions.create(**args, logprobs=True)
+        (again,) = scored.choices[0].message.tool_calls or []
+        assert again.function.arguments == call.function.arguments
+        entries = scored.choices[0].logprobs.content if scored.choices[0].logprobs else None
+        assert entries and "".join(e.token for e in entries) == call.function.arguments

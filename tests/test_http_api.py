@@ -355,7 +355,7 @@ async def test_logprobs_on_both_doors(mesh: Mesh, reference_llm: llama_cpp.Llama
     """Completions' logprobs, chat's logprobs and top_logprobs, Ollama's logprobs and
     top_logprobs: each token's text (joined, the answer), bytes, log probability (a single
     process's) and the most likely tokens at its place. Refused, naming the field: more than
-    20, top_logprobs without logprobs, tools."""
+    20, top_logprobs without logprobs."""
     client = openai_client(mesh)
     prompt = "The capital cities of Europe include"
     expected = reference_tokens(reference_llm, prompt, 8, True)
@@ -420,11 +420,9 @@ async def test_logprobs_on_both_doors(mesh: Mesh, reference_llm: llama_cpp.Llama
         ollama_got.response
     )
     assert all(len(e.top_logprobs or []) == 2 for e in ollama_got.logprobs)
-    tool = {"type": "function", "function": {"name": "grade", "parameters": {"type": "object"}}}
     refused_asks: list[tuple[dict[str, object], str]] = [
         ({"logprobs": True, "top_logprobs": 21}, "sampling.logprobs"),
         ({"top_logprobs": 2}, "top_logprobs"),
-        ({"logprobs": True, "tools": [tool]}, "sampling.logprobs"),
     ]
     for extra, field in refused_asks:
         with pytest.raises(openai.BadRequestError) as refused:

@@ -251,25 +251,12 @@ async def test_log_probabilities_from_an_older_ollama_are_refused_not_left_out(
     router: router_pb2_grpc.RouterServiceAsyncStub, ollama_mesh: OllamaMesh
 ) -> None:
     """An Ollama older than 0.12.11 ignores logprobs: the answer is refused, saying why,
-    not sent without them; and with tools (not yet) the node refuses them, as embedded
-    nodes do."""
+    not sent without them."""
     ollama_mesh.direct_ollama.old = True
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await collect(router.Generate(ollama_request("ollama/direct", 4, logprobs=0)))
     assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "0.12.11" in (info.value.details() or "")
-    tools = types_pb2.ToolSet(
-        definitions=[types_pb2.ToolDefinition(name="f", parameters_json_schema="{}")]
-    )
-    asked = router_pb2.GenerateRequest(
-        model="ollama/decode-only",
-        messages=[types_pb2.ChatMessage(role="user", content="Call f.")],
-        sampling=types_pb2.SamplingParams(max_tokens=4, logprobs=0, tools=tools),
-    )
-    with pytest.raises(grpc.aio.AioRpcError) as info:
-        await collect(router.Generate(asked))
-    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "sampling.logprobs" in (info.value.details() or "")
 
 
 def test_log_probabilities_over_ollama_nodes_reach_both_doors(ollama_mesh: OllamaMesh) -> None:

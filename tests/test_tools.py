@@ -151,6 +151,41 @@ def test_required_calls_one_of_the_tools_and_none_leaves_text(mesh: Mesh) -> Non
     assert free.choices[0].message.content
 
 
+def test_log_probabilities_with_tools_cover_every_token_a_calls_too(mesh: Mesh) -> None:
+    """With tools, every generated token has its log probability, a call's too (as vLLM and
+    llama-server return them): whole and streamed, one per completion token, the call
+    parsed as without them."""
+    client: Any = openai_client(mesh)
+    request: dict[str, Any] = {
+        "model": QWEN,
+        "messages": MESSAGES,
+        "tools": TOOLS,
+        "tool_choice": "required",
+        "temperature": 0.0,
+        "max_tokens": 200,
+        "logprobs": True,
+        "top_logprobs": 1,
+    }
+    whole = client.chat.completions.create(**request)
+    choice = whole.choices[0]
+    calls = function_calls(choice.message)
+    assert calls and choice.finish_reason == "tool_calls"
+    entries = choice.logprobs.content
+    assert len(entries) == whole.usage.completion_tokens
+    assert all(e.logprob <= 0 and len(e.top_logprobs) == 1 for e in entries)
+    assert calls[0].function.name in "".join(e.token for e in entries)  # as the model wrote it
+    plain = {k: v for k, v in request.items() if k not in ("logprobs", "top_logprobs")}
+    unscored = function_calls(client.chat.completions.create(**plain).choices[0].message)
+    assert [(c.function.name, c.function.arguments) for c in calls] == [
+        (c.function.name, c.function.arguments) for c in unscored
+    ]
+    streamed = 0
+    for chunk in client.chat.completions.create(**request, stream=True):
+        if chunk.choices and chunk.choices[0].logprobs and chunk.choices[0].logprobs.content:
+            streamed += len(chunk.choices[0].logprobs.content)
+    assert streamed == len(entries)
+
+
 def test_streamed_call_pieces_put_together_are_the_whole_answer(mesh: Mesh) -> None:
     client: Any = openai_client(mesh)
     request: dict[str, Any] = {

@@ -399,11 +399,6 @@ class OllamaEngine:
         unsupported = (
             ("ignore_eos", sampling.ignore_eos, "Ollama has no such option"),
             ("logit_bias", bool(sampling.logit_bias), "Ollama has no such option"),
-            (
-                "logprobs",
-                sampling.logprobs is not None and sampling.tools is not None,
-                "not with tools, yet",
-            ),
         )
         for name, asked, why in unsupported:
             if asked:

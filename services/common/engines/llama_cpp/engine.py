@@ -263,12 +263,7 @@ class LlamaCppEngine:
 
     def _for_model(self, sampling: Sampling) -> Sampling:
         """The sampling as this model runs it: the grammar its tool format holds the answer
-        to, where it has one. InvalidArgument for log probabilities with tools (the calls
-        are read out of the answer's text, whose tokens they then are not)."""
-        if sampling.logprobs is not None and sampling.tools is not None:
-            raise InvalidArgument(
-                "sampling.logprobs", "log probabilities are not returned with tools (yet)"
-            )
+        to, where it has one."""
         fmt = self._model.tool_format
         grammar = formats.response_format(fmt, sampling.tools)
         if grammar is None:

@@ -109,9 +109,9 @@ class TextStream:
         self._max_tokens = max_tokens
         self.count = 0
         self.done = False
-        # Whether the last token pushed was the answer's (harmony: its final channel's; not
-        # a control token, a header, reasoning or a call's), whose log probability goes
-        # with the answer's.
+        # Whether the last token pushed was the answer's (harmony: its final channel's or a
+        # call's arguments; not a control token, a header or reasoning), whose log
+        # probability goes with the answer's.
         self.answered = False
 
     def push(self, token: GeneratedToken) -> list[TextChunk | GenerationEnd]:
@@ -125,7 +125,7 @@ class TextStream:
             chunk = self._assembler.feed(token.token_id, token.piece)
         else:
             parts = self._harmony.feed(token.token_id, token.piece)
-            self.answered = any(part is Part.ANSWER for part, _ in parts)
+            self.answered = any(part in (Part.ANSWER, Part.TOOL_CALL) for part, _ in parts)
             chunk = self._split(token.token_id, parts)
         out: list[TextChunk | GenerationEnd] = [chunk] if chunk is not None else []
         if self._assembler.stopped:
