@@ -151,21 +151,23 @@ def test_required_calls_one_of_the_tools_and_none_leaves_text(mesh: Mesh) -> Non
     assert free.choices[0].message.content
 
 
+# Greedy, with a call of one of the tools required.
+REQUIRED_CALL: dict[str, Any] = {
+    "model": QWEN,
+    "messages": MESSAGES,
+    "tools": TOOLS,
+    "tool_choice": "required",
+    "temperature": 0.0,
+    "max_tokens": 200,
+}
+
+
 def test_log_probabilities_with_tools_cover_every_token_a_calls_too(mesh: Mesh) -> None:
     """With tools, every generated token has its log probability, a call's too (as vLLM and
     llama-server return them): whole and streamed, one per completion token, the call
     parsed as without them."""
     client: Any = openai_client(mesh)
-    request: dict[str, Any] = {
-        "model": QWEN,
-        "messages": MESSAGES,
-        "tools": TOOLS,
-        "tool_choice": "required",
-        "temperature": 0.0,
-        "max_tokens": 200,
-        "logprobs": True,
-        "top_logprobs": 1,
-    }
+    request: dict[str, Any] = {**REQUIRED_CALL, "logprobs": True, "top_logprobs": 1}
     whole = client.chat.completions.create(**request)
     choice = whole.choices[0]
     calls = function_calls(choice.message)
@@ -174,8 +176,7 @@ def test_log_probabilities_with_tools_cover_every_token_a_calls_too(mesh: Mesh) 
     assert len(entries) == whole.usage.completion_tokens
     assert all(e.logprob <= 0 and len(e.top_logprobs) == 1 for e in entries)
     assert calls[0].function.name in "".join(e.token for e in entries)  # as the model wrote it
-    plain = {k: v for k, v in request.items() if k not in ("logprobs", "top_logprobs")}
-    unscored = function_calls(client.chat.completions.create(**plain).choices[0].message)
+    unscored = function_calls(client.chat.completions.create(**REQUIRED_CALL).choices[0].message)
     assert [(c.function.name, c.function.arguments) for c in calls] == [
         (c.function.name, c.function.arguments) for c in unscored
     ]
@@ -188,14 +189,7 @@ def test_log_probabilities_with_tools_cover_every_token_a_calls_too(mesh: Mesh) 
 
 def test_streamed_call_pieces_put_together_are_the_whole_answer(mesh: Mesh) -> None:
     client: Any = openai_client(mesh)
-    request: dict[str, Any] = {
-        "model": QWEN,
-        "messages": MESSAGES,
-        "tools": TOOLS,
-        "tool_choice": "required",
-        "temperature": 0.0,
-        "max_tokens": 200,
-    }
+    request = REQUIRED_CALL
     whole = client.chat.completions.create(**request)
     calls, finish = streamed_calls(client.chat.completions.create(**request, stream=True))
     expected = [
