@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from disagg_mesh.server.common.config.topology import SchemaLimits
 from disagg_mesh.server.common.errors import InvalidArgument, NotFound
 from disagg_mesh.server.common.structured.response_format import (
@@ -84,8 +86,10 @@ def validate_sampling(
             "sampling.max_tokens",
             f"must be between 1 and {max_tokens_limit}, got {sampling.max_tokens}",
         )
-    if not sampling.temperature >= 0.0:  # also rejects NaN
-        raise InvalidArgument("sampling.temperature", f"must be >= 0, got {sampling.temperature}")
+    if not 0.0 <= sampling.temperature < math.inf:  # also rejects NaN
+        raise InvalidArgument(
+            "sampling.temperature", f"must be a finite number >= 0, got {sampling.temperature}"
+        )
     if not 0.0 < sampling.top_p <= 1.0:
         raise InvalidArgument("sampling.top_p", f"must be in (0, 1], got {sampling.top_p}")
     if not -1 <= sampling.top_k <= INT32_MAX:  # vLLM's -1, as 0: no limit
@@ -95,10 +99,10 @@ def validate_sampling(
         )
     if not 0.0 <= sampling.min_p <= 1.0:
         raise InvalidArgument("sampling.min_p", f"must be in [0, 1], got {sampling.min_p}")
-    if not sampling.repeat_penalty > 0.0:
+    if not 0.0 < sampling.repeat_penalty < math.inf:
         raise InvalidArgument(
             "sampling.repeat_penalty",
-            f"must be > 0 (1: no penalty), got {sampling.repeat_penalty}",
+            f"must be a finite number > 0 (1: no penalty), got {sampling.repeat_penalty}",
         )
     for name in ("frequency_penalty", "presence_penalty"):
         value = getattr(sampling, name)
