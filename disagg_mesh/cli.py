@@ -403,29 +403,10 @@ def _client(args: argparse.Namespace) -> MeshClient:
 def _generate(args: argparse.Namespace) -> int:
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     chat = args.chat or args.reasoning_effort is not None or args.tools is not None
-    call = GenerateCall(
-        model=args.model,
-        prompt="" if chat else prompt,
-        messages=[{"role": "user", "content": prompt}] if chat else [],
-        reasoning_effort=args.reasoning_effort,
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        min_p=args.min_p,
-        repeat_penalty=args.repeat_penalty,
-        frequency_penalty=args.frequency_penalty,
-        presence_penalty=args.presence_penalty,
-        repeat_last_n=args.repeat_last_n,
-        logit_bias=_logit_bias(args.logit_bias),
-        logprobs=args.logprobs,
-        ignore_eos=args.ignore_eos,
-        seed=args.seed,
-        stop=args.stop,
-        format=_format(args.format),
-        tools=_tools(args.tools),
-        tool_choice=args.tool_choice,
-    )
+    try:
+        call = _generate_call(args, prompt, chat)
+    except ValueError as exc:  # a value the request cannot carry
+        raise CliError(str(exc), 2) from None
     with _client(args) as mesh:
         if args.json:
             result = mesh.generate(call)
@@ -480,6 +461,32 @@ def _logprob_line(lp: TokenLogprob) -> str:
     if lp.top:
         line += "   " + "  ".join(f"{t.text!r} {100 * math.exp(t.logprob):.2f} %" for t in lp.top)
     return line
+
+
+def _generate_call(args: argparse.Namespace, prompt: str, chat: bool) -> GenerateCall:
+    return GenerateCall(
+        model=args.model,
+        prompt="" if chat else prompt,
+        messages=[{"role": "user", "content": prompt}] if chat else [],
+        reasoning_effort=args.reasoning_effort,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        repeat_penalty=args.repeat_penalty,
+        frequency_penalty=args.frequency_penalty,
+        presence_penalty=args.presence_penalty,
+        repeat_last_n=args.repeat_last_n,
+        logit_bias=_logit_bias(args.logit_bias),
+        logprobs=args.logprobs,
+        ignore_eos=args.ignore_eos,
+        seed=args.seed,
+        stop=args.stop,
+        format=_format(args.format),
+        tools=_tools(args.tools),
+        tool_choice=args.tool_choice,
+    )
 
 
 def _call_json(call: ToolCall) -> dict[str, Any]:

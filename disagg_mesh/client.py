@@ -124,6 +124,16 @@ class GenerateCall:
             )
         if not (self.format in (None, "json") or isinstance(self.format, Mapping)):
             raise ValueError(f'format must be "json" or a JSON Schema dict, got {self.format!r}')
+        # What the wire's fields can hold (the router checks the ranges that make sense).
+        for name in ("max_tokens", "top_k", "repeat_last_n", "logprobs", "stream_interval_tokens"):
+            value = getattr(self, name)
+            if value is not None and not -(2**31) <= value < 2**31:
+                raise ValueError(f"{name} must fit in a 32-bit integer, got {value}")
+        if self.seed is not None and not 0 <= self.seed < 2**32:
+            raise ValueError(f"seed must be in 0..{2**32 - 1}, got {self.seed}")
+        for token in self.logit_bias or {}:
+            if not 0 <= token < 2**31:
+                raise ValueError(f"logit_bias: token ids must be in 0..{2**31 - 1}, got {token}")
 
     def _response_format(self) -> types_pb2.ResponseFormat | None:
         if self.format is None:
