@@ -315,10 +315,12 @@ class OllamaEngine:
                         pieces.append(CallStart(calls, new_call_id(), call.function.name))
                         pieces.append(ArgumentsPiece(calls, arguments))
                         calls += 1
-                    # The answer's tokens' (a line of reasoning alone has its own).
-                    answer = bool(text) or not thinking
-                    logprobs = self._logprobs(sampling, part, bool(text) and not answered)
-                    logprobs = logprobs if answer else []
+                    # The answer's tokens' (a line of reasoning alone has its own: not read).
+                    logprobs = (
+                        self._logprobs(sampling, part, bool(text) and not answered)
+                        if text or not thinking
+                        else []
+                    )
                     answered = answered or bool(text)
                     if text or thinking or pieces or logprobs:
                         yield TextChunk(

@@ -234,7 +234,7 @@ class OpenAiApi:
         checked = dry_run(request, self.router, model, prompt, sampling_)
         if checked is not None:
             return checked
-        choices = self._choices(body, model, prompt, sampling_)
+        choices = self._choices(model, prompt, sampling_, _n(body))
         return await self._answer(request, body, model, choices, chat=True)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -261,16 +261,13 @@ class OpenAiApi:
         checked = [dry_run(request, self.router, model, one, sampling_) for one in prompts]
         if checked[-1] is not None:  # a dry run: every prompt checked
             return checked[-1]
-        choices = [c for one in prompts for c in self._choices(body, model, one, sampling_)]
+        choices = [c for one in prompts for c in self._choices(model, one, sampling_, n)]
         return await self._answer(request, body, model, choices, chat=False)
 
-    def _choices(
-        self, body: Fields, model: str, prompt: Prompt, sampling_: Sampling
-    ) -> list[Events]:
+    def _choices(self, model: str, prompt: Prompt, sampling_: Sampling, n: int) -> list[Events]:
         """`n` generations of the prompt, at once (each its own seed, the request's + its
         index, so seeded choices differ too); a long prompt is evaluated once per node, as
         a burst's."""
-        n = _n(body)
         samplings = [sampling_] * n
         if sampling_.seed is not None:
             samplings = [
