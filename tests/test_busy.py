@@ -252,8 +252,14 @@ async def test_an_over_full_node_refuses_at_once_what_it_would_serve_too_late(
     for refused_door in doors:
         if refused_door.status_code != 200:
             assert int(refused_door.headers["Retry-After"]) >= 1
-    openai_refused = next(r for r in doors[:2] if r.status_code == 429)
-    assert "over-full" in openai_refused.json()["error"]["message"]
+    # Of a door's two calls, at most one took the queue's last spot (and may still miss it on
+    # a slow machine: refused after waiting its budget); the other was refused at once.
+    openai_why = [r.json()["error"]["message"] for r in doors[:2] if r.status_code == 429]
+    ollama_why = [r.json()["error"] for r in doors[2:] if r.status_code == 503]
+    for why in openai_why + ollama_why:
+        assert "node d" in why and ("over-full" in why or "slots busy" in why), why
+    assert any("over-full" in why for why in openai_why), openai_why
+    assert any("over-full" in why for why in ollama_why), ollama_why
     assert "node cooling down" not in overfull.log_tail("router", 100_000)
     # The clients wait as told and finish.
     async with AsyncMeshClient(address, timeout=300) as client:
