@@ -117,6 +117,14 @@ GOOD = (ROOT / "topology/local.toml").read_text()
             ["models[0]", "migrate_via 'prefill' needs prefill nodes"],
         ),
         (GOOD.replace("slots = 8 ", "slots = 0 ", 1), ["nodes[1].slots"]),
+        # TOML's types are kept: nothing converted behind the user's back.
+        (GOOD.replace("slots = 8 ", "slots = true ", 1), ["nodes[1].slots", "integer", "True"]),
+        (GOOD.replace("port = 50062", 'port = "50062"', 1), ["nodes[2].port", "'50062'"]),
+        (GOOD.replace("n_ctx = 4096", "n_ctx = 4096.0", 1), ["nodes[1].n_ctx", "4096.0"]),
+        (
+            GOOD.replace("n_ctx = 4096", 'n_ctx = 4096\nflash_attn = "no"', 1),
+            ["nodes[1].flash_attn", "boolean", "'no'"],
+        ),
         (
             GOOD.replace("slots = 8 ", "n_batch = 2\nslots = 8 ", 1),
             ["nodes[1]", "n_batch = 2 must be at least slots = 8"],

@@ -454,7 +454,9 @@ def load_topology(path: str | Path) -> Topology:
     except tomllib.TOMLDecodeError as exc:  # the message carries "(at line N, column M)"
         raise TopologyError(f"{path}: not valid TOML: {exc}") from None
     try:
-        return Topology.model_validate({**raw, "source": path.resolve()})
+        # Strict: TOML has its own types, so `slots = true`, `port = "50061"` or
+        # `flash_attn = "no"` is a mistake to name, not a value to convert.
+        return Topology.model_validate({**raw, "source": path.resolve()}, strict=True)
     except ValidationError as exc:
         raise TopologyError(f"{path}: {_describe(exc)}") from None
 
