@@ -271,7 +271,11 @@ class _Schema:
             prefix, items = items, None
         low = schema.get("minItems", 0)
         high = schema.get("maxItems", max(low, MOST_ITEMS))
-        wanted = low if depth >= DEEPEST else max(low, min(high, self._w.between(1, 3)))
+        wanted = (
+            low
+            if depth >= DEEPEST
+            else max(low, min(high, self._w.between(FEWEST_ITEMS, MOST_ITEMS)))
+        )
         if items is None:
             wanted = min(max(wanted, len(prefix)), len(prefix))
         out = [self.value(s, depth + 1) for s in prefix[:wanted]]
