@@ -504,6 +504,39 @@ def test_completions_take_a_list_of_prompts(mesh: Mesh, reference_llm: llama_cpp
         assert refused.value.body["param"] == "prompt", refused.value.body  # type: ignore[index]
 
 
+def test_completions_echo_the_prompt_before_each_choice(
+    mesh: Mesh, reference_llm: llama_cpp.Llama
+) -> None:
+    """echo: each choice's text begins with its prompt, whole and streamed (its first
+    chunk), the usage unchanged; with logprobs (the prompt's own): 400 naming echo."""
+    prompts = ["The tallest mountains are", "The longest rivers are"]
+    client = openai_client(mesh)
+    options: dict[str, Any] = {
+        "model": QWEN,
+        "max_tokens": 4,
+        "temperature": 0,
+        "extra_body": {"ignore_eos": True},
+    }
+    expected = [reference_tokens(reference_llm, p, 4, ignore_eos=True) for p in prompts]
+    texts = [
+        p + reference_llm.detokenize(t).decode() for p, t in zip(prompts, expected, strict=True)
+    ]
+    got = client.completions.create(prompt=prompts, n=2, echo=True, **options)
+    assert [c.text for c in got.choices] == [texts[0], texts[0], texts[1], texts[1]]
+    assert got.usage is not None and got.usage.completion_tokens == 4 * 4
+    streamed: dict[int, str] = {}
+    firsts: dict[int, str] = {}
+    for chunk in client.completions.create(prompt=prompts, echo=True, stream=True, **options):
+        for choice in chunk.choices:
+            firsts.setdefault(choice.index, choice.text)
+            streamed[choice.index] = streamed.get(choice.index, "") + choice.text
+    assert streamed == {0: texts[0], 1: texts[1]}
+    assert [firsts[0][: len(prompts[0])], firsts[1][: len(prompts[1])]] == prompts
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(prompt=prompts[0], echo=True, logprobs=1, **options)
+    assert refused.value.body["param"] == "echo", refused.value.body  # type: ignore[index]
+
+
 def test_openai_chat_streaming_and_not_agree(mesh: Mesh) -> None:
     client = openai_client(mesh)
     messages: list[ChatCompletionMessageParam] = [

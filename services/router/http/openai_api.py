@@ -245,7 +245,11 @@ class OpenAiApi:
         )
         body.refuse("suffix", "fill-in-the-middle is not implemented")
         body.refuse("tools", "tools need /v1/chat/completions")
-        body.refuse("echo", "echoing the prompt is not implemented")
+        echo = body.boolean("echo", False)
+        if echo and _logprobs(body, chat=False) is not None:
+            raise InvalidArgument(
+                "echo", "is not supported with logprobs (the prompt's log probabilities)"
+            )
         prompt = body.body.get("prompt")
         texts = [prompt] if isinstance(prompt, str) else prompt
         if not isinstance(texts, list) or not texts or not all(isinstance(t, str) for t in texts):
@@ -262,7 +266,8 @@ class OpenAiApi:
         if checked[-1] is not None:  # a dry run: every prompt checked
             return checked[-1]
         choices = [c for one in prompts for c in self._choices(model, one, sampling_, n)]
-        return await self._answer(request, body, model, choices, chat=False)
+        echoes = [t for t in texts for _ in range(n)] if echo else []
+        return await self._answer(request, body, model, choices, chat=False, echoes=echoes)
 
     def _choices(self, model: str, prompt: Prompt, sampling_: Sampling, n: int) -> list[Events]:
         """`n` generations of the prompt, at once (each its own seed, the request's + its
@@ -276,9 +281,16 @@ class OpenAiApi:
         return [self.router.generate(model, prompt, s, None) for s in samplings]
 
     async def _answer(
-        self, request: web.Request, body: Fields, model: str, choices: list[Events], chat: bool
+        self,
+        request: web.Request,
+        body: Fields,
+        model: str,
+        choices: list[Events],
+        chat: bool,
+        echoes: list[str] | None = None,
     ) -> web.StreamResponse:
-        """The generations as one answer of as many choices (`n`), whole or streamed."""
+        """The generations as one answer of as many choices (`n`), whole or streamed;
+        echoes: each choice's prompt, before its text (completions' echo)."""
         ident = f"{'chatcmpl' if chat else 'cmpl'}-{current_request_id() or ''}"
         obj = "chat.completion" if chat else "text_completion"
         scored = _logprobs(body, chat) is not None
@@ -310,7 +322,7 @@ class OpenAiApi:
                             for c in got.tool_calls
                         ]
                 else:
-                    choice["text"] = got.text
+                    choice["text"] = (echoes[index] if echoes else "") + got.text
                 if several:  # each choice's own route; the top level's is the first's
                     choice["disagg"] = mesh_fields(s)
                 answers.append(choice)
@@ -353,7 +365,7 @@ class OpenAiApi:
                     delta["tool_calls"] = [_call_delta(p) for p in calls]
                 choice["delta"] = delta
             else:
-                choice["text"] = text or ""
+                choice["text"] = (echoes[index] if echoes and first else "") + (text or "")
             return {
                 "id": ident,
                 "object": chunk_obj,
@@ -375,6 +387,8 @@ class OpenAiApi:
                 while True:
                     if isinstance(event, RouteSummary):
                         summaries[index] = event
+                        if echoes and index not in started:  # no text: the echo alone
+                            await response.write(_event(chunk(index, None, None, first=True)))
                         last = chunk(index, None, event.finish_reason.value)
                         last["disagg"] = mesh_fields(event)
                         await response.write(_event(last))
