@@ -246,7 +246,7 @@ class OpenAiApi:
         body.refuse("suffix", "fill-in-the-middle is not implemented")
         body.refuse("tools", "tools need /v1/chat/completions")
         echo = body.boolean("echo", False)
-        if echo and _logprobs(body, chat=False) is not None:
+        if echo and sampling_.logprobs is not None:
             raise InvalidArgument(
                 "echo", "is not supported with logprobs (the prompt's log probabilities)"
             )
