@@ -191,6 +191,31 @@ def test_ollama_without_a_prompt_loads(mesh: Mesh) -> None:
     assert got.done and got.done_reason == "load" and got.response == ""
 
 
+def test_keep_alive_is_read_as_ollama_reads_it(mesh: Mesh) -> None:
+    """Seconds (the ollama client's keep_alive=0, which `ollama stop` sends, arrives as 0.0;
+    negative: for ever) or a Go duration string; anything else is a 400 naming the field.
+    The nodes keep their models loaded whatever it says."""
+    client = ollama.Client(host=http_url(mesh))
+    unload = client.generate(model=QWEN, prompt="", keep_alive=0)
+    assert unload.done and unload.done_reason == "load"
+    one: dict[str, Any] = {"num_predict": 1}
+    for keep_alive in (-1, 300, 2.5, "10m", "1h30m", "-1s", "0"):
+        got = client.chat(
+            model=QWEN,
+            messages=[{"role": "user", "content": "Hi"}],
+            keep_alive=keep_alive,
+            options=one,
+        )
+        assert got.done and got.eval_count == 1, keep_alive
+    wrong: list[Any] = ["10", "-1", "5 minutes", True, [], {"m": 5}]
+    for path in ("/api/generate", "/api/chat"):
+        for value in wrong:
+            body = {"model": QWEN, "prompt": "Hi", "stream": False, "keep_alive": value}
+            reply = httpx.post(f"{http_url(mesh)}{path}", json=body, timeout=30)
+            assert reply.status_code == 400, (path, value, reply.text)
+            assert reply.json()["error"].startswith("keep_alive: must be a number of seconds")
+
+
 # -- OpenAI ------------------------------------------------------------------------------------
 
 
@@ -604,6 +629,15 @@ def test_openai_models_and_errors(mesh: Mesh) -> None:
     assert bad.value.status_code == 400 and "temperature" in str(bad.value)
     with pytest.raises(openai.BadRequestError, match="messages"):
         client.chat.completions.create(model=QWEN, messages=[])
+    # Only an assistant's message may go without content (its calls alone), as OpenAI's API.
+    for message, param in (
+        ({"role": "user", "content": None}, "messages[0].content"),
+        ({"role": "user", "content": [{"type": "text"}]}, "messages[0].content[0].text"),
+        ({"role": "user", "content": [{"type": "text", "text": 5}]}, "messages[0].content[0].text"),
+    ):
+        with pytest.raises(openai.BadRequestError) as bad:
+            client.chat.completions.create(model=QWEN, messages=[message])  # type: ignore[list-item]
+        assert bad.value.body["param"] == param, bad.value.body  # type: ignore[index]
     hi: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hi"}]
     # What the mesh does not apply is refused, naming the field, never silently ignored;
     # the defaults that some clients send unasked are accepted.

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import re
 from contextlib import aclosing
 from typing import Any
 
@@ -50,6 +51,9 @@ from disagg_mesh.server.router.routing import Router, RouteSummary
 
 VERSION = "0.1.0"  # disagg-mesh's own version, not Ollama's
 NDJSON = "application/x-ndjson"
+# A duration as Go's time.ParseDuration reads it ("5m", "1h30m", "-1s", "0"), which Ollama
+# uses for keep_alive strings.
+GO_DURATION = re.compile(r"[-+]?(0|(([0-9]+\.?[0-9]*|\.[0-9]+)(ns|us|\u00b5s|\u03bcs|ms|s|m|h))+)")
 
 
 def error_body(exc: MeshError, status: int) -> dict[str, Any]:
@@ -157,7 +161,7 @@ class OllamaApi:
             ("template", "the model's own chat template is used"),
         ):
             body.refuse(key, why)
-        body.string("keep_alive")  # accepted: the mesh's nodes keep their models loaded
+        _keep_alive(body)
         prompt_text = body.string("prompt") or ""
         system = body.string("system")
         stream = body.boolean("stream", True)
@@ -182,7 +186,7 @@ class OllamaApi:
     async def chat(self, request: web.Request) -> web.StreamResponse:
         body = Fields(await json_body(request))
         model = body.string("model", required=True) or ""
-        body.string("keep_alive")
+        _keep_alive(body)
         stream = body.boolean("stream", True)
         sampling_ = await checked_sampling(self.router, self._sampling(model, body), "format")
         effort, thinking = self._think(body)
@@ -366,6 +370,22 @@ class OllamaApi:
 
     async def version(self, request: web.Request) -> web.Response:
         return web.json_response({"version": VERSION})
+
+
+def _keep_alive(body: Fields) -> None:
+    """Ollama's keep_alive, checked as Ollama reads it: seconds (a number; negative: for
+    ever) or a Go duration ("5m", "-1h", "0"); the ollama client sends keep_alive=0 as 0.0.
+    Then left alone: the mesh's nodes keep their models loaded."""
+    value = body.body.get("keep_alive")
+    if value is None or (isinstance(value, int | float) and not isinstance(value, bool)):
+        return
+    if isinstance(value, str) and GO_DURATION.fullmatch(value):
+        return
+    raise InvalidArgument(
+        "keep_alive",
+        'must be a number of seconds or a duration such as "5m", "1h30m" or "-1h" '
+        f"(negative: for ever), got {value!r}",
+    )
 
 
 def _turns(messages: list[Any]) -> list[ChatTurn]:

@@ -440,7 +440,7 @@ def _turn(i: int, message: Any) -> ChatTurn:
         raise InvalidArgument(
             f"messages[{i}].role", f"must be one of {', '.join(ROLES)}, got {role!r}"
         )
-    content = _content(i, message.get("content"))
+    content = _content(i, message.get("content"), role)
     if role == "assistant" and message.get("tool_calls") is not None:
         return ChatTurn("assistant", content, _calls(message["tool_calls"], f"messages[{i}]"))
     if role == "tool":
@@ -449,9 +449,12 @@ def _turn(i: int, message: Any) -> ChatTurn:
     return ChatTurn(ROLES[role], content)
 
 
-def _content(i: int, content: Any) -> str:
-    """A message's text: a string, text parts, or none (an assistant's calls alone)."""
+def _content(i: int, content: Any, role: str) -> str:
+    """A message's text: a string or text parts; none only for an assistant's (its calls
+    alone), as OpenAI's API has it."""
     if content is None:
+        if role != "assistant":
+            raise InvalidArgument(f"messages[{i}].content", f"is required in a {role} message")
         return ""
     if isinstance(content, str):
         return content
@@ -461,7 +464,10 @@ def _content(i: int, content: Any) -> str:
     for j, part in enumerate(content):
         if not isinstance(part, dict) or part.get("type") != "text":
             raise InvalidArgument(f"messages[{i}].content[{j}]", "only text parts are supported")
-        texts.append(str(part.get("text", "")))
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise InvalidArgument(f"messages[{i}].content[{j}].text", "must be a string")
+        texts.append(text)
     return "".join(texts)
 
 
