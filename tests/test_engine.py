@@ -412,6 +412,24 @@ def test_sequence_ids_are_checked_before_llama_cpp_sees_them() -> None:
         model.close()
 
 
+def test_token_pieces_and_ends_are_llama_cpps_for_every_token() -> None:
+    """LlamaModel keeps each token's bytes once asked for, and knows the end tokens from
+    the vocabulary at load (a llama.cpp call each leaves the interpreter's lock in the
+    middle of a step): every token of the vocabulary, twice, plain and special, against
+    llama.cpp's own answer."""
+    model = LlamaModel(PATH)
+    vocab = model.vocab
+    for special in (False, True):
+        for _ in range(2):  # asked, then kept
+            for token in range(model.n_vocab):
+                piece = bytes(model._model.detokenize([token], special=special))
+                assert model.piece(token, special) == piece, (token, special)
+    ends = [t for t in range(model.n_vocab) if model.is_end(t)]
+    assert ends == [t for t in range(model.n_vocab) if llama_cpp.llama_vocab_is_eog(vocab, t)]
+    assert ends  # SmolLM2 has its end tokens (<|endoftext|>, <|im_end|>)
+    model.close()
+
+
 def test_greedy_picks_what_llama_cpps_greedy_chain_picks() -> None:
     """SlotSampler's greedy pick (numpy's argmax over the row's logits) against llama.cpp's
     own chain (a -inf logit bias on end tokens for ignore_eos, then its greedy sampler),

@@ -145,6 +145,11 @@ class LlamaModel:
         self.window = int(llama_cpp.llama_model_n_swa(self.ptr))
         self.n_vocab: int = self._model.n_vocab()
         self.end_tokens = end_tokens(self._model.vocab, self.n_vocab)
+        self._ends = frozenset(self.end_tokens)
+        # Each token's bytes, as asked for: every generated token needs its own, and each
+        # llama.cpp call leaves the interpreter's lock, which the event loop then takes
+        # in the middle of a step (docs/batching.md, "The per-token path").
+        self._pieces: tuple[dict[int, bytes], dict[int, bytes]] = ({}, {})
         self.metadata: dict[str, str] = self._model.metadata()
         self._bos: int = self._model.token_bos()
         # gpt-oss's harmony control tokens, where the vocabulary has them.
@@ -270,10 +275,15 @@ class LlamaModel:
     def piece(self, token: int, special: bool = False) -> bytes:
         """A token's bytes, as Llama.detokenize([token]) gives them (special: a control
         token's own text, e.g. <|im_end|>, where the answer's text has none)."""
-        return bytes(self._model.detokenize([token], special=special))
+        pieces = self._pieces[special]
+        piece = pieces.get(token)
+        if piece is None:
+            piece = pieces[token] = bytes(self._model.detokenize([token], special=special))
+        return piece
 
     def is_end(self, token: int) -> bool:
-        return bool(llama_cpp.llama_vocab_is_eog(self._model.vocab, token))
+        """Whether the token ends a generation (llama_vocab_is_eog)."""
+        return token in self._ends
 
     def close(self) -> None:
         self._model.close()
