@@ -116,6 +116,11 @@ async def test_unknown_model_is_not_found(router: router_pb2_grpc.RouterServiceA
         "llama-9000",
         "qwen3-coder:30b",
     )
+    # No model named is the caller's mistake, not a model the mesh lacks.
+    details = await expect_error(
+        router.Generate(request("", PROMPT)), grpc.StatusCode.INVALID_ARGUMENT, "qwen3-coder:30b"
+    )
+    assert details.startswith("model: is required"), details
 
 
 def kv_request(mesh: Mesh, reply: prefill_pb2.PrefillResponse, **overrides: Any) -> Any:

@@ -17,7 +17,7 @@ from collections.abc import AsyncGenerator
 from contextlib import aclosing
 
 from disagg_mesh.server.common.config.topology import ModelRoute, Node, SchemaLimits, Topology
-from disagg_mesh.server.common.errors import MeshError, NotFound
+from disagg_mesh.server.common.errors import InvalidArgument, MeshError, NotFound
 from disagg_mesh.server.common.runtime.observability import metrics
 from disagg_mesh.server.common.types import Continuation, Prompt, Sampling, TextChunk
 from disagg_mesh.server.common.validation import check_format, validate_prompt, validate_sampling
@@ -149,10 +149,13 @@ class Router:
             raise
 
     def route(self, model: str) -> ModelRoute:
-        """The model's route; NOT_FOUND naming the models served when it has none."""
+        """The model's route; NOT_FOUND naming the models served when it has none
+        (INVALID_ARGUMENT when no model is named)."""
         route = self.topology.route(model)
         if route is None:
             known = ", ".join(m.name for m in self.topology.models)
+            if not model:
+                raise InvalidArgument("model", f"is required; models: {known}")
             raise NotFound(f"model {model!r} is not served here; models: {known}")
         return route
 
