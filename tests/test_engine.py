@@ -430,6 +430,66 @@ def test_token_pieces_and_ends_are_llama_cpps_for_every_token() -> None:
     model.close()
 
 
+def test_the_cells_bound_counts_every_sequence_holding_cells() -> None:
+    """SlotContext asks llama.cpp only about the sequences that may hold cells: after each
+    way cells are placed, moved or freed (a pass, a lone row with its scratch company, a
+    prefix shared, a state loaded, a slot parked, an entry dropped, the parked cells
+    freed), its count equals the count over every sequence."""
+    model = LlamaModel(PATH)
+    context = SlotContext(
+        model,
+        ContextSettings(
+            slots=2,
+            n_ctx=256,
+            n_batch=64,
+            n_ubatch=64,
+            n_threads=1,
+            prefix_cache_seqs=2,
+            prefix_cache_tokens=256,
+        ),
+    )
+    mem = llama_cpp.llama_get_memory(context.ptr)
+    entry = context.cache_seqs[0]
+
+    def every() -> int:
+        seqs = range(int(llama_cpp.llama_n_seq_max(context.ptr)))
+        return sum(int(llama_cpp.llama_memory_seq_pos_max(mem, s)) + 1 for s in seqs)
+
+    def check(step: str) -> None:
+        assert context._held() == every(), step
+
+    try:
+        tokens = model.tokenize(Prompt(text="The capital of France is Paris, and"), 256)
+        assert context.decode([Row(t, p, 0, True) for p, t in enumerate(tokens)]) == 0
+        check("a prompt in slot 0")
+        context.copy_prefix(0, entry, len(tokens))
+        check("its prefix shared with a cache entry")
+        state = context.export_state(0)
+        assert context.import_state(1, state) > 0
+        check("its state loaded into slot 1")
+        assert context.decode([Row(tokens[0], len(tokens), 1, True)]) == 0
+        check("a lone row")
+        scratch = context._scratch
+        company = [Row(tokens[1], len(tokens) + 1, 1, True), Row(tokens[0], 0, scratch, False)]
+        assert context._decode(company) == 0
+        check("a lone row with the scratch row's company")
+        llama_cpp.llama_memory_seq_rm(mem, scratch, -1, -1)
+        check("the scratch row removed")
+        context.forget_prefix(1, 4)
+        check("slot 1 let go of its first positions")
+        context.park(0)
+        check("slot 0 parked")
+        context.drop(entry)
+        check("the entry dropped while slot 1 holds cells (parked)")
+        context.park(1)
+        context.free_parked()
+        check("every slot parked, the parked cells freed")
+        assert every() == 0
+    finally:
+        context.close()
+        model.close()
+
+
 def test_greedy_picks_what_llama_cpps_greedy_chain_picks() -> None:
     """SlotSampler's greedy pick (numpy's argmax over the row's logits) against llama.cpp's
     own chain (a -inf logit bias on end tokens for ignore_eos, then its greedy sampler),

@@ -206,6 +206,10 @@ class SlotContext:
         self.parked_cells = 0
         self._scratch = settings.slots + 1
         self._n_seq = int(params.n_seq_max)
+        # The sequences that may hold cells (each way cells are placed adds its sequence;
+        # `_held` drops those found empty): `_held` asks llama.cpp about these alone, not
+        # every sequence at every step, each call leaving the interpreter's lock.
+        self._holding: set[int] = set()
         self.cache_seqs = range(settings.slots + 2, settings.slots + 2 + settings.prefix_cache_seqs)
         # A bound on the highest KV cell in use (+1), and whether lone rows are kept off
         # the split-KV path (one thread or company).
@@ -275,12 +279,14 @@ class SlotContext:
 
     def _decode(self, rows: list[Row]) -> int:
         batch = self._batch
+        holding = self._holding
         for i, row in enumerate(rows):
             batch.token[i] = row.token
             batch.pos[i] = row.pos
             batch.n_seq_id[i] = 1
             batch.seq_id[i][0] = row.slot
             batch.logits[i] = row.logits
+            holding.add(row.slot)
         batch.n_tokens = len(rows)
         self.before_pass()
         return int(llama_cpp.llama_decode(self._ctx, batch))
@@ -288,8 +294,11 @@ class SlotContext:
     def _held(self) -> int:
         """At least the KV cells in use: every sequence's positions from 0 to its highest."""
         held = 0
-        for seq in range(self._n_seq):
-            held += int(llama_cpp.llama_memory_seq_pos_max(self._mem, seq)) + 1
+        for seq in list(self._holding):
+            top = int(llama_cpp.llama_memory_seq_pos_max(self._mem, seq))
+            if top < 0:
+                self._holding.discard(seq)
+            held += top + 1
         return held
 
     def _held_before_placing(self) -> int:
@@ -298,6 +307,7 @@ class SlotContext:
         held = self._held()
         if held == 0:
             llama_cpp.llama_memory_clear(self._mem, False)
+            self._holding.clear()
         return held
 
     def _note_cells(self, new: int, held: int | None = None, passing: int = 0) -> None:
@@ -340,6 +350,7 @@ class SlotContext:
         self.parked_cells += int(llama_cpp.llama_memory_seq_pos_max(self._mem, seq)) + 1
         llama_cpp.llama_memory_seq_cp(self._mem, seq, self._parked, -1, -1)
         llama_cpp.llama_memory_seq_rm(self._mem, seq, -1, -1)
+        self._holding.add(self._parked)
 
     def _check_seq(self, seq: int) -> None:
         if not (0 <= seq < self.slots or seq in self.cache_seqs):
@@ -351,6 +362,7 @@ class SlotContext:
         self._check_seq(source)
         self._check_seq(target)
         llama_cpp.llama_memory_seq_cp(self._mem, source, target, 0, tokens)
+        self._holding.add(target)
 
     def drop(self, seq: int) -> None:
         """A prefix cache entry's sequence is emptied. Its cells no other sequence holds are
@@ -405,6 +417,7 @@ class SlotContext:
         self._check_seq(seq)
         held = self._held_before_placing() if self._guard_lone_rows else 0
         buffer = (ctypes.c_uint8 * len(state)).from_buffer(state)
+        self._holding.add(seq)  # before: llama.cpp may have placed cells, whatever it says
         read = int(llama_cpp.llama_state_seq_set_data(self._ctx, buffer, len(state), seq))
         if self._guard_lone_rows:  # its cells were placed as a decode's are
             self._note_cells(int(llama_cpp.llama_memory_seq_pos_max(self._mem, seq)) + 1, held)
