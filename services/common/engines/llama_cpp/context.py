@@ -205,7 +205,6 @@ class SlotContext:
         # some may also be a prefix cache entry's).
         self.parked_cells = 0
         self._scratch = settings.slots + 1
-        self._n_seq = int(params.n_seq_max)
         # The sequences that may hold cells (each way cells are placed adds its sequence;
         # `_held` drops those found empty): `_held` asks llama.cpp about these alone, not
         # every sequence at every step, each call leaving the interpreter's lock.
