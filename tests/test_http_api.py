@@ -178,6 +178,11 @@ def test_ollama_errors_have_ollamas_statuses(mesh: Mesh) -> None:
     assert info.value.status_code == 400 and "options.num_ctx" in info.value.error
     bad = httpx.post(f"{http_url(mesh)}/api/generate", content=b"{not json", timeout=10)
     assert bad.status_code == 400 and bad.json()["error"].startswith("body: is not valid JSON")
+    # A body over the door's limit: HTTP's 413, in the API's own JSON (aiohttp's is text).
+    huge = {"model": QWEN, "prompt": "word " * (4 << 20)}
+    big = httpx.post(f"{http_url(mesh)}/api/generate", json=huge, timeout=60)
+    assert big.status_code == 413, big.text
+    assert big.json()["error"] == "body: is over the 16 MiB a request may have"
     images = httpx.post(
         f"{http_url(mesh)}/api/generate",
         json={"model": QWEN, "prompt": "hi", "images": ["aGk="]},
@@ -629,6 +634,12 @@ def test_openai_models_and_errors(mesh: Mesh) -> None:
     assert bad.value.status_code == 400 and "temperature" in str(bad.value)
     with pytest.raises(openai.BadRequestError, match="messages"):
         client.chat.completions.create(model=QWEN, messages=[])
+    with pytest.raises(openai.APIStatusError) as too_large:
+        client.chat.completions.create(
+            model=QWEN, messages=[{"role": "user", "content": "word " * (4 << 20)}]
+        )
+    assert too_large.value.status_code == 413
+    assert too_large.value.body["param"] == "body", too_large.value.body  # type: ignore[index]
     # Only an assistant's message may go without content (its calls alone), as OpenAI's API.
     for message, param in (
         ({"role": "user", "content": None}, "messages[0].content"),

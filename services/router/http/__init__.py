@@ -24,6 +24,7 @@ from aiohttp import web
 from disagg_mesh.server.common.runtime.tls import TlsPaths
 from disagg_mesh.server.router.dashboard.state import DashboardState
 from disagg_mesh.server.router.dashboard.web import DashboardApi
+from disagg_mesh.server.router.http.common import MAX_BODY_BYTES
 from disagg_mesh.server.router.http.ollama_api import OllamaApi
 from disagg_mesh.server.router.http.openai_api import OpenAiApi
 from disagg_mesh.server.router.http.unserved import unserved_paths
@@ -42,7 +43,7 @@ class HttpFrontDoor:
         dashboard: DashboardState | None = None,
     ) -> None:
         self._dashboard = dashboard
-        app = web.Application(client_max_size=16 << 20, middlewares=[unserved_paths])
+        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[unserved_paths])
         app.add_routes(OllamaApi(router).routes())
         app.add_routes(OpenAiApi(router).routes())
         if dashboard is not None:

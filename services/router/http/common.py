@@ -68,7 +68,20 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 ErrorBody = Callable[[MeshError, int], dict[str, Any]]
 
 
+# The largest body a door reads (aiohttp's client_max_size): far past any node's context.
+MAX_BODY_BYTES = 16 << 20
+
+
+class BodyTooLarge(InvalidArgument):
+    """A body over MAX_BODY_BYTES: HTTP's 413 (aiohttp's own answer is plain text)."""
+
+    def __init__(self) -> None:
+        super().__init__("body", f"is over the {MAX_BODY_BYTES >> 20} MiB a request may have")
+
+
 def http_status(exc: MeshError) -> int:
+    if isinstance(exc, BodyTooLarge):
+        return 413
     return HTTP_STATUS.get(exc.code, 500)
 
 
@@ -133,6 +146,8 @@ async def json_body(request: web.Request) -> dict[str, Any]:
         body = await request.json()
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise InvalidArgument("body", f"is not valid JSON: {exc}") from None
+    except web.HTTPRequestEntityTooLarge:
+        raise BodyTooLarge() from None
     if not isinstance(body, dict):
         raise InvalidArgument("body", "must be a JSON object")
     return body
