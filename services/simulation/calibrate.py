@@ -31,8 +31,9 @@ from pathlib import Path
 from typing import Any
 
 from disagg_mesh.server.common.config import DEFAULT_TOPOLOGY
-from disagg_mesh.server.common.config.topology import Node, Topology, load_topology
+from disagg_mesh.server.common.config.topology import Node, Topology, TopologyError, load_topology
 from disagg_mesh.server.common.engines import open_engine
+from disagg_mesh.server.common.models.files import ModelFileError
 from disagg_mesh.server.common.types import GenerationEnd, Prompt, Sampling
 
 WORDS = "grade the code for correctness style tests and documentation then explain why ".split()
@@ -48,6 +49,24 @@ SAMPLE = (
     "def solve(values):\n    total = 0\n    for i, v in enumerate(values):\n"
     "        total = total + values[i] * 3  # step 3 of submission 7\n    return total\n"
 ) * 8
+
+
+class CalibrateError(Exception):
+    """What the user asked for cannot be measured or written; the message says why."""
+
+
+def _writable(out: Path) -> None:
+    """--out can be written: its folder made, the file created or opened for writing (and
+    removed again when it was not there)."""
+    existed = out.exists()
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with out.open("a"):
+            pass
+    except OSError as exc:
+        raise CalibrateError(f"--out: {out} cannot be written: {exc.strerror or exc}") from None
+    if not existed:
+        out.unlink()
 
 
 def _text(tokens: int, salt: int) -> str:
@@ -181,8 +200,9 @@ def profile_text(name: str, topology: Path, models: dict[str, dict[str, Any]]) -
     return "\n".join(lines)
 
 
-async def calibrate(topology_file: Path, out: Path, say: Callable[[str], None]) -> Path:
-    topology = load_topology(topology_file)
+async def calibrate(
+    topology: Topology, topology_file: Path, out: Path, say: Callable[[str], None]
+) -> Path:
     models: dict[str, dict[str, Any]] = {}
     for node in sorted(
         (n for n in topology.nodes if n.engine == "llama_cpp"), key=lambda n: n.role != "decode"
@@ -193,13 +213,16 @@ async def calibrate(topology_file: Path, out: Path, say: Callable[[str], None]) 
         say(f"{node.model} (settings of {node.name})")
         models[node.model] = await measure_model(topology, node, say)
     if not models:
-        raise SystemExit(f"error: {topology_file} has no llama_cpp node to measure")
+        raise CalibrateError(f"{topology_file} has no llama_cpp node to measure")
     text = profile_text(out.stem, topology_file, models)
     await asyncio.to_thread(out.write_text, text)
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
+    """One line and exit code 2 for what the user gave (a topology that cannot be used, an
+    --out that cannot be written, checked before minutes of measuring), 1 for a model that
+    cannot be opened, 130 for Ctrl-C: never a traceback."""
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--topology", type=Path, default=Path(DEFAULT_TOPOLOGY))
     parser.add_argument("--out", type=Path, required=True)
@@ -208,8 +231,23 @@ def main(argv: list[str] | None = None) -> int:
     def say(line: str) -> None:
         print(f"... {line}", file=sys.stderr, flush=True)
 
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    path = asyncio.run(calibrate(args.topology, args.out, say))
+    try:
+        topology = load_topology(args.topology)
+        _writable(args.out)
+    except (TopologyError, CalibrateError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        path = asyncio.run(calibrate(topology, args.topology, args.out, say))
+    except CalibrateError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except (ModelFileError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"\ninterrupted: nothing was written to {args.out}", file=sys.stderr)
+        return 130
     print(f"wrote {path}")
     return 0
 

@@ -66,6 +66,8 @@ DRY_RUN_HEADER = "X-Disagg-Dry-Run"
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 ErrorBody = Callable[[MeshError, int], dict[str, Any]]
+# A door's name for a field of the mesh's SamplingParams, given the name after "sampling.".
+FieldName = Callable[[str], str]
 
 
 # The largest body a door reads (aiohttp's client_max_size): far past any node's context.
@@ -89,12 +91,33 @@ class Unauthenticated(MeshError):
     code = grpc.StatusCode.UNAUTHENTICATED
 
 
+def door_field(exc: MeshError, name: FieldName) -> MeshError:
+    """An INVALID_ARGUMENT naming a field of the mesh's SamplingParams ("sampling.top_p": the
+    router's checks and a node's name gRPC's fields) named as the door's request has it
+    instead ("top_p", "options.top_p"), a node's own check ending with the node; any other
+    error as it is."""
+    field = getattr(exc, "field", None)
+    if exc.code != grpc.StatusCode.INVALID_ARGUMENT or not isinstance(field, str):
+        return exc
+    if not field.startswith("sampling."):
+        return exc
+    node, _, problem = exc.message.partition(f"{field}: ")
+    where = node.removesuffix(": ")
+    return InvalidArgument(
+        name(field.removeprefix("sampling.")), problem + (f" ({where})" if where else "")
+    )
+
+
 def scoped(
-    api: str, error_body: ErrorBody, status_of: Callable[[MeshError], int] = http_status
+    api: str,
+    error_body: ErrorBody,
+    status_of: Callable[[MeshError], int] = http_status,
+    field_name: FieldName | None = None,
 ) -> Callable[[Handler], Handler]:
     """Wrap a handler: request id (the caller's X-Request-Id, or a new one) bound to every
     log line and sent back as a header, the bearer token checked when the mesh has one,
-    MeshErrors answered as error_body, one log line and a count per request."""
+    MeshErrors answered as error_body (a sampling field named by `field_name`: door_field),
+    one log line and a count per request."""
 
     def wrap(handler: Handler) -> Handler:
         async def handle(request: web.Request) -> web.StreamResponse:
@@ -109,7 +132,8 @@ def scoped(
                 _check_token(request)
                 response = await handler(request)
                 status = response.status
-            except MeshError as exc:
+            except MeshError as raised:
+                exc = door_field(raised, field_name) if field_name else raised
                 status = status_of(exc)
                 response = web.json_response(error_body(exc, status), status=status)
                 if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED:  # busy: when to retry
@@ -262,8 +286,13 @@ def sampling(
         raise InvalidArgument(
             max_tokens_field, f"must be between 1 and {max_tokens_limit}, got {max_tokens}"
         )
+    if seed == -1:  # Ollama's default, and llama-server's: a random seed
+        seed = None
     if seed is not None and not 0 <= seed < 2**32:
-        raise InvalidArgument("seed", f"must be in 0..{2**32 - 1}, got {seed}")
+        # The mesh's field; each door names it as its request does (door_field).
+        raise InvalidArgument(
+            "sampling.seed", f"must be in 0..{2**32 - 1} (-1: random), got {seed}"
+        )
     return Sampling(
         max_tokens=max_tokens,
         temperature=DEFAULT_TEMPERATURE if temperature is None else temperature,

@@ -65,7 +65,22 @@ def error_body(exc: MeshError, status: int) -> dict[str, Any]:
     return {"error": exc.message}
 
 
-api = scoped("ollama", error_body)
+# The mesh's sampling fields that Ollama's requests carry outside `options` (door_field).
+OUTSIDE_OPTIONS = {
+    "max_tokens": "options.num_predict",
+    "logprobs": "top_logprobs",
+    "response_format": "format",
+    "tools": "tools",
+}
+
+
+def field_name(name: str) -> str:
+    """A sampling field as an Ollama request names it: "top_p" is options.top_p."""
+    head = re.split(r"[.\[]", name, maxsplit=1)[0]
+    return OUTSIDE_OPTIONS.get(head, f"options.{name}")
+
+
+api = scoped("ollama", error_body, field_name=field_name)
 
 
 def now() -> str:

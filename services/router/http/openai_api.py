@@ -28,6 +28,7 @@ from disagg_mesh.server.common.types import (
     Sampling,
     TokenLogprob,
 )
+from disagg_mesh.server.common.validation import MAX_TOP_LOGPROBS
 from disagg_mesh.server.router.http.common import (
     Events,
     Fields,
@@ -82,7 +83,10 @@ def _status(exc: MeshError) -> int:
     return 429 if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED else http_status(exc)
 
 
-api = scoped("openai", error_body, _status)
+# The mesh's sampling fields OpenAI's requests (with vLLM's extra ones) name otherwise.
+FIELD_NAMES = {"repeat_penalty": "repetition_penalty"}
+
+api = scoped("openai", error_body, _status, lambda name: FIELD_NAMES.get(name, name))
 SCHEMA_FIELD = "response_format.json_schema.schema"
 # Choices a request may ask for (`n`): each takes a slot of its own while it generates.
 MAX_CHOICES = 16
@@ -151,6 +155,8 @@ def _logprobs(body: Fields, chat: bool) -> int | None:
         if top is not None:
             raise InvalidArgument("top_logprobs", "needs logprobs: true")
         return None
+    if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise InvalidArgument("top_logprobs", f"must be in 0..{MAX_TOP_LOGPROBS}, got {top}")
     return top or 0
 
 
