@@ -425,6 +425,10 @@ async def test_ollama_returns_thinking_and_takes_think(scripted: ScriptedMesh) -
             json={"model": SPLIT, "messages": QUESTION, "think": "max", "stream": False},
         )
     assert bad.status_code == 400 and "think" in bad.json()["error"]
+    # Ollama's account of the model: it reasons, its family is the file's architecture.
+    shown = await client.show(SPLIT)
+    assert shown.capabilities == ["completion", "tools", "thinking"]
+    assert shown.details is not None and shown.details.family == "gpt-oss"
 
 
 OPENAI_QUESTION: list[ChatCompletionMessageParam] = [{"role": "user", "content": "What is 2+2?"}]

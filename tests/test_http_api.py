@@ -21,7 +21,17 @@ from openai.types.chat import ChatCompletionMessageParam
 
 from disagg_mesh import AsyncMeshClient, GenerateCall
 from disagg_mesh.proto.v1 import node_pb2, node_pb2_grpc
-from tests.conftest import ROOT, Mesh, engine_node, route, router_node, running_mesh
+from disagg_mesh.server.common.models.files import resolve_model_path
+from disagg_mesh.server.common.types import parameter_size
+from tests.conftest import (
+    MODEL,
+    ROOT,
+    Mesh,
+    engine_node,
+    route,
+    router_node,
+    running_mesh,
+)
 from tests.streams import (
     prompt_running,
     reference_logprobs,
@@ -149,14 +159,62 @@ async def test_a_final_assistant_message_is_continued_on_both_doors(mesh: Mesh) 
     assert opened.choices[0].message.content == rest
 
 
-def test_ollama_list_show_ps_version(mesh: Mesh) -> None:
+@pytest.mark.parametrize(
+    ("count", "written"),
+    [
+        (134_515_008, "134.52M"),
+        (20_000_000_000, "20B"),
+        (30_532_122_624, "30.5B"),
+        (116_829_156_672, "116.8B"),
+        (7_000_000, "7M"),
+        (1_500, "2K"),
+        (999, "999"),
+    ],
+)
+def test_parameter_sizes_are_written_as_ollama_writes_them(count: int, written: str) -> None:
+    """Ollama's format.HumanNumber: B with one decimal, M with two, none when whole."""
+    assert parameter_size(count) == written
+
+
+def test_ollama_list_show_ps_version(mesh: Mesh, reference_llm: llama_cpp.Llama) -> None:
+    """The logical models as Ollama lists and shows one: the nodes' model file (its family,
+    size and quantization as Ollama writes them, as llama.cpp reads the file), what it can
+    do ("thinking" only for a model that reasons: test_harmony.py), the route; think or a
+    reasoning effort for a model that does not reason is a 400 naming it, as Ollama's."""
     client = ollama.Client(host=http_url(mesh))
-    names = {m.model for m in client.list().models}
-    assert {QWEN, "gpt-oss:120b"} <= names
+    listed = {m.model: m for m in client.list().models}
+    assert {QWEN, "gpt-oss:120b"} <= set(listed)
+    parameters = llama_cpp.llama_model_n_params(reference_llm.model)
+    assert reference_llm.metadata["general.file_type"] == "3"  # llama.cpp's MOSTLY_Q4_1
+    want = ("llama", ["llama"], parameter_size(parameters), "Q4_1")
+    for model in (listed[QWEN], client.show(QWEN)):
+        assert model.details is not None
+        d = model.details
+        assert (d.family, d.families, d.parameter_size, d.quantization_level) == want
+    assert parameter_size(parameters) == "134.52M"  # as Ollama's format.HumanNumber
+    assert listed[QWEN].size == resolve_model_path(MODEL, ROOT).stat().st_size
     shown = client.show(QWEN)
     assert "prefill-qwen" in (shown.modelfile or "")
     assert shown.capabilities == ["completion", "tools"]
+    assert shown.modelinfo is not None
+    assert shown.modelinfo["general.parameter_count"] == parameters
+    trained = llama_cpp.llama_model_n_ctx_train(reference_llm.model)
+    assert shown.modelinfo["llama.context_length"] == trained
     assert "num_ctx 4096" in (shown.parameters or "")
+    for think in (True, "low"):
+        with pytest.raises(ollama.ResponseError) as refused:
+            client.chat(model=QWEN, messages=[{"role": "user", "content": "hi"}], think=think)
+        assert refused.value.status_code == 400
+        assert refused.value.error.startswith("think: 'qwen3-coder:30b' does not support thinking")
+    with pytest.raises(ollama.ResponseError, match="does not support thinking"):
+        client.generate(model=QWEN, prompt="hi", think=True)
+    hi = [{"role": "user", "content": "hi"}]
+    assert client.chat(model=QWEN, messages=hi, think=False, options={"num_predict": 1}).done
+    with pytest.raises(openai.BadRequestError) as no_effort:
+        openai_client(mesh).chat.completions.create(
+            model=QWEN, messages=[{"role": "user", "content": "hi"}], reasoning_effort="low"
+        )
+    assert no_effort.value.body["param"] == "reasoning_effort"  # type: ignore[index]
     running = {m.model for m in client.ps().models}
     assert QWEN in running
     assert httpx.get(f"{http_url(mesh)}/api/version").json()["version"]

@@ -28,6 +28,7 @@ from disagg_mesh.server.router import servicer  # noqa: F401  (registers the rou
 
 EXPECTED = {
     "Fingerprint": "disagg.v1.KvFingerprint",
+    "ModelFacts": "disagg.v1.ModelFacts",
     "TokenChoice": "disagg.v1.TokenChoice",
     "TokenLogprob": "disagg.v1.TokenLogprob",
     "KvReference": "disagg.v1.KvReference",

@@ -487,6 +487,11 @@ async def test_node_info_says_whether_ollama_holds_the_model_in_memory(
             )
         assert (info.ready, info.model_loaded_in_memory) == (ready, loaded), name
         assert info.kv_transfer == types_pb2.KV_TRANSFER_TOKEN_IDS
+        # What the Ollama server's /api/tags says of the model (the stand-in's qwen3moe).
+        facts = info.model_facts
+        want = ("qwen3moe", "30.5B", "Q4_K_M") if ready else ("", "", "")
+        assert (facts.architecture, facts.parameter_size, facts.quantization) == want, name
+        assert not facts.capabilities  # /api/tags does not say; the Ollama server checks think
     assert "unreachable" in info.problem
 
 

@@ -126,6 +126,39 @@ class Prompt:
 
 
 @dataclass(frozen=True)
+class ModelFacts:
+    """What a node's model is, as Ollama's /api/tags and /api/show describe a model (the
+    proto's ModelFacts); empty where the engine cannot tell."""
+
+    architecture: str = ""
+    parameter_count: int = 0
+    parameter_size: str = ""
+    quantization: str = ""
+    file_size_bytes: int = 0
+    trained_context_tokens: int = 0
+    embedding_length: int = 0
+    # "completion", "tools", "thinking"; () when not known.
+    capabilities: tuple[str, ...] = ()
+
+    @property
+    def reasons(self) -> bool | None:
+        """Whether the model reasons apart from its answer; None when not known."""
+        return "thinking" in self.capabilities if self.capabilities else None
+
+
+def parameter_size(count: int) -> str:
+    """A count of weights as Ollama writes it (its format.HumanNumber): "134.52M", "30.5B",
+    "20B"."""
+    for unit, scale in (("B", 10**9), ("M", 10**6)):
+        if count >= scale:
+            number = count / scale
+            if number == int(number):
+                return f"{int(number)}{unit}"
+            return f"{number:.1f}{unit}" if unit == "B" else f"{number:.2f}{unit}"
+    return f"{round(count / 1000)}K" if count >= 1000 else str(count)
+
+
+@dataclass(frozen=True)
 class Fingerprint:
     """Everything that shapes a KV state's bytes; a state loads only into an engine whose
     fingerprint is equal (`mismatch` names the first setting that differs)."""

@@ -26,11 +26,12 @@ import structlog
 
 from disagg_mesh.server.common.config.topology import Node
 from disagg_mesh.server.common.errors import ResourceExhausted
+from disagg_mesh.server.common.types import ModelFacts
 from disagg_mesh.server.common.wire.node_clients import (
     ChannelPool,
     health_changes,
     health_status,
-    node_slots,
+    node_engine,
 )
 from disagg_mesh.server.router.deaths import Deaths
 
@@ -75,6 +76,8 @@ class NodeHealth:
         self._in_flight: dict[str, int] = {n.name: 0 for n in nodes}
         # Slots each node reports (0: not known yet).
         self._slots: dict[str, int] = {n.name: 0 for n in nodes}
+        # What each node's model is, as it last said (GetNodeInfo, with its slots).
+        self._facts: dict[str, ModelFacts] = {}
         # Which requests each node holds, and the nodes that died holding one.
         self.deaths = Deaths(quarantine_s)
         # Callers waiting for a free slot of each node, oldest first, and the slots freed
@@ -404,6 +407,10 @@ class NodeHealth:
             else:
                 await asyncio.sleep(max(started + self._every_s - loop.time(), 0.0))
 
+    def model_facts(self, name: str) -> ModelFacts | None:
+        """What the node said its model is when it last came up; None if it has not."""
+        return self._facts.get(name)
+
     async def _saw(self, node: Node, serving: bool) -> None:
         if not serving:
             self._slots[node.name] = 0  # it may come back with other settings
@@ -415,7 +422,10 @@ class NodeHealth:
             channel = self._pool.get(node.address)
             with suppress(TimeoutError):
                 await asyncio.wait_for(channel.channel_ready(), CHECK_TIMEOUT_S)
-            self._slots[node.name] = await node_slots(channel, CHECK_TIMEOUT_S)
+            slots, facts = await node_engine(channel, CHECK_TIMEOUT_S)
+            self._slots[node.name] = slots
+            if facts != ModelFacts():  # one that could not say keeps what it said before
+                self._facts[node.name] = facts
             self._wake(node.name)
             self._wake_room(node.name)
         if serving != self._serving[node.name]:

@@ -19,7 +19,7 @@ from contextlib import aclosing
 from disagg_mesh.server.common.config.topology import ModelRoute, Node, SchemaLimits, Topology
 from disagg_mesh.server.common.errors import InvalidArgument, MeshError, NotFound
 from disagg_mesh.server.common.runtime.observability import metrics
-from disagg_mesh.server.common.types import Continuation, Prompt, Sampling, TextChunk
+from disagg_mesh.server.common.types import Continuation, ModelFacts, Prompt, Sampling, TextChunk
 from disagg_mesh.server.common.validation import check_format, validate_prompt, validate_sampling
 from disagg_mesh.server.common.wire.node_clients import ChannelPool
 from disagg_mesh.server.router.chain import Chain
@@ -89,6 +89,29 @@ class Router:
         route = self.route(model)
         nodes = self.selection.nodes([*route.prefill, *route.decode])
         return min((n.n_ctx for n in nodes), default=0)
+
+    def model_facts(self, model: str) -> ModelFacts | None:
+        """What the logical model's nodes said their model is (the first that said, decode
+        nodes first); None while none has."""
+        route = self.route(model)
+        for name in (*route.decode, *route.prefill):
+            facts = self.health.model_facts(name)
+            if facts is not None:
+                return facts
+        return None
+
+    def check_reasons(self, model: str, field: str) -> None:
+        """INVALID_ARGUMENT naming `field` (Ollama's think, OpenAI's reasoning_effort) for a
+        model its nodes say does not reason apart from its answer, as Ollama refuses think
+        for one; a model whose nodes have not said is given the benefit of the doubt."""
+        facts = self.model_facts(model)
+        if facts is not None and facts.reasons is False:
+            what = facts.architecture or "its model"
+            raise InvalidArgument(
+                field,
+                f"{model!r} does not support thinking ({what} does not reason apart from its "
+                "answer)",
+            )
 
     def routes(self) -> list[tuple[ModelRoute, list[Node], list[Node]]]:
         nodes = self.selection.nodes

@@ -20,6 +20,7 @@ from disagg_mesh.server.common.types import (
     GenerationEnd,
     KvReference,
     KvTransferKind,
+    ModelFacts,
     PrefillFigures,
     Prompt,
     Sampling,
@@ -146,6 +147,8 @@ class Engine(Protocol):
 
     fingerprint: Fingerprint
     placement: Placement
+    # What the model is (its file's architecture, size, quantization), as far as known.
+    model_facts: ModelFacts
     kv_transfer: KvTransferKind
     # Whether the model sits in memory now (Ollama unloads idle models).
     loaded_in_memory: bool

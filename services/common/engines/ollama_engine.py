@@ -62,6 +62,7 @@ from disagg_mesh.server.common.types import (
     GenerationEnd,
     KvReference,
     KvTransferKind,
+    ModelFacts,
     Prompt,
     ResponseFormat,
     Sampling,
@@ -115,6 +116,8 @@ class OllamaEngine:
         self.fingerprint = Fingerprint("", n_ctx, ENGINE_VERSION)
         # Ollama places the model itself (its /api/ps tells how much sits in VRAM).
         self.placement = Placement()
+        # What /api/tags says of the model (problem() refreshes it).
+        self.model_facts = ModelFacts()
         self.loaded_in_memory = False
 
     # -- health ----------------------------------------------------------------------------
@@ -126,13 +129,20 @@ class OllamaEngine:
                 running = await self._client.ps()
         except MeshError as exc:
             return exc.message
-        digest = next((m.digest for m in tags.models if m.model == self.model), None)
-        if digest is None:
+        entry = next((m for m in tags.models if m.model == self.model), None)
+        if entry is None or entry.digest is None:
             return (
                 f"model {self.model!r} is not on the Ollama server at {self.url} "
                 f"(ollama pull {self.model})"
             )
-        self.fingerprint = Fingerprint(digest, self.n_ctx, ENGINE_VERSION)
+        self.fingerprint = Fingerprint(entry.digest, self.n_ctx, ENGINE_VERSION)
+        details = entry.details
+        self.model_facts = ModelFacts(
+            architecture=(details.family if details else None) or "",
+            parameter_size=(details.parameter_size if details else None) or "",
+            quantization=(details.quantization_level if details else None) or "",
+            file_size_bytes=entry.size or 0,
+        )
         self.loaded_in_memory = any(m.model == self.model for m in running.models)
         return None
 

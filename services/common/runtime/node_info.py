@@ -16,9 +16,10 @@ from disagg_mesh.server.common.kv.store import KvStore
 from disagg_mesh.server.common.runtime.observability.host import this_host
 from disagg_mesh.server.common.runtime.processes import restarts
 from disagg_mesh.server.common.runtime.readiness import Ready
-from disagg_mesh.server.common.types import Fingerprint, KvTransferKind
+from disagg_mesh.server.common.types import Fingerprint, KvTransferKind, ModelFacts
 from disagg_mesh.server.common.wire import convert
 from disagg_mesh.server.common.wire.convert import host_to_proto
+from disagg_mesh.server.common.wire.mirror import to_proto
 
 SERVICE_NAME = node_pb2.DESCRIPTOR.services_by_name["NodeService"].full_name
 # When this process started (imported at start by every node's main).
@@ -41,6 +42,7 @@ class NodeStatus:
     kv_store_bytes: int = 0
     load: EngineLoad | None = None
     placement: Placement = field(default_factory=Placement)
+    model_facts: ModelFacts = field(default_factory=ModelFacts)
 
 
 def describer(
@@ -71,6 +73,7 @@ def describer(
         status.model_loaded_in_memory = current.loaded_in_memory
         status.load = current.load()
         status.placement = current.placement
+        status.model_facts = current.model_facts
         kv = store()
         if kv is not None:
             status.kv_store_handles, status.kv_store_bytes = len(kv), kv.bytes_held
@@ -130,6 +133,7 @@ class NodeServicer(node_pb2_grpc.NodeServiceServicer):
             backend=s.placement.backend,
             gpu_layers=s.placement.gpu_layers,
             model_layers=s.placement.layers,
+            model_facts=to_proto(s.model_facts),
             restarts=restarts(),
         )
 

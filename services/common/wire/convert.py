@@ -37,6 +37,7 @@ from disagg_mesh.server.common.types import (
     KvReference,
     KvSource,
     KvTransferKind,
+    ModelFacts,
     PrefillResult,
     PrefillStats,
     Prompt,
@@ -366,6 +367,7 @@ def decode_stats_from_proto(msg: decode_pb2.DecodeSummary) -> DecodeStats:
 register_enum(FinishReason, FINISH_REASON_TO_PROTO)
 register_enum(KvTransferKind, KV_TRANSFER_TO_PROTO)
 register(Fingerprint, types_pb2.KvFingerprint)
+register(ModelFacts, node_pb2.ModelFacts)
 register(TokenChoice, types_pb2.TokenChoice)
 register(TokenLogprob, types_pb2.TokenLogprob)
 register(DecodeStats, decode_pb2.DecodeSummary)

@@ -29,6 +29,7 @@ from disagg_mesh.server.common.types import (
     DecodeCandidate,
     DecodeStats,
     KvSource,
+    ModelFacts,
     NodeReport,
     PrefillResult,
     Prompt,
@@ -232,16 +233,17 @@ class DecodeClient:
             call.cancel()
 
 
-async def node_slots(channel: grpc.aio.Channel, timeout_s: float) -> int:
-    """The slots a prefill or decode node serves at once (GetNodeInfo); 0 if it cannot say."""
+async def node_engine(channel: grpc.aio.Channel, timeout_s: float) -> tuple[int, ModelFacts]:
+    """The slots a prefill or decode node serves at once, and what its model is
+    (GetNodeInfo); 0 and no facts if it cannot say."""
     stub: Any = node_pb2_grpc.NodeServiceStub(channel)
     try:
         info = await stub.GetNodeInfo(
             node_pb2.GetNodeInfoRequest(), timeout=timeout_s, metadata=outgoing_metadata()
         )
     except grpc.aio.AioRpcError:
-        return 0
-    return int(info.slots)
+        return 0, ModelFacts()
+    return int(info.slots), from_proto(info.model_facts, ModelFacts)
 
 
 async def node_report(channel: grpc.aio.Channel, timeout_s: float) -> NodeReport | None:

@@ -29,6 +29,7 @@ from disagg_mesh.server.common.tools.requests import read_tools
 from disagg_mesh.server.common.types import (
     ChatTurn,
     FinishReason,
+    ModelFacts,
     Prompt,
     ResponseFormat,
     Sampling,
@@ -157,13 +158,18 @@ class OllamaApi:
             tools=read_tools(body.body.get("tools")),
         )
 
-    def _think(self, body: Fields) -> tuple[str, bool]:
+    def _think(self, model: str, body: Fields) -> tuple[str, bool]:
         """`think`: the reasoning effort it names ("" for the model's default), and whether
-        the reply carries the reasoning."""
+        the reply carries the reasoning. True or a level for a model that does not reason
+        is a 400, as in Ollama."""
         think = body.body.get("think")
         if think is None or isinstance(think, bool):
+            if think:
+                self.router.check_reasons(model, "think")
             return "", think is not False
-        return reasoning_effort(think, "think"), True
+        effort = reasoning_effort(think, "think")
+        self.router.check_reasons(model, "think")
+        return effort, True
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
         body = Fields(await json_body(request))
@@ -181,7 +187,7 @@ class OllamaApi:
         system = body.string("system")
         stream = body.boolean("stream", True)
         sampling_ = await checked_sampling(self.router, self._sampling(model, body), "format")
-        effort, thinking = self._think(body)
+        effort, thinking = self._think(model, body)
         if not prompt_text and not system:
             self.router.n_ctx(model)  # NOT_FOUND for an unknown model, as Ollama
             return self._loaded(model, "response", stream)
@@ -204,7 +210,7 @@ class OllamaApi:
         _keep_alive(body)
         stream = body.boolean("stream", True)
         sampling_ = await checked_sampling(self.router, self._sampling(model, body), "format")
-        effort, thinking = self._think(body)
+        effort, thinking = self._think(model, body)
         raw_messages = body.body.get("messages")
         if raw_messages is None or raw_messages == []:
             self.router.n_ctx(model)
@@ -317,19 +323,22 @@ class OllamaApi:
     # -- models ----------------------------------------------------------------------------
 
     def _model_entry(self, name: str) -> dict[str, Any]:
+        """A model as /api/tags lists it: its nodes' model file (family, size, quantization)
+        as they said it is (empty until one has come up)."""
         node = self._first_node(name)
+        facts = self.router.model_facts(name) or ModelFacts()
         return {
             "name": name,
             "model": name,
             "modified_at": self.started,
-            "size": 0,
+            "size": facts.file_size_bytes,
             "digest": "",
             "details": {
-                "format": "gguf" if node.engine == "llama_cpp" else "",
-                "family": "",
-                "families": None,
-                "parameter_size": "",
-                "quantization_level": "",
+                "format": "gguf" if node.engine in ("llama_cpp", "ollama") else "",
+                "family": facts.architecture,
+                "families": [facts.architecture] if facts.architecture else None,
+                "parameter_size": facts.parameter_size,
+                "quantization_level": facts.quantization,
                 "parent_model": "",
             },
         }
@@ -371,20 +380,35 @@ class OllamaApi:
         ]
         lines.append(f"FROM {node.model}")
         entry = self._model_entry(name)
+        facts = self.router.model_facts(name) or ModelFacts()
         return web.json_response(
             {
                 "modelfile": "\n".join(lines) + "\n",
                 "parameters": f"num_ctx {self.router.n_ctx(name)}",
                 "template": "",
                 "details": entry["details"],
-                "model_info": {"general.architecture": "", "disagg.chain": route.chain},
-                "capabilities": ["completion", "tools"],
+                "model_info": {**_model_info(facts), "disagg.chain": route.chain},
+                # What the nodes said their model can do; until one has, what any can.
+                "capabilities": list(facts.capabilities or ("completion", "tools")),
                 "modified_at": self.started,
             }
         )
 
     async def version(self, request: web.Request) -> web.Response:
         return web.json_response({"version": VERSION})
+
+
+def _model_info(facts: ModelFacts) -> dict[str, Any]:
+    """The GGUF keys Ollama's /api/show gives in model_info, those the nodes told."""
+    arch = facts.architecture
+    info: dict[str, Any] = {"general.architecture": arch}
+    if facts.parameter_count:
+        info["general.parameter_count"] = facts.parameter_count
+    if arch and facts.trained_context_tokens:
+        info[f"{arch}.context_length"] = facts.trained_context_tokens
+    if arch and facts.embedding_length:
+        info[f"{arch}.embedding_length"] = facts.embedding_length
+    return info
 
 
 def _keep_alive(body: Fields) -> None:

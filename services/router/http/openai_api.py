@@ -237,6 +237,8 @@ class OpenAiApi:
             raise InvalidArgument("messages", "must be a non-empty list of messages")
         turns = [_turn(i, m) for i, m in enumerate(messages)]
         effort = reasoning_effort(body.body.get("reasoning_effort"), "reasoning_effort")
+        if effort:
+            self.router.check_reasons(model, "reasoning_effort")
         prompt = Prompt(messages=tuple(turns), reasoning_effort=effort)
         checked = dry_run(request, self.router, model, prompt, sampling_)
         if checked is not None:

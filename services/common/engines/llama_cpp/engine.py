@@ -147,6 +147,7 @@ class LlamaCppEngine:
         self._scheduler = scheduler
         self.fingerprint = fingerprint
         self.placement = model.placement
+        self.model_facts = model.facts
         self.n_ctx = context.n_ctx
         self._handoff: _Handoff | None = None
         self._grammars = Grammars(model.vocab, model.harmony, schema_limits)

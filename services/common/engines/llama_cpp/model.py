@@ -33,7 +33,12 @@ from disagg_mesh.server.common.tools.formats import (
 )
 from disagg_mesh.server.common.tools.formats import turns as tool_turns
 from disagg_mesh.server.common.tools.requests import ToolRequest
-from disagg_mesh.server.common.types import REASONING_EFFORTS, Prompt
+from disagg_mesh.server.common.types import (
+    REASONING_EFFORTS,
+    ModelFacts,
+    Prompt,
+    parameter_size,
+)
 
 log = structlog.get_logger("engine")
 
@@ -105,6 +110,24 @@ def attended_from(position: int, window: int) -> int:
     return max(0, position - window + 1) if window else 0
 
 
+# GGUF's general.file_type (llama.cpp's llama_ftype) as Ollama names each (its
+# fs/ggml/type.go); "" for the values no file has any more.
+FILE_TYPES = (
+    "F32 F16 Q4_0 Q4_1 - - - Q8_0 Q5_0 Q5_1 Q2_K Q3_K_S Q3_K_M Q3_K_L Q4_K_S Q4_K_M Q5_K_S "
+    "Q5_K_M Q6_K IQ2_XXS IQ2_XS Q2_K_S IQ3_XS IQ3_XXS IQ1_S IQ4_NL IQ3_S IQ3_M IQ2_S IQ2_M "
+    "IQ4_XS IQ1_M BF16 - - - TQ1_0 TQ2_0 MXFP4_MOE NVFP4 Q1_0"
+).split()
+
+
+def file_type_name(value: str) -> str:
+    """A GGUF file type (general.file_type, a number) as Ollama names it; "" if unknown."""
+    try:
+        name = FILE_TYPES[int(value)]
+    except (ValueError, IndexError):
+        return ""
+    return "" if name == "-" else name
+
+
 class ModelLoadError(MeshError):
     """llama.cpp cannot load the model file."""
 
@@ -161,6 +184,19 @@ class LlamaModel:
             template = HARMONY_TEMPLATE
         # How this model takes tools and makes calls (from its template).
         self.tool_format = tool_format(template or "", self.harmony is not None)
+        parameters = int(llama_cpp.llama_model_n_params(self.ptr))
+        self.facts = ModelFacts(
+            architecture=self.metadata.get("general.architecture", ""),
+            parameter_count=parameters,
+            parameter_size=parameter_size(parameters),
+            quantization=file_type_name(self.metadata.get("general.file_type", "")),
+            file_size_bytes=path.stat().st_size,
+            trained_context_tokens=int(llama_cpp.llama_model_n_ctx_train(self.ptr)),
+            embedding_length=int(llama_cpp.llama_model_n_embd(self.ptr)),
+            # Any model takes tools (a template without them: the generic format); only
+            # harmony's reasoning comes apart from the answer.
+            capabilities=("completion", "tools", *(("thinking",) * (self.harmony is not None))),
+        )
         if template:
             self._chat = Jinja2ChatFormatter(
                 template=template,

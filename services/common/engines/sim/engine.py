@@ -87,6 +87,7 @@ from disagg_mesh.server.common.types import (
     GenerationEnd,
     KvReference,
     KvTransferKind,
+    ModelFacts,
     Prompt,
     Sampling,
     StageLimits,
@@ -240,6 +241,7 @@ class SimEngine:
             model_sha256=model_hash, n_ctx_tokens=n_ctx, engine_version=SIM_VERSION
         )
         self.placement = Placement(backend=f"sim ({profile.name})")
+        self.model_facts = ModelFacts()  # a profile has the model's speed, not its file
         self.kv_transfer = KvTransferKind.STATE
         self.loaded_in_memory = True
         self._free = list(range(settings.slots))
