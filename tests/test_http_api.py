@@ -25,6 +25,7 @@ from disagg_mesh.server.common.models.files import resolve_model_path
 from disagg_mesh.server.common.types import parameter_size
 from tests.conftest import (
     MODEL,
+    N_CTX,
     ROOT,
     Mesh,
     engine_node,
@@ -714,6 +715,17 @@ def test_openai_models_and_errors(mesh: Mesh) -> None:
         )
     assert too_large.value.status_code == 413
     assert too_large.value.body["param"] == "body", too_large.value.body  # type: ignore[index]
+    # A prompt the context cannot hold: OpenAI's own code for it, naming the messages (a
+    # chat) or the prompt (a completion), and the tokens and the context.
+    words = "word " * (N_CTX + 10)
+    with pytest.raises(openai.BadRequestError) as too_long:
+        client.chat.completions.create(model=QWEN, messages=[{"role": "user", "content": words}])
+    with pytest.raises(openai.BadRequestError) as too_long_text:
+        client.completions.create(model=QWEN, prompt=words)
+    for refused, param in ((too_long, "messages"), (too_long_text, "prompt")):
+        body: Any = refused.value.body
+        assert (body["code"], body["param"]) == ("context_length_exceeded", param), body
+        assert f"a context of {N_CTX} must hold it" in body["message"], body
     # Only an assistant's message may go without content (its calls alone), as OpenAI's API.
     for message, param in (
         ({"role": "user", "content": None}, "messages[0].content"),

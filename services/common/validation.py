@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 from disagg_mesh.server.common.config.topology import SchemaLimits
 from disagg_mesh.server.common.errors import InvalidArgument, NotFound
@@ -27,6 +28,18 @@ MAX_TOP_LOGPROBS = 20
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
 # Where a door names a tool's parameters schema ({i}: the tool's place).
 TOOL_PARAMETERS_FIELD = "sampling.tools.definitions[{i}].parameters_json_schema"
+
+
+# A prompt longer than the context: how a node says so, and how a door tells it (OpenAI's
+# context_length_exceeded).
+PROMPT_TOO_LONG = re.compile(r": (\d+) tokens; a context of (\d+) must hold it and ")
+
+
+def prompt_too_long(tokens: int, n_ctx: int) -> InvalidArgument:
+    return InvalidArgument(
+        "prompt",
+        f"{tokens} tokens; a context of {n_ctx} must hold it and at least one generated token",
+    )
 
 
 def validate_prompt(prompt: Prompt) -> None:

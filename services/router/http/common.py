@@ -101,11 +101,16 @@ def door_field(exc: MeshError, name: FieldName) -> MeshError:
         return exc
     if not field.startswith("sampling."):
         return exc
+    return renamed(exc, name(field.removeprefix("sampling.")))
+
+
+def renamed(exc: MeshError, name: str) -> InvalidArgument:
+    """An INVALID_ARGUMENT naming its field (`field`) naming `name` instead; a node's own
+    check (the router's message starts with the node) ends with the node."""
+    field = getattr(exc, "field", None) or ""
     node, _, problem = exc.message.partition(f"{field}: ")
     where = node.removesuffix(": ")
-    return InvalidArgument(
-        name(field.removeprefix("sampling.")), problem + (f" ({where})" if where else "")
-    )
+    return InvalidArgument(name, problem + (f" ({where})" if where else ""))
 
 
 def scoped(

@@ -28,7 +28,7 @@ from disagg_mesh.server.common.types import (
     Sampling,
     TokenLogprob,
 )
-from disagg_mesh.server.common.validation import MAX_TOP_LOGPROBS
+from disagg_mesh.server.common.validation import MAX_TOP_LOGPROBS, PROMPT_TOO_LONG
 from disagg_mesh.server.router.http.common import (
     Events,
     Fields,
@@ -42,6 +42,7 @@ from disagg_mesh.server.router.http.common import (
     merged,
     mesh_fields,
     reasoning_effort,
+    renamed,
     sampling,
     scoped,
     token_text,
@@ -68,12 +69,15 @@ ROLES = {
 
 
 def error_body(exc: MeshError, status: int) -> dict[str, Any]:
+    """OpenAI's error object; a prompt longer than the context has OpenAI's own code for
+    it (context_length_exceeded), which clients such as LiteLLM act on."""
+    too_long = status == 400 and PROMPT_TOO_LONG.search(exc.message) is not None
     return {
         "error": {
             "message": exc.message,
             "type": ERROR_TYPES.get(status, "server_error"),
             "param": getattr(exc, "field", None),
-            "code": exc.code.name.lower(),
+            "code": "context_length_exceeded" if too_long else exc.code.name.lower(),
         }
     }
 
@@ -244,7 +248,12 @@ class OpenAiApi:
         if checked is not None:
             return checked
         choices = self._choices(model, prompt, sampling_, _n(body))
-        return await self._answer(request, body, model, choices, chat=True)
+        try:
+            return await self._answer(request, body, model, choices, chat=True)
+        except MeshError as exc:  # a chat's prompt is its messages
+            if getattr(exc, "field", None) == "prompt":
+                raise renamed(exc, "messages") from None
+            raise
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = Fields(await json_body(request))

@@ -39,6 +39,7 @@ from disagg_mesh.server.common.types import (
     Prompt,
     parameter_size,
 )
+from disagg_mesh.server.common.validation import prompt_too_long
 
 log = structlog.get_logger("engine")
 
@@ -294,11 +295,7 @@ class LlamaModel:
         if not tokens:
             raise InvalidArgument("prompt", "has no tokens")
         if len(tokens) >= n_ctx:
-            raise InvalidArgument(
-                "prompt",
-                f"is {len(tokens)} tokens; the context holds {n_ctx} "
-                "including at least one generated token",
-            )
+            raise prompt_too_long(len(tokens), n_ctx)
         return tokens
 
     def tokenize_text(self, text: str) -> list[int]:
