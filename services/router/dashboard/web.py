@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import math
 import ssl
 from dataclasses import asdict
 from importlib import resources
@@ -86,6 +87,8 @@ class DashboardApi:
         _authorize(request)
         try:
             since = float(request.query.get("since", "0"))
+            if math.isnan(since):  # compares false with every time
+                raise ValueError
         except ValueError:
             raise web.HTTPBadRequest(
                 text=f"since: a time in Unix seconds, got {request.query['since']!r}"
