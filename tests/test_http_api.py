@@ -23,6 +23,7 @@ from disagg_mesh import AsyncMeshClient, GenerateCall
 from disagg_mesh.proto.v1 import node_pb2, node_pb2_grpc
 from disagg_mesh.server.common.models.files import resolve_model_path
 from disagg_mesh.server.common.types import parameter_size
+from disagg_mesh.server.router.http.origins import BrowserOrigins
 from tests.conftest import (
     MODEL,
     N_CTX,
@@ -878,12 +879,70 @@ def token_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     port = free_port()
     parts = [
         '[security]\ntoken_env = "DISAGG_TEST_HTTP_TOKEN"\n',
-        router_node(http_port=port),
+        router_node(http_port=port, http_origins=[GRADER_PAGE]),
         engine_node("decode-t", "decode", 1, slots=2),
         route("t", [], ["decode-t"], chain=["decode_only"]),
     ]
     with running_mesh(folder, parts):
         yield f"http://127.0.0.1:{port}"
+
+
+GRADER_PAGE = "https://grader.example.edu"
+
+
+def test_origin_patterns_match_whole_origins() -> None:
+    """Ollama's patterns: "*" stands for anything, the rest must match exactly."""
+    own = "http://10.0.0.5:11435"
+    origins = BrowserOrigins(["https://*.example.edu"])
+    for allowed in ("https://grader.example.edu", "http://localhost:8080", own, "file://"):
+        assert origins.allows(allowed, own), allowed
+    for refused in ("https://example.edu.evil.com", "http://localhost.evil.com", "null"):
+        assert not origins.allows(refused, own), refused
+    assert BrowserOrigins(["*"]).allows("https://anywhere.example.com", own)
+
+
+def test_browser_pages_may_call_the_doors_as_ollama_allows_them(token_mesh: str) -> None:
+    """CORS as Ollama's: this machine's pages (any port), editors' and apps' webviews,
+    browser extensions, the router's own pages and the topology's http_origins get the
+    headers, a preflight answered before the token is asked for, a stream's headers too;
+    any other page is refused 403 before its request is read; no Origin, no browser."""
+    auth = {"Authorization": "Bearer s3cret"}
+    ask = {
+        "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization,content-type",
+    }
+    pages = (
+        "http://localhost:5173",
+        "http://127.0.0.1",
+        "vscode-webview://x1",
+        "chrome-extension://ab",
+        GRADER_PAGE,
+        token_mesh,
+    )
+    with httpx.Client(base_url=token_mesh, timeout=60) as client:
+        for origin in pages:
+            for path in ("/v1/chat/completions", "/api/chat"):
+                preflight = client.options(path, headers={"Origin": origin, **ask})
+                assert preflight.status_code == 204, (origin, path, preflight.text)
+                assert preflight.headers["access-control-allow-origin"] == origin
+                assert "authorization" in preflight.headers["access-control-allow-headers"].lower()
+        body = {"model": "t", "prompt": PROMPT, "raw": True, "options": {"num_predict": 2}}
+        page = {**auth, "Origin": "http://localhost:5173"}
+        with client.stream("POST", "/api/generate", json=body, headers=page) as streamed:
+            assert streamed.status_code == 200
+            assert streamed.headers["access-control-allow-origin"] == "http://localhost:5173"
+            assert b'"done": true' in streamed.read()
+        listed = client.get("/v1/models", headers={**auth, "Origin": GRADER_PAGE})
+        assert listed.status_code == 200
+        assert listed.headers["access-control-allow-origin"] == GRADER_PAGE
+        foreign = {**auth, "Origin": "https://elsewhere.example.com"}
+        refused = client.post("/api/generate", json=body, headers=foreign)
+        assert refused.status_code == 403 and "http_origins" in refused.json()["error"]
+        refused = client.post("/v1/completions", json=body, headers=foreign)
+        assert refused.status_code == 403
+        assert refused.json()["error"]["type"] == "permission_error"
+        plain = client.get("/v1/models", headers=auth)
+        assert plain.status_code == 200 and "access-control-allow-origin" not in plain.headers
 
 
 def test_a_missing_or_wrong_token_is_401_on_both_apis(token_mesh: str) -> None:

@@ -54,6 +54,7 @@ async def run(topology: Topology, node: Node) -> None:
             node.http_port,
             tls_paths(topology, node),
             dashboard,
+            node.http_origins,
         )
         if node.http_port is not None
         else None

@@ -8,12 +8,20 @@ syntax error) and what is wrong.
 from __future__ import annotations
 
 import os
+import re
 import tomllib
 from functools import cached_property
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    model_validator,
+)
 
 from disagg_mesh.server.common.types import Fingerprint
 
@@ -121,6 +129,23 @@ class SecuritySettings(_Strict):
     token_env: str | None = Field(default=None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
+# A web page's origin, "*" matching anything in it: "https://grader.example.edu:8443",
+# "https://*.example.edu", or "*" alone (any page).
+ORIGIN = re.compile(r"\*|[a-z][a-z0-9+.-]*://\S+")
+
+
+def _origin(value: str) -> str:
+    if not ORIGIN.fullmatch(value):
+        raise ValueError(
+            f"{value!r} is not an origin such as https://grader.example.edu, "
+            "https://*.example.edu or *"
+        )
+    return value
+
+
+Origin = Annotated[str, AfterValidator(_origin)]
+
+
 class Node(_Strict):
     """One [[nodes]] entry: a process of the mesh."""
 
@@ -134,6 +159,11 @@ class Node(_Strict):
     metrics_port: Port | None = None
     # router only: Ollama's and OpenAI's HTTP APIs on this port (same address), if set.
     http_port: Port | None = None
+    # router only: web pages (origins, "*" matching anything: "https://*.example.edu") that
+    # may call the HTTP APIs from a browser, beyond Ollama's own (this machine's pages on
+    # any port, app://, file://, tauri://, vscode-webview://, browser extensions); pages of
+    # any other origin get 403, as in Ollama (router/http/origins.py).
+    http_origins: list[Origin] = []
     # prefill and decode nodes only:
     engine: EngineName | None = None
     # llama_cpp: a GGUF path (relative to the topology file), "package:DIST/FILE", or
@@ -241,6 +271,8 @@ class Node(_Strict):
                 raise ValueError(f"a {self.role} node needs model")
         if self.http_port is not None and self.role != "router":
             raise ValueError("http_port: only the router serves the HTTP APIs")
+        if self.http_origins and self.http_port is None:
+            raise ValueError("http_origins: the node serves no HTTP APIs (no http_port)")
         if self.http_port is not None and self.http_port in (self.port, self.metrics_port):
             raise ValueError(
                 f"http_port {self.http_port} is already this node's gRPC or metrics port"

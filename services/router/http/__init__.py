@@ -7,6 +7,7 @@ aiohttp on the router's own event loop when the router node has `http_port`.
 - `openai_api.py`  /v1/chat/completions, /v1/completions, /v1/models, /v1/models/{model}
 - the live dashboard, /dashboard and /api/dashboard (router/dashboard/)
 - `unserved.py`    any other path or method: the API's own JSON error, naming what is served
+- `origins.py`     which web pages may call the doors from a browser (CORS), as Ollama's
 
 Both call `Router.generate`, the logic behind gRPC's RouterService.Generate: the same
 fallback chain, stage deadlines, request id and metrics. A client that disconnects cancels
@@ -17,6 +18,7 @@ decode node.
 from __future__ import annotations
 
 import ssl
+from collections.abc import Sequence
 
 import structlog
 from aiohttp import web
@@ -27,6 +29,7 @@ from disagg_mesh.server.router.dashboard.web import DashboardApi
 from disagg_mesh.server.router.http.common import MAX_BODY_BYTES
 from disagg_mesh.server.router.http.ollama_api import OllamaApi
 from disagg_mesh.server.router.http.openai_api import OpenAiApi
+from disagg_mesh.server.router.http.origins import BrowserOrigins
 from disagg_mesh.server.router.http.unserved import unserved_paths
 from disagg_mesh.server.router.routing import Router
 
@@ -41,9 +44,12 @@ class HttpFrontDoor:
         port: int,
         tls: TlsPaths | None,
         dashboard: DashboardState | None = None,
+        origins: Sequence[str] = (),
     ) -> None:
+        """origins: the pages a browser may call the doors from, beyond Ollama's own."""
         self._dashboard = dashboard
         app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[unserved_paths])
+        BrowserOrigins(origins).install(app)
         app.add_routes(OllamaApi(router).routes())
         app.add_routes(OpenAiApi(router).routes())
         if dashboard is not None:

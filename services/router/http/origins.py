@@ -1,0 +1,114 @@
+"""Which web pages may call the doors from a browser (CORS), as Ollama decides it: pages of
+this machine (localhost, 127.0.0.1 and 0.0.0.0 on any port, http or https), desktop and
+editor apps (app://, file://, tauri://, vscode-webview://, vscode-file://), browser
+extensions, the router's own pages, and the origins the router node's `http_origins` adds.
+
+A request from any other page is refused with 403 before it is read: a page on the web the
+user happens to open cannot make the mesh generate for it (a browser sends such a POST
+without asking first). Requests without an Origin (the SDKs, curl, the mesh's own clients)
+are not browsers' and pass.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+import grpc
+from aiohttp import web
+
+from disagg_mesh.server.common.errors import MeshError
+from disagg_mesh.server.router.http import ollama_api, openai_api
+from disagg_mesh.server.router.http.common import Handler
+
+# Ollama's own list (envconfig.AllowedOrigins), "*" matching anything.
+DEFAULT_ORIGINS = (
+    *(
+        f"{scheme}://{host}{port}"
+        for host in ("localhost", "127.0.0.1", "0.0.0.0")
+        for scheme in ("http", "https")
+        for port in ("", ":*")
+    ),
+    "app://*",
+    "file://*",
+    "tauri://*",
+    "vscode-webview://*",
+    "vscode-file://*",
+)
+BROWSER_EXTENSIONS = ("chrome-extension://", "moz-extension://", "safari-extension://")
+# What a page may send: Ollama's list (its own and the openai SDK's headers), and ours.
+ALLOWED_HEADERS = (
+    "Authorization, Content-Type, User-Agent, Accept, X-Requested-With, X-Request-Id, "
+    "X-Disagg-Dry-Run, OpenAI-Beta, x-stainless-arch, x-stainless-async, "
+    "x-stainless-custom-poll-interval, x-stainless-helper-method, x-stainless-lang, "
+    "x-stainless-os, x-stainless-package-version, x-stainless-poll-helper, "
+    "x-stainless-retry-count, x-stainless-runtime, x-stainless-runtime-version, "
+    "x-stainless-timeout"
+)
+ALLOWED_METHODS = "GET, POST, PUT, PATCH, DELETE, HEAD, OPTIONS"
+PREFLIGHT_MAX_AGE_S = 12 * 3600
+
+
+class _ForeignOrigin(MeshError):
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
+def _pattern(origin: str) -> re.Pattern[str]:
+    return re.compile(".*".join(re.escape(part) for part in origin.split("*")))
+
+
+class BrowserOrigins:
+    """The doors' CORS middleware, for Ollama's origins and `extra` (patterns with *)."""
+
+    def __init__(self, extra: Sequence[str] = ()) -> None:
+        self._patterns = [_pattern(o.rstrip("/")) for o in (*DEFAULT_ORIGINS, *extra)]
+
+    def allows(self, origin: str, own: str) -> bool:
+        """Whether a page of `origin` may call the doors; `own`: the doors' origin as the
+        request reached them (the dashboard's page)."""
+        if origin == own or origin.startswith(BROWSER_EXTENSIONS):
+            return True
+        return any(p.fullmatch(origin) for p in self._patterns)
+
+    @web.middleware
+    async def middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        origin = request.headers.get("Origin")
+        if origin is None:
+            return await handler(request)
+        if not self.allows(origin, f"{request.scheme}://{request.host}"):
+            openai = request.path.startswith("/v1/")
+            error = _ForeignOrigin(
+                f"origin {origin!r} may not call the mesh from a browser: add it to the router "
+                "node's http_origins in the topology"
+            )
+            body = (openai_api if openai else ollama_api).error_body(error, 403)
+            return web.json_response(body, status=403)
+        if request.method == "OPTIONS" and "Access-Control-Request-Method" in request.headers:
+            headers = {
+                **_allowed(origin),
+                "Access-Control-Allow-Methods": ALLOWED_METHODS,
+                "Access-Control-Allow-Headers": ALLOWED_HEADERS,
+                "Access-Control-Max-Age": str(PREFLIGHT_MAX_AGE_S),
+            }
+            return web.Response(status=204, headers=headers)
+        request[ALLOWED_ORIGIN] = origin
+        return await handler(request)
+
+    def install(self, app: web.Application) -> None:
+        """The middleware first, and the allowed origin on every response's headers, a
+        stream's too (set before it sends them: on_response_prepare)."""
+        app.middlewares.insert(0, self.middleware)
+        app.on_response_prepare.append(_add_origin)
+
+
+ALLOWED_ORIGIN = web.RequestKey("allowed_origin", str)
+
+
+def _allowed(origin: str) -> dict[str, str]:
+    return {"Access-Control-Allow-Origin": origin, "Vary": "Origin"}
+
+
+async def _add_origin(request: web.Request, response: web.StreamResponse) -> None:
+    origin = request.get(ALLOWED_ORIGIN)
+    if origin is not None:
+        response.headers.update(_allowed(origin))
