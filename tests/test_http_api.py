@@ -6,9 +6,12 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, HTTPServer
 from typing import Any
 
 import grpc
@@ -888,6 +891,61 @@ def token_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 
 GRADER_PAGE = "https://grader.example.edu"
+
+
+@pytest.mark.skipif(
+    shutil.which("chromium") is None,
+    reason="no chromium: `make test` installs Debian's (apt-get install chromium)",
+)
+def test_a_page_of_this_machine_streams_from_the_doors_in_a_real_browser(
+    token_mesh: str,
+) -> None:
+    """Chromium itself, on a page of another origin of this machine (a dev server's), calls
+    the OpenAI door with the token (a preflight first) and reads the streamed answer; a page
+    of an origin neither Ollama's list nor the topology names (served from this machine
+    too, under another name) is refused at the preflight, and cannot call the door."""
+    from playwright.sync_api import sync_playwright
+
+    class Page(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Type", "text/html")
+            self.send_header("Content-Length", "13")
+            self.end_headers()
+            self.wfile.write(b"<html></html>")
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+    pages = HTTPServer(("127.0.0.1", 0), Page)
+    threading.Thread(target=pages.serve_forever, daemon=True).start()
+    call = f"""async () => {{
+        const reply = await fetch("{token_mesh}/v1/chat/completions", {{
+            method: "POST",
+            headers: {{"Authorization": "Bearer s3cret", "Content-Type": "application/json"}},
+            body: JSON.stringify({{model: "t", messages: [{{role: "user", content: "hi"}}],
+                                   max_tokens: 3, stream: true}}),
+        }});
+        return [reply.status, await reply.text()];
+    }}"""
+    rules = "--host-resolver-rules=MAP elsewhere.test 127.0.0.1"
+    try:
+        with sync_playwright() as p:
+            browser = p.chromium.launch(
+                executable_path=shutil.which("chromium"), args=["--no-sandbox", rules]
+            )
+            try:
+                page = browser.new_page()
+                page.goto(f"http://127.0.0.1:{pages.server_port}/")
+                status, text = page.evaluate(call)
+                assert status == 200 and text.rstrip().endswith("data: [DONE]"), text
+                page.goto(f"http://elsewhere.test:{pages.server_port}/")
+                with pytest.raises(Exception, match="Failed to fetch"):
+                    page.evaluate(call)
+            finally:
+                browser.close()
+    finally:
+        pages.shutdown()
 
 
 def test_origin_patterns_match_whole_origins() -> None:

@@ -15,11 +15,15 @@ import re
 from collections.abc import Sequence
 
 import grpc
+import structlog
 from aiohttp import web
 
 from disagg_mesh.server.common.errors import MeshError
+from disagg_mesh.server.common.runtime.observability import metrics
 from disagg_mesh.server.router.http import ollama_api, openai_api
 from disagg_mesh.server.router.http.common import Handler
+
+log = structlog.get_logger("http")
 
 # Ollama's own list (envconfig.AllowedOrigins), "*" matching anything.
 DEFAULT_ORIGINS = (
@@ -82,6 +86,10 @@ class BrowserOrigins:
                 "node's http_origins in the topology"
             )
             body = (openai_api if openai else ollama_api).error_body(error, 403)
+            log.info("http foreign origin", path=f"{request.method} {request.path}", origin=origin)
+            # One label for every such path, as for unserved ones: the series stay few.
+            api = "openai" if openai else "ollama"
+            metrics.HTTP_REQUESTS.labels(api, "foreign_origin", "403").inc()
             return web.json_response(body, status=403)
         if request.method == "OPTIONS" and "Access-Control-Request-Method" in request.headers:
             headers = {
