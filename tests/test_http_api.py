@@ -740,6 +740,12 @@ def test_openai_models_and_errors(mesh: Mesh) -> None:
             client.chat.completions.create(model=QWEN, messages=[message])  # type: ignore[list-item]
         assert bad.value.body["param"] == param, bad.value.body  # type: ignore[index]
     hi: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hi"}]
+    # A stream's options without a stream, as OpenAI's API and vLLM refuse them.
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.chat.completions.create(
+            model=QWEN, messages=hi, max_tokens=1, stream_options={"include_usage": True}
+        )
+    assert bad.value.body["param"] == "stream_options", bad.value.body  # type: ignore[index]
     # What the mesh does not apply is refused, naming the field, never silently ignored;
     # the defaults that some clients send unasked are accepted.
     unapplied: list[tuple[str, object]] = [

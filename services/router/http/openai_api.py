@@ -184,7 +184,10 @@ class OpenAiApi:
             raise InvalidArgument(
                 "best_of", f"only 1 candidate per choice is supported, got {best_of}"
             )
-        body.refuse("functions", "the legacy functions field is not supported: use tools")
+        body.refuse("functions", "OpenAI's legacy field: use tools")
+        if body.body.get("stream_options") is not None and not body.boolean("stream", False):
+            # As OpenAI's API and vLLM answer it: the options of a stream there is not.
+            raise InvalidArgument("stream_options", "is only allowed when stream is true")
         max_tokens = body.integer("max_completion_tokens")
         field = "max_completion_tokens"
         if max_tokens is None:
