@@ -220,8 +220,9 @@ def test_ollama_list_show_ps_version(mesh: Mesh, reference_llm: llama_cpp.Llama)
             model=QWEN, messages=[{"role": "user", "content": "hi"}], reasoning_effort="low"
         )
     assert no_effort.value.body["param"] == "reasoning_effort"  # type: ignore[index]
-    running = {m.model for m in client.ps().models}
-    assert QWEN in running
+    running = {m.model: m for m in client.ps().models}
+    # The model's bytes, none of them on a GPU here (`ollama ps`: "100% CPU").
+    assert (running[QWEN].size, running[QWEN].size_vram) == (listed[QWEN].size, 0)
     assert httpx.get(f"{http_url(mesh)}/api/version").json()["version"]
 
 

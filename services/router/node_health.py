@@ -29,6 +29,7 @@ from disagg_mesh.server.common.errors import ResourceExhausted
 from disagg_mesh.server.common.types import ModelFacts
 from disagg_mesh.server.common.wire.node_clients import (
     ChannelPool,
+    EngineInfo,
     health_changes,
     health_status,
     node_engine,
@@ -76,8 +77,8 @@ class NodeHealth:
         self._in_flight: dict[str, int] = {n.name: 0 for n in nodes}
         # Slots each node reports (0: not known yet).
         self._slots: dict[str, int] = {n.name: 0 for n in nodes}
-        # What each node's model is, as it last said (GetNodeInfo, with its slots).
-        self._facts: dict[str, ModelFacts] = {}
+        # What each node's engine and model are, as it last said (GetNodeInfo).
+        self._engines: dict[str, EngineInfo] = {}
         # Which requests each node holds, and the nodes that died holding one.
         self.deaths = Deaths(quarantine_s)
         # Callers waiting for a free slot of each node, oldest first, and the slots freed
@@ -407,9 +408,10 @@ class NodeHealth:
             else:
                 await asyncio.sleep(max(started + self._every_s - loop.time(), 0.0))
 
-    def model_facts(self, name: str) -> ModelFacts | None:
-        """What the node said its model is when it last came up; None if it has not."""
-        return self._facts.get(name)
+    def engine(self, name: str) -> EngineInfo | None:
+        """What the node said of its engine and model when it last came up; None if it has
+        not."""
+        return self._engines.get(name)
 
     async def _saw(self, node: Node, serving: bool) -> None:
         if not serving:
@@ -422,10 +424,10 @@ class NodeHealth:
             channel = self._pool.get(node.address)
             with suppress(TimeoutError):
                 await asyncio.wait_for(channel.channel_ready(), CHECK_TIMEOUT_S)
-            slots, facts = await node_engine(channel, CHECK_TIMEOUT_S)
-            self._slots[node.name] = slots
-            if facts != ModelFacts():  # one that could not say keeps what it said before
-                self._facts[node.name] = facts
+            engine = await node_engine(channel, CHECK_TIMEOUT_S)
+            self._slots[node.name] = engine.slots
+            if engine.facts != ModelFacts():  # one that could not say keeps what it said
+                self._engines[node.name] = engine
             self._wake(node.name)
             self._wake_room(node.name)
         if serving != self._serving[node.name]:

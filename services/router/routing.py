@@ -21,7 +21,7 @@ from disagg_mesh.server.common.errors import InvalidArgument, MeshError, NotFoun
 from disagg_mesh.server.common.runtime.observability import metrics
 from disagg_mesh.server.common.types import Continuation, ModelFacts, Prompt, Sampling, TextChunk
 from disagg_mesh.server.common.validation import check_format, validate_prompt, validate_sampling
-from disagg_mesh.server.common.wire.node_clients import ChannelPool
+from disagg_mesh.server.common.wire.node_clients import ChannelPool, EngineInfo
 from disagg_mesh.server.router.chain import Chain
 from disagg_mesh.server.router.dashboard.recent import Recent
 from disagg_mesh.server.router.deaths import fingerprint
@@ -90,15 +90,20 @@ class Router:
         nodes = self.selection.nodes([*route.prefill, *route.decode])
         return min((n.n_ctx for n in nodes), default=0)
 
-    def model_facts(self, model: str) -> ModelFacts | None:
-        """What the logical model's nodes said their model is (the first that said, decode
-        nodes first); None while none has."""
+    def model_engine(self, model: str) -> EngineInfo | None:
+        """What the logical model's nodes said of their engine and model (the first that
+        said, decode nodes first); None while none has."""
         route = self.route(model)
         for name in (*route.decode, *route.prefill):
-            facts = self.health.model_facts(name)
-            if facts is not None:
-                return facts
+            engine = self.health.engine(name)
+            if engine is not None:
+                return engine
         return None
+
+    def model_facts(self, model: str) -> ModelFacts | None:
+        """What the logical model's nodes said their model is; None while none has."""
+        engine = self.model_engine(model)
+        return engine.facts if engine is not None else None
 
     def check_reasons(self, model: str, field: str) -> None:
         """INVALID_ARGUMENT naming `field` (Ollama's think, OpenAI's reasoning_effort) for a

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
 import grpc
@@ -233,17 +234,30 @@ class DecodeClient:
             call.cancel()
 
 
-async def node_engine(channel: grpc.aio.Channel, timeout_s: float) -> tuple[int, ModelFacts]:
-    """The slots a prefill or decode node serves at once, and what its model is
-    (GetNodeInfo); 0 and no facts if it cannot say."""
+@dataclass(frozen=True)
+class EngineInfo:
+    """What a prefill or decode node says of its engine that the router keeps: the slots it
+    serves at once, what its model is, and the share of the model's layers on a GPU."""
+
+    slots: int = 0
+    facts: ModelFacts = field(default_factory=ModelFacts)
+    gpu_share: float = 0.0
+
+
+async def node_engine(channel: grpc.aio.Channel, timeout_s: float) -> EngineInfo:
+    """The node's EngineInfo (GetNodeInfo); an empty one if it cannot say."""
     stub: Any = node_pb2_grpc.NodeServiceStub(channel)
     try:
         info = await stub.GetNodeInfo(
             node_pb2.GetNodeInfoRequest(), timeout=timeout_s, metadata=outgoing_metadata()
         )
     except grpc.aio.AioRpcError:
-        return 0, ModelFacts()
-    return int(info.slots), from_proto(info.model_facts, ModelFacts)
+        return EngineInfo()
+    return EngineInfo(
+        slots=int(info.slots),
+        facts=from_proto(info.model_facts, ModelFacts),
+        gpu_share=info.gpu_layers / info.model_layers if info.model_layers else 0.0,
+    )
 
 
 async def node_report(channel: grpc.aio.Channel, timeout_s: float) -> NodeReport | None:

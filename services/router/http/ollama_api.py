@@ -359,9 +359,12 @@ class OllamaApi:
         for route, prefill, decode in self.router.routes():
             if any(self.router.health.serving(n) for n in (*prefill, *decode)):
                 entry = self._model_entry(route.name)
+                engine = self.router.model_engine(route.name)
+                # The model's bytes on a GPU, as Ollama counts them (`ollama ps`: "100% GPU").
+                share = engine.gpu_share if engine is not None else 0.0
                 entry.update(
                     expires_at="2999-01-01T00:00:00Z",
-                    size_vram=0,
+                    size_vram=round(entry["size"] * share),
                     context_length=self.router.n_ctx(route.name),
                 )
                 running.append(entry)
