@@ -7,6 +7,7 @@ import asyncio
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import threading
@@ -26,7 +27,7 @@ from disagg_mesh import AsyncMeshClient, GenerateCall
 from disagg_mesh.proto.v1 import node_pb2, node_pb2_grpc
 from disagg_mesh.server.common.models.files import resolve_model_path
 from disagg_mesh.server.common.types import parameter_size
-from disagg_mesh.server.router.http.origins import BrowserOrigins
+from disagg_mesh.server.router.http.origins import BrowserOrigins, local_host
 from tests.conftest import (
     MODEL,
     N_CTX,
@@ -956,21 +957,27 @@ def test_a_page_of_this_machine_streams_from_the_doors_in_a_real_browser(
 
 
 def test_origin_patterns_match_whole_origins() -> None:
-    """Ollama's patterns: "*" stands for anything, the rest must match exactly."""
-    own = "http://10.0.0.5:11435"
+    """Ollama's patterns: "*" stands for anything, the rest must match exactly; a door on
+    a loopback address serves requests naming this machine only, as Ollama's."""
     origins = BrowserOrigins(["https://*.example.edu"])
-    for allowed in ("https://grader.example.edu", "http://localhost:8080", own, "file://"):
-        assert origins.allows(allowed, own), allowed
+    for allowed in ("https://grader.example.edu", "http://localhost:8080", "file://"):
+        assert origins.allows(allowed), allowed
     for refused in ("https://example.edu.evil.com", "http://localhost.evil.com", "null"):
-        assert not origins.allows(refused, own), refused
-    assert BrowserOrigins(["*"]).allows("https://anywhere.example.com", own)
+        assert not origins.allows(refused), refused
+    assert BrowserOrigins(["*"]).allows("https://anywhere.example.com")
+    for host in ("127.0.0.1:11435", "localhost", "[::1]:80", "10.1.2.3", "mac.local", "x.internal"):
+        assert local_host(host), host
+    assert local_host(f"{socket.gethostname()}:11435")
+    for host in ("attacker.example.com:11435", "8.8.8.8", "localhost.evil.com"):
+        assert not local_host(host), host
 
 
 def test_browser_pages_may_call_the_doors_as_ollama_allows_them(token_mesh: str) -> None:
     """CORS as Ollama's: this machine's pages (any port), editors' and apps' webviews,
-    browser extensions, the router's own pages and the topology's http_origins get the
-    headers, a preflight answered before the token is asked for, a stream's headers too;
-    any other page is refused 403 before its request is read; no Origin, no browser."""
+    browser extensions and the topology's http_origins get the headers, a preflight
+    answered before the token is asked for, a stream's headers too; any other page is
+    refused 403 before its request is read; no Origin, no browser; a request naming
+    another host than this machine is refused."""
     auth = {"Authorization": "Bearer s3cret"}
     ask = {
         "Access-Control-Request-Method": "POST",
@@ -1008,6 +1015,10 @@ def test_browser_pages_may_call_the_doors_as_ollama_allows_them(token_mesh: str)
         assert refused.json()["error"]["type"] == "permission_error"
         plain = client.get("/v1/models", headers=auth)
         assert plain.status_code == 200 and "access-control-allow-origin" not in plain.headers
+        # The door listens on 127.0.0.1: a request naming another host is a page whose name
+        # was pointed at this machine (DNS rebinding), refused as Ollama refuses it.
+        rebound = client.get("/api/tags", headers={**auth, "Host": "rebound.example.com"})
+        assert rebound.status_code == 403 and "listen_host" in rebound.json()["error"]
 
 
 def test_a_missing_or_wrong_token_is_401_on_both_apis(token_mesh: str) -> None:

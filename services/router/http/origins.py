@@ -1,17 +1,23 @@
 """Which web pages may call the doors from a browser (CORS), as Ollama decides it: pages of
 this machine (localhost, 127.0.0.1 and 0.0.0.0 on any port, http or https), desktop and
 editor apps (app://, file://, tauri://, vscode-webview://, vscode-file://), browser
-extensions, the router's own pages, and the origins the router node's `http_origins` adds.
+extensions, and the origins the router node's `http_origins` adds. The router's own pages
+(the dashboard) send no Origin: a browser sends none with a page's requests to its own
+origin but for a POST, which they make none of.
 
 A request from any other page is refused with 403 before it is read: a page on the web the
 user happens to open cannot make the mesh generate for it (a browser sends such a POST
 without asking first). Requests without an Origin (the SDKs, curl, the mesh's own clients)
-are not browsers' and pass.
+are not browsers' and pass. A door that listens on a loopback address only also refuses a
+request naming a host that is not this machine (Ollama's allowed hosts): a page whose name
+was made to point at 127.0.0.1 (DNS rebinding) would otherwise be served as the door's own.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import re
+import socket
 from collections.abc import Sequence
 
 import grpc
@@ -53,7 +59,7 @@ ALLOWED_METHODS = "GET, POST, PUT, PATCH, DELETE, HEAD, OPTIONS"
 PREFLIGHT_MAX_AGE_S = 12 * 3600
 
 
-class _ForeignOrigin(MeshError):
+class _Refused(MeshError):
     code = grpc.StatusCode.PERMISSION_DENIED
 
 
@@ -61,36 +67,68 @@ def _pattern(origin: str) -> re.Pattern[str]:
     return re.compile(".*".join(re.escape(part) for part in origin.split("*")))
 
 
+def local_host(host: str) -> bool:
+    """Whether a request's Host names this machine as Ollama accepts it on a loopback
+    address: an IP that is loopback, private or unspecified; localhost, this machine's
+    name, or a name under .localhost, .local or .internal."""
+    if host.startswith("["):  # an IPv6 address, with a port or not
+        name = host[1 : host.find("]")]
+    else:
+        name = host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+    name = name.lower()
+    try:
+        ip = ipaddress.ip_address(name)
+    except ValueError:
+        return name in ("", "localhost", socket.gethostname().lower()) or name.endswith(
+            (".localhost", ".local", ".internal")
+        )
+    return ip.is_loopback or ip.is_private or ip.is_unspecified
+
+
 class BrowserOrigins:
-    """The doors' CORS middleware, for Ollama's origins and `extra` (patterns with *)."""
+    """The doors' middleware for browsers, as Ollama's: CORS for its origins and `extra`
+    (patterns with *), and, on a door that listens on a loopback address only, requests
+    naming another host refused (a page whose name an attacker made point at 127.0.0.1:
+    DNS rebinding)."""
 
-    def __init__(self, extra: Sequence[str] = ()) -> None:
+    def __init__(self, extra: Sequence[str] = (), loopback: bool = False) -> None:
         self._patterns = [_pattern(o.rstrip("/")) for o in (*DEFAULT_ORIGINS, *extra)]
+        self._loopback = loopback
 
-    def allows(self, origin: str, own: str) -> bool:
-        """Whether a page of `origin` may call the doors; `own`: the doors' origin as the
-        request reached them (the dashboard's page)."""
-        if origin == own or origin.startswith(BROWSER_EXTENSIONS):
+    def allows(self, origin: str) -> bool:
+        """Whether a page of `origin` may call the doors."""
+        if origin.startswith(BROWSER_EXTENSIONS):
             return True
         return any(p.fullmatch(origin) for p in self._patterns)
 
+    def _refuse(self, request: web.Request, what: str, message: str) -> web.Response:
+        openai = request.path.startswith("/v1/")
+        body = (openai_api if openai else ollama_api).error_body(_Refused(message), 403)
+        log.info(f"http foreign {what}", path=f"{request.method} {request.path}")
+        # One label for every such path, as for unserved ones: the series stay few.
+        api = "openai" if openai else "ollama"
+        metrics.HTTP_REQUESTS.labels(api, f"foreign_{what}", "403").inc()
+        return web.json_response(body, status=403)
+
     @web.middleware
     async def middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        if self._loopback and not local_host(request.host):
+            return self._refuse(
+                request,
+                "host",
+                f"host {request.host!r} is not this machine's, and the router's HTTP port "
+                "listens on a loopback address only (set its listen_host to serve others)",
+            )
         origin = request.headers.get("Origin")
         if origin is None:
             return await handler(request)
-        if not self.allows(origin, f"{request.scheme}://{request.host}"):
-            openai = request.path.startswith("/v1/")
-            error = _ForeignOrigin(
+        if not self.allows(origin):
+            return self._refuse(
+                request,
+                "origin",
                 f"origin {origin!r} may not call the mesh from a browser: add it to the router "
-                "node's http_origins in the topology"
+                "node's http_origins in the topology",
             )
-            body = (openai_api if openai else ollama_api).error_body(error, 403)
-            log.info("http foreign origin", path=f"{request.method} {request.path}", origin=origin)
-            # One label for every such path, as for unserved ones: the series stay few.
-            api = "openai" if openai else "ollama"
-            metrics.HTTP_REQUESTS.labels(api, "foreign_origin", "403").inc()
-            return web.json_response(body, status=403)
         if request.method == "OPTIONS" and "Access-Control-Request-Method" in request.headers:
             headers = {
                 **_allowed(origin),
