@@ -706,6 +706,8 @@ def test_openai_models_and_errors(mesh: Mesh) -> None:
     client = openai_client(mesh)
     assert {QWEN, "gpt-oss:120b"} <= {m.id for m in client.models.list()}
     assert client.models.retrieve(QWEN).id == QWEN
+    # vLLM's max_model_len: the context a request gets.
+    assert (client.models.retrieve(QWEN).model_extra or {})["max_model_len"] == N_CTX
     with pytest.raises(openai.NotFoundError, match="'no/such:model' is not served here; models"):
         client.models.retrieve("no/such:model")
     with pytest.raises(openai.BadRequestError) as bad:

@@ -449,7 +449,15 @@ class OpenAiApi:
         return web.json_response(self._model(self.router.route(request.match_info["model"]).name))
 
     def _model(self, name: str) -> dict[str, Any]:
-        return {"id": name, "object": "model", "created": self.created, "owned_by": "disagg-mesh"}
+        """A model as OpenAI lists one, with vLLM's max_model_len: the context a request
+        gets (its nodes' n_ctx), which clients read to fit their prompts."""
+        return {
+            "id": name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "disagg-mesh",
+            "max_model_len": self.router.n_ctx(name),
+        }
 
 
 def _turn(i: int, message: Any) -> ChatTurn:
