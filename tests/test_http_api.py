@@ -1021,6 +1021,11 @@ def test_browser_pages_may_call_the_doors_as_ollama_allows_them(token_mesh: str)
         # was pointed at this machine (DNS rebinding), refused as Ollama refuses it.
         rebound = client.get("/api/tags", headers={**auth, "Host": "rebound.example.com"})
         assert rebound.status_code == 403 and "listen_host" in rebound.json()["error"]
+    # An HTTP/1.0 caller may send no Host at all: not refused, as in Ollama.
+    port = int(token_mesh.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as raw:
+        raw.sendall(b"GET /api/version HTTP/1.0\r\nAuthorization: Bearer s3cret\r\n\r\n")
+        assert b" 200 " in raw.recv(256).split(b"\r\n", 1)[0]
 
 
 def test_a_missing_or_wrong_token_is_401_on_both_apis(token_mesh: str) -> None:

@@ -104,7 +104,12 @@ class BrowserOrigins:
     def _refuse(self, request: web.Request, what: str, message: str) -> web.Response:
         openai = request.path.startswith("/v1/")
         body = (openai_api if openai else ollama_api).error_body(_Refused(message), 403)
-        log.info(f"http foreign {what}", path=f"{request.method} {request.path}")
+        log.info(
+            f"http foreign {what}",
+            path=f"{request.method} {request.path}",
+            origin=request.headers.get("Origin"),
+            host=request.headers.get("Host"),
+        )
         # One label for every such path, as for unserved ones: the series stay few.
         api = "openai" if openai else "ollama"
         metrics.HTTP_REQUESTS.labels(api, f"foreign_{what}", "403").inc()
@@ -112,11 +117,13 @@ class BrowserOrigins:
 
     @web.middleware
     async def middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        if self._loopback and not local_host(request.host):
+        # The Host as sent (none from an HTTP/1.0 caller: as Ollama, not refused).
+        host = request.headers.get("Host", "")
+        if self._loopback and not local_host(host):
             return self._refuse(
                 request,
                 "host",
-                f"host {request.host!r} is not this machine's, and the router's HTTP port "
+                f"host {host!r} is not this machine's, and the router's HTTP port "
                 "listens on a loopback address only (set its listen_host to serve others)",
             )
         origin = request.headers.get("Origin")
