@@ -244,14 +244,21 @@ class EngineInfo:
     gpu_share: float = 0.0
 
 
-async def node_engine(channel: grpc.aio.Channel, timeout_s: float) -> EngineInfo:
-    """The node's EngineInfo (GetNodeInfo); an empty one if it cannot say."""
+async def _node_info(channel: grpc.aio.Channel, timeout_s: float) -> Any | None:
+    """The node's GetNodeInfoResponse; None if it does not answer."""
     stub: Any = node_pb2_grpc.NodeServiceStub(channel)
     try:
-        info = await stub.GetNodeInfo(
+        return await stub.GetNodeInfo(
             node_pb2.GetNodeInfoRequest(), timeout=timeout_s, metadata=outgoing_metadata()
         )
     except grpc.aio.AioRpcError:
+        return None
+
+
+async def node_engine(channel: grpc.aio.Channel, timeout_s: float) -> EngineInfo:
+    """The node's EngineInfo (GetNodeInfo); an empty one if it cannot say."""
+    info = await _node_info(channel, timeout_s)
+    if info is None:
         return EngineInfo()
     return EngineInfo(
         slots=int(info.slots),
@@ -262,12 +269,8 @@ async def node_engine(channel: grpc.aio.Channel, timeout_s: float) -> EngineInfo
 
 async def node_report(channel: grpc.aio.Channel, timeout_s: float) -> NodeReport | None:
     """What a node says of itself (GetNodeInfo) in plain values; None if it does not answer."""
-    stub: Any = node_pb2_grpc.NodeServiceStub(channel)
-    try:
-        info = await stub.GetNodeInfo(
-            node_pb2.GetNodeInfoRequest(), timeout=timeout_s, metadata=outgoing_metadata()
-        )
-    except grpc.aio.AioRpcError:
+    info = await _node_info(channel, timeout_s)
+    if info is None:
         return None
     return NodeReport(
         name=info.name,

@@ -17,7 +17,6 @@ decode node.
 
 from __future__ import annotations
 
-import ipaddress
 import ssl
 from collections.abc import Sequence
 
@@ -50,7 +49,7 @@ class HttpFrontDoor:
         """origins: the pages a browser may call the doors from, beyond Ollama's own."""
         self._dashboard = dashboard
         app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[unserved_paths])
-        BrowserOrigins(origins, loopback=_loopback(host)).install(app)
+        BrowserOrigins(origins, listen_host=host).install(app)
         app.add_routes(OllamaApi(router).routes())
         app.add_routes(OpenAiApi(router).routes())
         if dashboard is not None:
@@ -80,16 +79,6 @@ class HttpFrontDoor:
         if self._dashboard is not None:
             self._dashboard.close()  # open pages' feeds end, so shutdown waits for none
         await self._runner.cleanup()
-
-
-def _loopback(host: str) -> bool:
-    """Whether the door listens on a loopback address only (not 0.0.0.0 or a LAN address)."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def _ssl_context(tls: TlsPaths) -> ssl.SSLContext:

@@ -67,6 +67,17 @@ def _pattern(origin: str) -> re.Pattern[str]:
     return re.compile(".*".join(re.escape(part) for part in origin.split("*")))
 
 
+def loopback_only(listen_host: str) -> bool:
+    """Whether a door listening on this address serves this machine alone (not 0.0.0.0 or
+    a LAN address)."""
+    if listen_host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(listen_host).is_loopback
+    except ValueError:
+        return False
+
+
 def local_host(host: str) -> bool:
     """Whether a request's Host names this machine as Ollama accepts it on a loopback
     address: an IP that is loopback, private or unspecified; localhost, this machine's
@@ -91,9 +102,10 @@ class BrowserOrigins:
     naming another host refused (a page whose name an attacker made point at 127.0.0.1:
     DNS rebinding)."""
 
-    def __init__(self, extra: Sequence[str] = (), loopback: bool = False) -> None:
+    def __init__(self, extra: Sequence[str] = (), listen_host: str = "") -> None:
+        """listen_host: the address the door listens on ("": not known, no host check)."""
         self._patterns = [_pattern(o.rstrip("/")) for o in (*DEFAULT_ORIGINS, *extra)]
-        self._loopback = loopback
+        self._loopback = loopback_only(listen_host)
 
     def allows(self, origin: str) -> bool:
         """Whether a page of `origin` may call the doors."""
