@@ -4,6 +4,7 @@ AsyncClient) and `openai`, against the session's mesh of real nodes."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import shutil
@@ -24,6 +25,7 @@ import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
 from disagg_mesh import AsyncMeshClient, GenerateCall
+from disagg_mesh.errors import InvalidRequest
 from disagg_mesh.proto.v1 import node_pb2, node_pb2_grpc
 from disagg_mesh.server.common.models.files import resolve_model_path
 from disagg_mesh.server.common.types import parameter_size
@@ -700,6 +702,58 @@ def test_openai_streams_sse_ending_with_done(mesh: Mesh) -> None:
     assert all(line.startswith("data: ") for line in lines)
     assert lines[-1] == "data: [DONE]"
     assert json.loads(lines[-2][6:])["disagg"]["method"] == "disaggregated"
+
+
+async def test_a_chat_too_long_loses_its_oldest_turns_as_in_ollama(mesh: Mesh) -> None:
+    """Ollama's /api/chat drops a chat's oldest turns until it fits the context (its
+    `truncate`, on by default), the system message and the last turn kept; `truncate:
+    false`, OpenAI's door and a gRPC call without truncate_history refuse it instead."""
+    long = "word " * int(N_CTX * 0.4)
+    chat = [
+        {"role": "system", "content": "Answer in one word."},
+        {"role": "user", "content": "First: " + long},
+        {"role": "assistant", "content": "Second: " + long},
+        {"role": "user", "content": "Third: " + long},
+        {"role": "assistant", "content": "Noted."},
+        {"role": "user", "content": "What is the colour of the sky?"},
+    ]
+    kept = [chat[0], *chat[2:]]  # the first user turn alone goes: the rest fits
+    options = {"temperature": 0, "num_predict": 8}
+    client = ollama.AsyncClient(host=http_url(mesh))
+    truncated = await client.chat(model=QWEN, messages=chat, options=options)
+    async with httpx.AsyncClient(base_url=http_url(mesh), timeout=120) as http:
+        fields = {"model": QWEN, "options": options, "stream": False, "truncate": False}
+        reference = (await http.post("/api/chat", json={**fields, "messages": kept})).json()
+        refused = await http.post("/api/chat", json={**fields, "messages": chat})
+        bad = await http.post("/api/chat", json={**fields, "messages": chat, "truncate": "yes"})
+    assert truncated.message.content == reference["message"]["content"], reference
+    assert truncated.prompt_eval_count == reference["prompt_eval_count"] < N_CTX
+    assert refused.status_code == 400, refused.text
+    assert f"a context of {N_CTX} must hold it" in refused.json()["error"]
+    assert bad.status_code == 400 and "truncate: must be true or false" in bad.json()["error"]
+    # Only the last turn beyond the system message, and still too long: refused, its size
+    # named (Ollama keeps the last turn whatever its size).
+    huge = [chat[0], {"role": "user", "content": "word " * (N_CTX + 10)}]
+    with pytest.raises(ollama.ResponseError) as too_long:
+        await client.chat(model=QWEN, messages=huge, options=options)
+    assert too_long.value.status_code == 400 and "must hold it" in too_long.value.error
+    # OpenAI's door keeps OpenAI's answer: context_length_exceeded.
+    openai_chat: list[ChatCompletionMessageParam] = chat  # type: ignore[assignment]
+    with pytest.raises(openai.BadRequestError) as exceeded:
+        await asyncio.to_thread(
+            lambda: openai_client(mesh).chat.completions.create(
+                model=QWEN, messages=openai_chat, max_tokens=8
+            )
+        )
+    assert exceeded.value.body["code"] == "context_length_exceeded"  # type: ignore[index]
+    # The gRPC API: truncate_history asks for it.
+    async with AsyncMeshClient(mesh.router_address) as grpc_client:
+        call = GenerateCall(QWEN, messages=chat, max_tokens=8, temperature=0)
+        with pytest.raises(InvalidRequest, match=f"a context of {N_CTX} must hold it"):
+            await grpc_client.generate(call)
+        fitted = await grpc_client.generate(dataclasses.replace(call, truncate_history=True))
+    assert fitted.text == reference["message"]["content"]
+    assert fitted.metrics.prompt_tokens == reference["prompt_eval_count"]
 
 
 def test_openai_models_and_errors(mesh: Mesh) -> None:

@@ -24,7 +24,8 @@ from disagg_mesh.proto.v1 import node_pb2, node_pb2_grpc, router_pb2, router_pb2
 from disagg_mesh.server.common.engines.sim.engine import prompt_tokens
 from disagg_mesh.server.common.engines.sim.profile import load_profile
 from disagg_mesh.server.common.runtime.processes import MeshProcesses, free_port
-from disagg_mesh.server.common.types import Prompt
+from disagg_mesh.server.common.tools.calls import ToolCall
+from disagg_mesh.server.common.types import ChatTurn, Prompt
 from tests.conftest import Mesh, node_entry, route, router_node, running_mesh
 from tests.streams import collect
 
@@ -376,6 +377,62 @@ async def test_an_answer_ends_at_its_first_stop_string(sim_mesh: MeshProcesses) 
             client, model=model, messages=messages, max_tokens=60, stop=[stop]
         )
         assert streamed == text[: text.index(stop)]
+
+
+async def test_a_chat_too_long_loses_its_oldest_turns_on_sim_nodes(
+    sim_mesh: MeshProcesses,
+) -> None:
+    """Ollama's truncation on sim nodes as on real ones: the same answer and prompt size as
+    the chat without its first turns; refused with `truncate: false`."""
+    long = "word " * 3000  # ~0.9 of the context a turn, at the profiles' bytes a token
+    chat = [
+        {"role": "system", "content": "Grade it."},
+        {"role": "user", "content": long},
+        {"role": "assistant", "content": long},
+        {"role": "user", "content": "def add(a, b): return a - b"},
+    ]
+    url = f"http://127.0.0.1:{sim_mesh.topology.router.http_port}"
+    fields = {"model": MODEL, "stream": False, "options": {"num_predict": 12, "temperature": 0}}
+    async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+        fitted = (await http.post("/api/chat", json={**fields, "messages": chat})).json()
+        alone = [chat[0], *chat[2:]]  # one long turn fits: the first goes
+        reference = await http.post(
+            "/api/chat", json={**fields, "messages": alone, "truncate": False}
+        )
+        refused = await http.post("/api/chat", json={**fields, "messages": chat, "truncate": False})
+    assert fitted["message"] == reference.json()["message"], fitted
+    assert fitted["prompt_eval_count"] == reference.json()["prompt_eval_count"]
+    assert refused.status_code == 400 and "must hold it" in refused.json()["error"], refused.text
+    assert "simulated: " in refused.json()["error"]
+
+
+def test_a_chats_oldest_turns_go_first_and_a_call_stays_with_its_result() -> None:
+    """Prompt.fitted's rule, with a rendering that counts words: the system messages stay,
+    a chat never starts at a tool result, an answer continued keeps the turn before it, and
+    the fewest turns are given (to be refused) when nothing fits."""
+    call = ToolCall("c1", "run", "{}")
+
+    def words(prompt: Prompt) -> list[str]:
+        return " ".join(t.content for t in prompt.messages).split()
+
+    def fitted(turns: list[ChatTurn], limit: int) -> tuple[list[str], int]:
+        prompt = Prompt(messages=tuple(turns), truncate_history=True)
+        return prompt.fitted(words, lambda w: len(w) <= limit)
+
+    system, user = ChatTurn("system", "s"), ChatTurn("user", "u u u")
+    asked = ChatTurn("assistant", "", (call,))
+    result = ChatTurn("tool", "r r r", tool_call_id="c1")
+    assert fitted([system, user, user, ChatTurn("user", "q")], 5) == (["s", *"u u u q".split()], 1)
+    # The tool result is last: its call stays with it, whatever it costs.
+    assert fitted([system, user, asked, result], 4) == (["s", "r", "r", "r"], 1)
+    assert fitted([system, user, asked, result], 3) == (["s", "r", "r", "r"], 1)
+    # An answer continued: the turn before it stays too.
+    continued = ChatTurn("assistant", "a")
+    assert fitted([user, user, continued], 4) == (["u", "u", "u", "a"], 1)
+    # Without truncate_history, or when it fits, the whole chat.
+    whole = Prompt(messages=(system, user, user))
+    assert whole.fitted(words, lambda w: len(w) <= 3) == (words(whole), 0)
+    assert fitted([system, user, user], 100) == (["s", *["u"] * 6], 0)
 
 
 def shape(message: Any, path: str = "") -> set[str]:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 from disagg_mesh.server.common.tools.calls import Piece, ToolCall
 from disagg_mesh.server.common.tools.requests import ToolRequest
@@ -22,6 +23,8 @@ DEFAULT_REPEAT_PENALTY = 1.0
 DEFAULT_REPEAT_LAST_N = 64
 # What a caller may ask of a reasoning model's effort (gpt-oss's harmony "Reasoning:" line).
 REASONING_EFFORTS = ("low", "medium", "high")
+
+Rendered = TypeVar("Rendered")
 
 
 @dataclass(frozen=True)
@@ -115,6 +118,50 @@ class Prompt:
     # How hard a reasoning model thinks ("low", "medium", "high"; "": its default), given
     # to the chat template (gpt-oss's harmony "Reasoning:" line).
     reasoning_effort: str = ""
+    # A chat too long for the node's context loses its oldest turns until it fits, as
+    # Ollama's /api/chat (its `truncate`, on by default); see fitted().
+    truncate_history: bool = False
+
+    def fitted(
+        self, render: Callable[[Prompt], Rendered], fits: Callable[[Rendered], bool]
+    ) -> tuple[Rendered, int]:
+        """render(self), or with truncate_history and a chat that does not fit, the
+        rendering of the most turns from its end that fit, and how many turns were left
+        out. As Ollama's chatPrompt: the system messages are kept, and the last turn always.
+        Beyond it, a chat never starts at a tool result (the call it answers goes with it),
+        and an assistant message the answer goes on with keeps the turn before it. When even
+        the fewest turns do not fit, their rendering (the node refuses it)."""
+        whole = render(self)
+        if not self.truncate_history or not self.messages or fits(whole):
+            return whole, 0
+        turns = self.messages
+        last = len(turns) - 1 - (1 if self.continues_last_turn and len(turns) > 1 else 0)
+        starts = [i for i in range(1, last + 1) if turns[i].role not in ("system", "tool")]
+
+        def from_turn(i: int) -> Prompt:
+            kept = tuple(t for t in turns[:i] if t.role == "system") + turns[i:]
+            return dataclasses.replace(self, messages=kept)
+
+        if not starts:
+            return whole, 0
+        renderings: dict[int, Rendered] = {}
+
+        def rendered(k: int) -> Rendered:
+            if k not in renderings:
+                renderings[k] = render(from_turn(starts[k]))
+            return renderings[k]
+
+        # Fewer turns never render longer, so the first start that fits is found by halves;
+        # when none does, the search ends on the last start: the fewest turns.
+        low, high = 0, len(starts) - 1
+        while low < high:
+            mid = (low + high) // 2
+            if fits(rendered(mid)):
+                high = mid
+            else:
+                low = mid + 1
+        start = starts[low]
+        return rendered(low), start - sum(t.role == "system" for t in turns[:start])
 
     @property
     def continues_last_turn(self) -> bool:

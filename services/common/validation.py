@@ -35,10 +35,11 @@ TOOL_PARAMETERS_FIELD = "sampling.tools.definitions[{i}].parameters_json_schema"
 PROMPT_TOO_LONG = re.compile(r": (\d+) tokens; a context of (\d+) must hold it and ")
 
 
-def prompt_too_long(tokens: int, n_ctx: int) -> InvalidArgument:
+def prompt_too_long(tokens: int, n_ctx: int, note: str = "") -> InvalidArgument:
     return InvalidArgument(
         "prompt",
-        f"{tokens} tokens; a context of {n_ctx} must hold it and at least one generated token",
+        f"{tokens} tokens; a context of {n_ctx} must hold it and at least one generated token"
+        + (f" ({note})" if note else ""),
     )
 
 

@@ -26,35 +26,35 @@ from disagg_mesh.proto.v1 import types_pb2 as disagg_dot_v1_dot_types__pb2
 from google.protobuf import duration_pb2 as google_dot_protobuf_dot_duration__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x64isagg/v1/router.proto\x12\tdisagg.v1\x1a\x15\x64isagg/v1/types.proto\x1a\x1egoogle/protobuf/duration.proto\"\x89\x02\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12(\n\x08messages\x18\x03 \x03(\x0b\x32\x16.disagg.v1.ChatMessage\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.disagg.v1.SamplingParams\x12\x34\n\x10reasoning_effort\x18\x05 \x01(\x0e\x32\x1a.disagg.v1.ReasoningEffort\x12-\n\x0c\x63ontinuation\x18\x06 \x01(\x0b\x32\x17.disagg.v1.Continuation\x12\x1b\n\x13resumed_from_router\x18\x07 \x01(\t\"j\n\nResumeInfo\x12 \n\x18\x66irst_token_from_prefill\x18\x01 \x01(\x08\x12!\n\x14prompt_cached_tokens\x18\x02 \x01(\x05H\x00\x88\x01\x01\x42\x17\n\x15_prompt_cached_tokens\"\x91\x01\n\rFailedAttempt\x12&\n\x06method\x18\x01 \x01(\x0e\x32\x16.disagg.v1.RouteMethod\x12\x0c\n\x04node\x18\x02 \x01(\t\x12\x0c\n\x04\x63ode\x18\x03 \x01(\t\x12\x0f\n\x07message\x18\x04 \x01(\t\x12+\n\x08\x64uration\x18\x05 \x01(\x0b\x32\x19.google.protobuf.Duration\"\xba\x01\n\tMigration\x12\x13\n\x0b\x66\x61iled_node\x18\x01 \x01(\t\x12\x0c\n\x04\x63ode\x18\x02 \x01(\t\x12\x18\n\x10tokens_delivered\x18\x03 \x01(\x05\x12\x12\n\nresumed_on\x18\x04 \x01(\t\x12\x32\n\x0fresume_duration\x18\x05 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x18\n\x10via_prefill_node\x18\x06 \x01(\t\x12\x0e\n\x06reason\x18\x07 \x01(\t\"\xd3\x07\n\x0fGenerateSummary\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12.\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x17.disagg.v1.FinishReason\x12&\n\x06method\x18\x04 \x01(\x0e\x32\x16.disagg.v1.RouteMethod\x12*\n\x0bkv_transfer\x18\x05 \x01(\x0e\x32\x15.disagg.v1.KvTransfer\x12\x33\n\x10prefill_duration\x18\x06 \x01(\x0b\x32\x19.google.protobuf.Duration\x12!\n\x19prefill_tokens_per_second\x18\x07 \x01(\x01\x12\x37\n\x14kv_transfer_duration\x18\x08 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x19\n\x11kv_transfer_bytes\x18\t \x01(\x03\x12\x33\n\x10kv_load_duration\x18\n \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x36\n\x13time_to_first_token\x18\x0b \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x32\n\x0f\x64\x65\x63ode_duration\x18\x0c \x01(\x0b\x32\x19.google.protobuf.Duration\x12 \n\x18\x64\x65\x63ode_tokens_per_second\x18\r \x01(\x01\x12\x31\n\x0etotal_duration\x18\x0e \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x14\n\x0cprefill_node\x18\x0f \x01(\t\x12\x17\n\x0fprefill_address\x18\x10 \x01(\t\x12\x13\n\x0b\x64\x65\x63ode_node\x18\x11 \x01(\t\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x12 \x01(\t\x12\x31\n\x0f\x66\x61iled_attempts\x18\x13 \x03(\x0b\x32\x18.disagg.v1.FailedAttempt\x12>\n\x1b\x64\x65\x63ode_prompt_eval_duration\x18\x14 \x01(\x0b\x32\x19.google.protobuf.Duration\x12(\n\nmigrations\x18\x15 \x03(\x0b\x32\x14.disagg.v1.Migration\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x16 \x01(\x05\x12#\n\x1b\x64\x65\x63ode_cached_prompt_tokens\x18\x17 \x01(\x05\x12\x16\n\x0ekv_state_bytes\x18\x18 \x01(\x03\x12\x14\n\x0croute_reason\x18\x19 \x01(\t\"\x98\x01\n\x10GenerateResponse\x12%\n\x05\x64\x65lta\x18\x01 \x01(\x0b\x32\x14.disagg.v1.TextDeltaH\x00\x12-\n\x07summary\x18\x02 \x01(\x0b\x32\x1a.disagg.v1.GenerateSummaryH\x00\x12%\n\x06resume\x18\x03 \x01(\x0b\x32\x15.disagg.v1.ResumeInfoB\x07\n\x05\x65vent\"\x13\n\x11ListModelsRequest\"O\n\x08NodeInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0e\n\x06\x65ngine\x18\x03 \x01(\t\x12\x14\n\x0c\x65ngine_model\x18\x04 \x01(\t\"\xdb\x01\n\nModelRoute\x12\r\n\x05model\x18\x01 \x01(\t\x12*\n\rprefill_nodes\x18\x02 \x03(\x0b\x32\x13.disagg.v1.NodeInfo\x12)\n\x0c\x64\x65\x63ode_nodes\x18\x03 \x03(\x0b\x32\x13.disagg.v1.NodeInfo\x12\x33\n\x10prefill_deadline\x18\x04 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x32\n\x0f\x64\x65\x63ode_deadline\x18\x05 \x01(\x0b\x32\x19.google.protobuf.Duration\"M\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.disagg.v1.ModelRoute\x12\x10\n\x08http_url\x18\x02 \x01(\t*\x89\x01\n\x0bRouteMethod\x12\x1c\n\x18ROUTE_METHOD_UNSPECIFIED\x10\x00\x12\x1e\n\x1aROUTE_METHOD_DISAGGREGATED\x10\x01\x12\x1c\n\x18ROUTE_METHOD_DECODE_ONLY\x10\x02\x12\x1e\n\x1aROUTE_METHOD_DIRECT_OLLAMA\x10\x03\x32\xa1\x01\n\rRouterService\x12\x45\n\x08Generate\x12\x1a.disagg.v1.GenerateRequest\x1a\x1b.disagg.v1.GenerateResponse0\x01\x12I\n\nListModels\x12\x1c.disagg.v1.ListModelsRequest\x1a\x1d.disagg.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x64isagg/v1/router.proto\x12\tdisagg.v1\x1a\x15\x64isagg/v1/types.proto\x1a\x1egoogle/protobuf/duration.proto\"\xa3\x02\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12(\n\x08messages\x18\x03 \x03(\x0b\x32\x16.disagg.v1.ChatMessage\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.disagg.v1.SamplingParams\x12\x34\n\x10reasoning_effort\x18\x05 \x01(\x0e\x32\x1a.disagg.v1.ReasoningEffort\x12-\n\x0c\x63ontinuation\x18\x06 \x01(\x0b\x32\x17.disagg.v1.Continuation\x12\x1b\n\x13resumed_from_router\x18\x07 \x01(\t\x12\x18\n\x10truncate_history\x18\x08 \x01(\x08\"j\n\nResumeInfo\x12 \n\x18\x66irst_token_from_prefill\x18\x01 \x01(\x08\x12!\n\x14prompt_cached_tokens\x18\x02 \x01(\x05H\x00\x88\x01\x01\x42\x17\n\x15_prompt_cached_tokens\"\x91\x01\n\rFailedAttempt\x12&\n\x06method\x18\x01 \x01(\x0e\x32\x16.disagg.v1.RouteMethod\x12\x0c\n\x04node\x18\x02 \x01(\t\x12\x0c\n\x04\x63ode\x18\x03 \x01(\t\x12\x0f\n\x07message\x18\x04 \x01(\t\x12+\n\x08\x64uration\x18\x05 \x01(\x0b\x32\x19.google.protobuf.Duration\"\xba\x01\n\tMigration\x12\x13\n\x0b\x66\x61iled_node\x18\x01 \x01(\t\x12\x0c\n\x04\x63ode\x18\x02 \x01(\t\x12\x18\n\x10tokens_delivered\x18\x03 \x01(\x05\x12\x12\n\nresumed_on\x18\x04 \x01(\t\x12\x32\n\x0fresume_duration\x18\x05 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x18\n\x10via_prefill_node\x18\x06 \x01(\t\x12\x0e\n\x06reason\x18\x07 \x01(\t\"\xd3\x07\n\x0fGenerateSummary\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12.\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x17.disagg.v1.FinishReason\x12&\n\x06method\x18\x04 \x01(\x0e\x32\x16.disagg.v1.RouteMethod\x12*\n\x0bkv_transfer\x18\x05 \x01(\x0e\x32\x15.disagg.v1.KvTransfer\x12\x33\n\x10prefill_duration\x18\x06 \x01(\x0b\x32\x19.google.protobuf.Duration\x12!\n\x19prefill_tokens_per_second\x18\x07 \x01(\x01\x12\x37\n\x14kv_transfer_duration\x18\x08 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x19\n\x11kv_transfer_bytes\x18\t \x01(\x03\x12\x33\n\x10kv_load_duration\x18\n \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x36\n\x13time_to_first_token\x18\x0b \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x32\n\x0f\x64\x65\x63ode_duration\x18\x0c \x01(\x0b\x32\x19.google.protobuf.Duration\x12 \n\x18\x64\x65\x63ode_tokens_per_second\x18\r \x01(\x01\x12\x31\n\x0etotal_duration\x18\x0e \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x14\n\x0cprefill_node\x18\x0f \x01(\t\x12\x17\n\x0fprefill_address\x18\x10 \x01(\t\x12\x13\n\x0b\x64\x65\x63ode_node\x18\x11 \x01(\t\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x12 \x01(\t\x12\x31\n\x0f\x66\x61iled_attempts\x18\x13 \x03(\x0b\x32\x18.disagg.v1.FailedAttempt\x12>\n\x1b\x64\x65\x63ode_prompt_eval_duration\x18\x14 \x01(\x0b\x32\x19.google.protobuf.Duration\x12(\n\nmigrations\x18\x15 \x03(\x0b\x32\x14.disagg.v1.Migration\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x16 \x01(\x05\x12#\n\x1b\x64\x65\x63ode_cached_prompt_tokens\x18\x17 \x01(\x05\x12\x16\n\x0ekv_state_bytes\x18\x18 \x01(\x03\x12\x14\n\x0croute_reason\x18\x19 \x01(\t\"\x98\x01\n\x10GenerateResponse\x12%\n\x05\x64\x65lta\x18\x01 \x01(\x0b\x32\x14.disagg.v1.TextDeltaH\x00\x12-\n\x07summary\x18\x02 \x01(\x0b\x32\x1a.disagg.v1.GenerateSummaryH\x00\x12%\n\x06resume\x18\x03 \x01(\x0b\x32\x15.disagg.v1.ResumeInfoB\x07\n\x05\x65vent\"\x13\n\x11ListModelsRequest\"O\n\x08NodeInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0e\n\x06\x65ngine\x18\x03 \x01(\t\x12\x14\n\x0c\x65ngine_model\x18\x04 \x01(\t\"\xdb\x01\n\nModelRoute\x12\r\n\x05model\x18\x01 \x01(\t\x12*\n\rprefill_nodes\x18\x02 \x03(\x0b\x32\x13.disagg.v1.NodeInfo\x12)\n\x0c\x64\x65\x63ode_nodes\x18\x03 \x03(\x0b\x32\x13.disagg.v1.NodeInfo\x12\x33\n\x10prefill_deadline\x18\x04 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x32\n\x0f\x64\x65\x63ode_deadline\x18\x05 \x01(\x0b\x32\x19.google.protobuf.Duration\"M\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.disagg.v1.ModelRoute\x12\x10\n\x08http_url\x18\x02 \x01(\t*\x89\x01\n\x0bRouteMethod\x12\x1c\n\x18ROUTE_METHOD_UNSPECIFIED\x10\x00\x12\x1e\n\x1aROUTE_METHOD_DISAGGREGATED\x10\x01\x12\x1c\n\x18ROUTE_METHOD_DECODE_ONLY\x10\x02\x12\x1e\n\x1aROUTE_METHOD_DIRECT_OLLAMA\x10\x03\x32\xa1\x01\n\rRouterService\x12\x45\n\x08Generate\x12\x1a.disagg.v1.GenerateRequest\x1a\x1b.disagg.v1.GenerateResponse0\x01\x12I\n\nListModels\x12\x1c.disagg.v1.ListModelsRequest\x1a\x1d.disagg.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'disagg_mesh.proto.v1.router_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ROUTEMETHOD']._serialized_start=2346
-  _globals['_ROUTEMETHOD']._serialized_end=2483
+  _globals['_ROUTEMETHOD']._serialized_start=2372
+  _globals['_ROUTEMETHOD']._serialized_end=2509
   _globals['_GENERATEREQUEST']._serialized_start=93
-  _globals['_GENERATEREQUEST']._serialized_end=358
-  _globals['_RESUMEINFO']._serialized_start=360
-  _globals['_RESUMEINFO']._serialized_end=466
-  _globals['_FAILEDATTEMPT']._serialized_start=469
-  _globals['_FAILEDATTEMPT']._serialized_end=614
-  _globals['_MIGRATION']._serialized_start=617
-  _globals['_MIGRATION']._serialized_end=803
-  _globals['_GENERATESUMMARY']._serialized_start=806
-  _globals['_GENERATESUMMARY']._serialized_end=1785
-  _globals['_GENERATERESPONSE']._serialized_start=1788
-  _globals['_GENERATERESPONSE']._serialized_end=1940
-  _globals['_LISTMODELSREQUEST']._serialized_start=1942
-  _globals['_LISTMODELSREQUEST']._serialized_end=1961
-  _globals['_NODEINFO']._serialized_start=1963
-  _globals['_NODEINFO']._serialized_end=2042
-  _globals['_MODELROUTE']._serialized_start=2045
-  _globals['_MODELROUTE']._serialized_end=2264
-  _globals['_LISTMODELSRESPONSE']._serialized_start=2266
-  _globals['_LISTMODELSRESPONSE']._serialized_end=2343
-  _globals['_ROUTERSERVICE']._serialized_start=2486
-  _globals['_ROUTERSERVICE']._serialized_end=2647
+  _globals['_GENERATEREQUEST']._serialized_end=384
+  _globals['_RESUMEINFO']._serialized_start=386
+  _globals['_RESUMEINFO']._serialized_end=492
+  _globals['_FAILEDATTEMPT']._serialized_start=495
+  _globals['_FAILEDATTEMPT']._serialized_end=640
+  _globals['_MIGRATION']._serialized_start=643
+  _globals['_MIGRATION']._serialized_end=829
+  _globals['_GENERATESUMMARY']._serialized_start=832
+  _globals['_GENERATESUMMARY']._serialized_end=1811
+  _globals['_GENERATERESPONSE']._serialized_start=1814
+  _globals['_GENERATERESPONSE']._serialized_end=1966
+  _globals['_LISTMODELSREQUEST']._serialized_start=1968
+  _globals['_LISTMODELSREQUEST']._serialized_end=1987
+  _globals['_NODEINFO']._serialized_start=1989
+  _globals['_NODEINFO']._serialized_end=2068
+  _globals['_MODELROUTE']._serialized_start=2071
+  _globals['_MODELROUTE']._serialized_end=2290
+  _globals['_LISTMODELSRESPONSE']._serialized_start=2292
+  _globals['_LISTMODELSRESPONSE']._serialized_end=2369
+  _globals['_ROUTERSERVICE']._serialized_start=2512
+  _globals['_ROUTERSERVICE']._serialized_end=2673
 # @@protoc_insertion_point(module_scope)

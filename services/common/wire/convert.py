@@ -216,6 +216,7 @@ def prompt_from_proto(
     text: str,
     messages: Iterable[types_pb2.ChatMessage],
     reasoning_effort: types_pb2.ReasoningEffort = types_pb2.REASONING_EFFORT_UNSPECIFIED,
+    truncate_history: bool = False,
 ) -> Prompt:
     if reasoning_effort not in REASONING_EFFORTS:
         raise InvalidArgument("reasoning_effort", f"unknown value {reasoning_effort}")
@@ -223,6 +224,7 @@ def prompt_from_proto(
         text=text,
         messages=tuple(_turn_from_proto(m) for m in messages),
         reasoning_effort=REASONING_EFFORTS[reasoning_effort],
+        truncate_history=truncate_history,
     )
 
 

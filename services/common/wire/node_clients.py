@@ -157,6 +157,7 @@ class PrefillClient:
             prompt=prompt.text,
             messages=convert.prompt_messages_to_proto(prompt),
             reasoning_effort=convert.reasoning_effort_to_proto(prompt),
+            truncate_history=prompt.truncate_history,
             sampling=convert.sampling_to_proto(sampling),
             decode_candidates=[
                 prefill_pb2.DecodeCandidate(node=c.node, block_hashes=sorted(c.block_hashes))
@@ -221,6 +222,7 @@ class DecodeClient:
             request.prompt = source.text
             request.messages.extend(convert.prompt_messages_to_proto(source))
             request.reasoning_effort = convert.reasoning_effort_to_proto(source)
+            request.truncate_history = source.truncate_history
         call = self._stub.Generate(request, timeout=timeout_s, metadata=outgoing_metadata())
         try:
             async for reply in call:

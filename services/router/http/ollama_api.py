@@ -186,6 +186,7 @@ class OllamaApi:
         prompt_text = body.string("prompt") or ""
         system = body.string("system")
         stream = body.boolean("stream", True)
+        truncate = body.boolean("truncate", True)  # a system turn and a user one: none to drop
         sampling_ = await checked_sampling(self.router, self._sampling(model, body), "format")
         effort, thinking = self._think(model, body)
         if not prompt_text and not system:
@@ -197,7 +198,11 @@ class OllamaApi:
             turns = ([ChatTurn("system", system)] if system else []) + [
                 ChatTurn("user", prompt_text)
             ]
-            prompt = Prompt(messages=tuple(turns), reasoning_effort=effort)
+            prompt = Prompt(
+                messages=tuple(turns),
+                reasoning_effort=effort,
+                truncate_history=truncate,
+            )
         checked = dry_run(request, self.router, model, prompt, sampling_)
         if checked is not None:
             return checked
@@ -218,7 +223,12 @@ class OllamaApi:
         if not isinstance(raw_messages, list):
             raise InvalidArgument("messages", "must be a list of {role, content} objects")
         turns = _turns(raw_messages)
-        prompt = Prompt(messages=tuple(turns), reasoning_effort=effort)
+        # Ollama's `truncate` (on unless false): the oldest turns go when the chat is too long.
+        prompt = Prompt(
+            messages=tuple(turns),
+            reasoning_effort=effort,
+            truncate_history=body.boolean("truncate", True),
+        )
         checked = dry_run(request, self.router, model, prompt, sampling_)
         if checked is not None:
             return checked

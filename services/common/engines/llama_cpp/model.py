@@ -263,30 +263,16 @@ class LlamaModel:
         if prompt.messages:
             if self._chat is None:
                 raise FailedPrecondition("this model has no chat template: send prompt text")
-            # A last assistant message the answer goes on with: the template renders the turns
-            # before it up to a new assistant turn, and its text follows.
-            messages, prefill = prompt.messages, ""
-            if prompt.continues_last_turn:
-                messages, prefill = messages[:-1], messages[-1].content
-            turns: Any = tool_turns(messages, self.tool_format, tools)
-            extra: dict[str, Any] = {}
-            described = template_tools(self.tool_format, tools)
-            if described is not None:
-                extra["tools"] = described
-            if prompt.reasoning_effort:
-                extra["reasoning_effort"] = prompt.reasoning_effort
-            try:
-                rendered = self._chat(messages=turns, **extra)
-            except (ValueError, jinja2.TemplateError) as exc:
-                # The template's own refusal (raise_exception), e.g. gpt-oss's of a message
-                # holding harmony's tags: the caller's messages, not the node, are wrong.
-                raise InvalidArgument(
-                    "messages", f"this model's chat template refuses them: {exc}"
-                ) from None
-            text = rendered.prompt
-            if prefill:  # the answer so far, in harmony's final channel for gpt-oss
-                text += (HARMONY_FINAL if self.harmony is not None else "") + prefill
-            tokens = self._tokenize(text.encode(), add_bos=False)
+            tokens, dropped = prompt.fitted(
+                lambda p: self._chat_tokens(p, tools), lambda t: len(t) < n_ctx
+            )
+            if dropped:
+                log.info(
+                    "chat too long for the context: its oldest turns left out",
+                    turns_dropped=dropped,
+                    prompt_tokens=len(tokens),
+                    n_ctx=n_ctx,
+                )
         elif tools is not None:
             raise InvalidArgument("tools", "need chat messages, not prompt text")
         else:
@@ -297,6 +283,34 @@ class LlamaModel:
         if len(tokens) >= n_ctx:
             raise prompt_too_long(len(tokens), n_ctx)
         return tokens
+
+    def _chat_tokens(self, prompt: Prompt, tools: ToolRequest | None) -> list[int]:
+        """The chat's tokens: its turns and the tools offered, rendered by the template."""
+        assert self._chat is not None
+        # A last assistant message the answer goes on with: the template renders the turns
+        # before it up to a new assistant turn, and its text follows.
+        messages, prefill = prompt.messages, ""
+        if prompt.continues_last_turn:
+            messages, prefill = messages[:-1], messages[-1].content
+        turns: Any = tool_turns(messages, self.tool_format, tools)
+        extra: dict[str, Any] = {}
+        described = template_tools(self.tool_format, tools)
+        if described is not None:
+            extra["tools"] = described
+        if prompt.reasoning_effort:
+            extra["reasoning_effort"] = prompt.reasoning_effort
+        try:
+            rendered = self._chat(messages=turns, **extra)
+        except (ValueError, jinja2.TemplateError) as exc:
+            # The template's own refusal (raise_exception), e.g. gpt-oss's of a message
+            # holding harmony's tags: the caller's messages, not the node, are wrong.
+            raise InvalidArgument(
+                "messages", f"this model's chat template refuses them: {exc}"
+            ) from None
+        text = rendered.prompt
+        if prefill:  # the answer so far, in harmony's final channel for gpt-oss
+            text += (HARMONY_FINAL if self.harmony is not None else "") + prefill
+        return self._tokenize(text.encode(), add_bos=False)
 
     def tokenize_text(self, text: str) -> list[int]:
         """Text following a prompt (a generation continued from text), without BOS."""

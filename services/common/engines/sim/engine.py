@@ -93,6 +93,7 @@ from disagg_mesh.server.common.types import (
     StageLimits,
     TextChunk,
 )
+from disagg_mesh.server.common.validation import prompt_too_long
 
 SIM_VERSION = "disagg-sim/1"
 # Real seconds: decode steps shorter than this are taken together.
@@ -277,8 +278,7 @@ class SimEngine:
         limits: StageLimits | None = None,
     ) -> PrefillOutput:
         sampling = self._with_tools(sampling)
-        text = _prompt_bytes(prompt, sampling.tools)
-        n = self._checked(text, continuation)
+        text, n = self._checked(prompt, sampling, continuation)
         # A continuation's tokens but the last (the decode node's first) go into the state.
         replayed = max(len(continuation.generated_token_ids) - 1, 0) if continuation else 0
         blocks = prompt_blocks(text, self._speed.bytes_per_token)
@@ -358,8 +358,7 @@ class SimEngine:
         limits: StageLimits | None = None,
     ) -> Generation:
         sampling = self._with_tools(sampling)
-        text = _prompt_bytes(prompt, sampling.tools)
-        n = self._checked(text, continuation)
+        text, n = self._checked(prompt, sampling, continuation)
         done = len(continuation.generated_token_ids) if continuation is not None else 0
         if continuation is not None and not done:
             done = continuation.generated_tokens
@@ -438,17 +437,21 @@ class SimEngine:
 
     # -- time ----------------------------------------------------------------------------
 
-    def _checked(self, text: bytes, continuation: Continuation | None) -> int:
-        n = _tokens(text, self._speed.bytes_per_token)
+    def _checked(
+        self, prompt: Prompt, sampling: Sampling, continuation: Continuation | None
+    ) -> tuple[bytes, int]:
+        """The prompt's text and tokens, its oldest turns left out where it asks for that
+        and does not fit (as a llama.cpp node's)."""
         done = len(continuation.generated_token_ids) if continuation is not None else 0
+        per_token = self._speed.bytes_per_token
+        text, _ = prompt.fitted(
+            lambda p: _prompt_bytes(p, sampling.tools),
+            lambda t: _tokens(t, per_token) + done < self._n_ctx,
+        )
+        n = _tokens(text, per_token)
         if n + done >= self._n_ctx:
-            raise InvalidArgument(
-                "prompt",
-                f"is {n} tokens (simulated: {self._speed.bytes_per_token:g} bytes a token); the "
-                f"context holds {self._n_ctx} "
-                "including at least one generated token",
-            )
-        return n
+            raise prompt_too_long(n + done, self._n_ctx, f"simulated: {per_token:g} bytes a token")
+        return text, n
 
     def _cached(self, slot: int, blocks: Blocks, n: int) -> int:
         """Prompt tokens the cache holds (at least the last one is evaluated)."""
