@@ -136,7 +136,9 @@ def _parser() -> argparse.ArgumentParser:
         help="each token's log probability and the N (0-20) most likely at its place: a "
         'line a token on stderr after the answer (with --json, its "logprobs")',
     )
-    gen.add_argument("--seed", type=int)
+    gen.add_argument(
+        "--seed", type=int, help="sampling seed: the same answer each time (-1 or unset: random)"
+    )
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument(
         "--ignore-eos",

@@ -78,7 +78,7 @@ class GenerateCall:
     max_tokens: int = 512
     temperature: float | None = None  # None: the server's default (0.8); 0: greedy
     top_p: float | None = None
-    seed: int | None = None
+    seed: int | None = None  # None or -1 (Ollama's default): a random one
     stop: Sequence[str] = ()
     ignore_eos: bool = False  # end tokens never sampled: the answer runs to max_tokens
     timeout: float | None = None  # seconds; None: the client's
@@ -116,6 +116,9 @@ class GenerateCall:
     # (0 to 20; Result.logprobs, stream()'s Logprobs items; gpt-oss: its answer's and its
     # calls' arguments' tokens); None: none. Embedded and Ollama (0.12.11+) nodes.
     logprobs: int | None = None
+    # Messages too long for the node's context lose their oldest turns (the system messages
+    # and the last turn kept) until they fit, as Ollama's /api/chat; False: INVALID_ARGUMENT.
+    truncate_history: bool = False
 
     def __post_init__(self) -> None:
         if (self.reasoning_effort or "") not in _EFFORTS:
@@ -129,8 +132,8 @@ class GenerateCall:
             value = getattr(self, name)
             if value is not None and not -(2**31) <= value < 2**31:
                 raise ValueError(f"{name} must fit in a 32-bit integer, got {value}")
-        if self.seed is not None and not 0 <= self.seed < 2**32:
-            raise ValueError(f"seed must be in 0..{2**32 - 1}, got {self.seed}")
+        if self.seed is not None and not -1 <= self.seed < 2**32:
+            raise ValueError(f"seed must be in 0..{2**32 - 1} (-1: random), got {self.seed}")
         for token in self.logit_bias or {}:
             if not 0 <= token < 2**31:
                 raise ValueError(f"logit_bias: token ids must be in 0..{2**31 - 1}, got {token}")
@@ -162,7 +165,7 @@ class GenerateCall:
                 repeat_last_n=self.repeat_last_n,
                 logit_bias=dict(self.logit_bias or {}),
                 logprobs=self.logprobs,
-                seed=self.seed,
+                seed=None if self.seed == -1 else self.seed,
                 stop=list(self.stop),
                 ignore_eos=self.ignore_eos or None,
                 response_format=self._response_format(),
@@ -170,6 +173,7 @@ class GenerateCall:
                 tools=self._tools(),
             ),
             reasoning_effort=_EFFORTS[self.reasoning_effort or ""],
+            truncate_history=self.truncate_history,
         )
 
     def _tools(self) -> types_pb2.ToolSet | None:

@@ -230,11 +230,25 @@ def test_cli_errors_are_one_line_with_a_hint(mesh: Mesh) -> None:
     assert out.returncode == 1 and "UNAVAILABLE" in out.stderr and "make run" in out.stderr
     assert "Traceback" not in out.stderr
     # Values the request's fields cannot carry: one line naming the option, before any call.
-    for option, value in (("--top-k", str(2**40)), ("--seed", "-1"), ("--logit-bias", "9" * 12)):
+    for option, value in (("--top-k", str(2**40)), ("--seed", "-2"), ("--logit-bias", "9" * 12)):
         value = f"{value}=1" if option == "--logit-bias" else value
         out = disagg("--router", mesh.router_address, "generate", "-m", "x", option, value, "hi")
         assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
         assert out.stderr.count("\n") == 1 and option.strip("-").replace("-", "_") in out.stderr
+    # -1 is a random seed, as on Ollama's and OpenAI's doors.
+    out = disagg(
+        "--router",
+        mesh.router_address,
+        "generate",
+        "-m",
+        "qwen3-coder:30b",
+        "--seed",
+        "-1",
+        "--max-tokens",
+        "2",
+        PROMPT,
+    )
+    assert out.returncode == 0, out.stderr
 
 
 def test_cli_models(mesh: Mesh) -> None:
