@@ -444,9 +444,11 @@ class SimEngine:
         and does not fit (as a llama.cpp node's)."""
         done = len(continuation.generated_token_ids) if continuation is not None else 0
         per_token = self._speed.bytes_per_token
+        # Fitted as the original request was, whatever a continuation adds after it, so a
+        # migrated generation goes on from the same prompt.
         text, _ = prompt.fitted(
             lambda p: _prompt_bytes(p, sampling.tools),
-            lambda t: _tokens(t, per_token) + done < self._n_ctx,
+            lambda t: _tokens(t, per_token) < self._n_ctx,
         )
         n = _tokens(text, per_token)
         if n + done >= self._n_ctx:
