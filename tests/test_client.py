@@ -236,18 +236,8 @@ def test_cli_errors_are_one_line_with_a_hint(mesh: Mesh) -> None:
         assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
         assert out.stderr.count("\n") == 1 and option.strip("-").replace("-", "_") in out.stderr
     # -1 is a random seed, as on Ollama's and OpenAI's doors.
-    out = disagg(
-        "--router",
-        mesh.router_address,
-        "generate",
-        "-m",
-        "qwen3-coder:30b",
-        "--seed",
-        "-1",
-        "--max-tokens",
-        "2",
-        PROMPT,
-    )
+    seeded = ["-m", "qwen3-coder:30b", "--seed", "-1", "--max-tokens", "2", PROMPT]
+    out = disagg("--router", mesh.router_address, "generate", *seeded)
     assert out.returncode == 0, out.stderr
 
 
