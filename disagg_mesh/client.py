@@ -119,6 +119,9 @@ class GenerateCall:
     # Messages too long for the node's context lose their oldest turns (the system messages
     # and the last turn kept) until they fit, as Ollama's /api/chat; False: INVALID_ARGUMENT.
     truncate_history: bool = False
+    # Only the rendered prompt's last this many tokens are evaluated, as vLLM's
+    # truncate_prompt_tokens (a chat's first turns go first); None: the whole prompt.
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if (self.reasoning_effort or "") not in _EFFORTS:
@@ -128,7 +131,14 @@ class GenerateCall:
         if not (self.format in (None, "json") or isinstance(self.format, Mapping)):
             raise ValueError(f'format must be "json" or a JSON Schema dict, got {self.format!r}')
         # What the wire's fields can hold (the router checks the ranges that make sense).
-        for name in ("max_tokens", "top_k", "repeat_last_n", "logprobs", "stream_interval_tokens"):
+        for name in (
+            "max_tokens",
+            "top_k",
+            "repeat_last_n",
+            "logprobs",
+            "stream_interval_tokens",
+            "truncate_prompt_tokens",
+        ):
             value = getattr(self, name)
             if value is not None and not -(2**31) <= value < 2**31:
                 raise ValueError(f"{name} must fit in a 32-bit integer, got {value}")
@@ -174,6 +184,7 @@ class GenerateCall:
             ),
             reasoning_effort=_EFFORTS[self.reasoning_effort or ""],
             truncate_history=self.truncate_history,
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
         )
 
     def _tools(self) -> types_pb2.ToolSet | None:

@@ -127,13 +127,16 @@ def end_token_suppressor(llm: llama_cpp.Llama) -> llama_cpp.LogitsProcessorList:
 
 
 def reference_tokens(
-    llm: llama_cpp.Llama, prompt: str, max_tokens: int, ignore_eos: bool = False
+    llm: llama_cpp.Llama, prompt: str | list[int], max_tokens: int, ignore_eos: bool = False
 ) -> list[int]:
-    """Greedy generation in this process, as one would without the mesh (ignore_eos: no
-    end token is ever picked, as with SamplingParams.ignore_eos)."""
+    """Greedy generation in this process, as one would without the mesh, from the prompt's
+    text or its token ids (ignore_eos: no end token is ever picked, as with
+    SamplingParams.ignore_eos)."""
     tokens: list[int] = []
     llm.reset()  # type: ignore[no-untyped-call]  # n_tokens = 0: no prefix of an earlier call is reused
-    prompt_tokens = llm.tokenize(prompt.encode(), add_bos=True, special=True)
+    prompt_tokens = (
+        prompt if isinstance(prompt, list) else llm.tokenize(prompt.encode(), True, True)
+    )
     processor = end_token_suppressor(llm) if ignore_eos else None
     for token in llm.generate(prompt_tokens, temp=0.0, reset=True, logits_processor=processor):
         if llama_cpp.llama_vocab_is_eog(llm._model.vocab, token) or len(tokens) >= max_tokens:

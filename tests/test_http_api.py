@@ -756,6 +756,64 @@ async def test_a_chat_too_long_loses_its_oldest_turns_as_in_ollama(mesh: Mesh) -
     assert fitted.metrics.prompt_tokens == reference["prompt_eval_count"]
 
 
+async def test_truncate_prompt_tokens_evaluates_the_prompts_last_tokens_as_vllm(
+    mesh: Mesh, reference_llm: llama_cpp.Llama
+) -> None:
+    """vLLM's truncate_prompt_tokens: the answer to the prompt's last k tokens (computed here
+    from those token ids), on the OpenAI door and gRPC; -1 keeps what the context holds."""
+    prompt = "Once upon a time, in a small village by the sea, there lived an old fisherman. " * 4
+    ids = reference_llm.tokenize(prompt.encode(), add_bos=True, special=True)
+    keep = 12
+    assert len(ids) > 2 * keep
+    expected = reference_llm.detokenize(
+        reference_tokens(reference_llm, ids[-keep:], 10, ignore_eos=True)
+    ).decode()
+    client = openai_client(mesh)
+    extra = {"truncate_prompt_tokens": keep, "ignore_eos": True}
+    got = await asyncio.to_thread(
+        lambda: client.completions.create(
+            model=QWEN, prompt=prompt, max_tokens=10, temperature=0, extra_body=extra
+        )
+    )
+    assert got.choices[0].text == expected
+    assert got.usage is not None and got.usage.prompt_tokens == keep
+    async with AsyncMeshClient(mesh.router_address) as grpc_client:
+        call = GenerateCall(
+            QWEN, prompt, max_tokens=10, temperature=0, ignore_eos=True, truncate_prompt_tokens=keep
+        )
+        result = await grpc_client.generate(call)
+    assert result.text == expected and result.metrics.prompt_tokens == keep
+    # A chat: its rendered prompt's last tokens, the template's start gone.
+    chat = await asyncio.to_thread(
+        lambda: client.chat.completions.create(
+            model=QWEN,
+            messages=[{"role": "user", "content": prompt}],
+            max_tokens=2,
+            extra_body={"truncate_prompt_tokens": keep},
+        )
+    )
+    assert chat.usage is not None and chat.usage.prompt_tokens == keep
+    # -1: as many as the context holds beside one generated token.
+    words = "word " * (N_CTX + 10)
+    whole = await asyncio.to_thread(
+        lambda: client.completions.create(
+            model=QWEN, prompt=words, max_tokens=1, extra_body={"truncate_prompt_tokens": -1}
+        )
+    )
+    assert whole.usage is not None and whole.usage.prompt_tokens == N_CTX - 1
+
+    def refused(**fields: Any) -> Any:
+        with pytest.raises(openai.BadRequestError) as bad:
+            client.completions.create(model=QWEN, prompt="hi", max_tokens=1, **fields)
+        return bad.value.body
+
+    for value in (0, -2, N_CTX + 1, "8", True):
+        body = await asyncio.to_thread(refused, extra_body={"truncate_prompt_tokens": value})
+        assert body["param"] == "truncate_prompt_tokens", body
+    body = await asyncio.to_thread(refused, echo=True, extra_body={"truncate_prompt_tokens": 4})
+    assert body["param"] == "truncate_prompt_tokens", body
+
+
 def test_openai_models_and_errors(mesh: Mesh) -> None:
     client = openai_client(mesh)
     assert {QWEN, "gpt-oss:120b"} <= {m.id for m in client.models.list()}

@@ -202,20 +202,23 @@ async def test_direct_ollama_streams_and_unknown_model_is_not_found(
 @pytest.mark.parametrize(
     ("field", "setting"),
     [
-        ("ignore_eos", {"ignore_eos": True}),
-        ("logit_bias", {"logit_bias": {5: 1.0}}),
+        ("sampling.ignore_eos", {"ignore_eos": True}),
+        ("sampling.logit_bias", {"logit_bias": {5: 1.0}}),
+        ("truncate_prompt_tokens", {}),
     ],
 )
 async def test_what_ollama_lacks_is_refused_naming_the_field(
     router: router_pb2_grpc.RouterServiceAsyncStub, field: str, setting: dict[str, object]
 ) -> None:
-    """Ollama has no such option: the node says so instead of ending answers early or
-    leaving the biases out."""
+    """Ollama has no such option: the node says so instead of ending answers early,
+    leaving the biases out or evaluating the whole prompt."""
     for model in ("ollama/decode-only", "ollama/direct"):
+        request = ollama_request(model, 8, **setting)
+        request.truncate_prompt_tokens = 4 if field == "truncate_prompt_tokens" else 0
         with pytest.raises(grpc.aio.AioRpcError) as info:
-            await collect(router.Generate(ollama_request(model, 8, **setting)))
+            await collect(router.Generate(request))
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, model
-        assert f"sampling.{field}" in (info.value.details() or ""), info.value.details()
+        assert f"{field}: is not supported" in (info.value.details() or ""), info.value.details()
 
 
 @pytest.mark.parametrize("model", [MODEL, "ollama/decode-only", "ollama/direct"])

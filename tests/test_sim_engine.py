@@ -379,11 +379,11 @@ async def test_an_answer_ends_at_its_first_stop_string(sim_mesh: MeshProcesses) 
         assert streamed == text[: text.index(stop)]
 
 
-async def test_a_chat_too_long_loses_its_oldest_turns_on_sim_nodes(
+async def test_a_chat_too_long_is_truncated_on_sim_nodes(
     sim_mesh: MeshProcesses,
 ) -> None:
     """Ollama's truncation on sim nodes as on real ones: the same answer and prompt size as
-    the chat without its first turns; refused with `truncate: false`."""
+    the chat without its first turns; refused with `truncate: false`; and vLLM's."""
     long = "word " * 3000  # ~0.9 of the context a turn, at the profiles' bytes a token
     chat = [
         {"role": "system", "content": "Grade it."},
@@ -404,6 +404,11 @@ async def test_a_chat_too_long_loses_its_oldest_turns_on_sim_nodes(
     assert fitted["prompt_eval_count"] == reference.json()["prompt_eval_count"]
     assert refused.status_code == 400 and "must hold it" in refused.json()["error"], refused.text
     assert "simulated: " in refused.json()["error"]
+    # vLLM's truncate_prompt_tokens on the OpenAI door: the prompt's last tokens alone.
+    kept = await openai_client(sim_mesh).chat.completions.create(
+        model=MODEL, messages=chat, max_tokens=4, extra_body={"truncate_prompt_tokens": 100}
+    )
+    assert kept.usage.prompt_tokens == 100
 
 
 def test_a_chats_oldest_turns_go_first_and_a_call_stays_with_its_result() -> None:

@@ -121,6 +121,9 @@ class Prompt:
     # A chat too long for the node's context loses its oldest turns until it fits, as
     # Ollama's /api/chat (its `truncate`, on by default); see fitted().
     truncate_history: bool = False
+    # Only the rendered prompt's last this many tokens are evaluated (vLLM's
+    # truncate_prompt_tokens); 0: the whole prompt.
+    truncate_prompt_tokens: int = 0
 
     def fitted(
         self, render: Callable[[Prompt], Rendered], fits: Callable[[Rendered], bool]

@@ -62,9 +62,4 @@ def _source(request: decode_pb2.DecodeServiceGenerateRequest) -> KvSource | Prom
         if has_prompt:
             raise InvalidArgument("kv", "set either kv or prompt/messages, not both")
         return from_proto(request.kv, KvSource)
-    return convert.prompt_from_proto(
-        request.prompt,
-        request.messages,
-        request.reasoning_effort,
-        request.truncate_history,
-    )
+    return convert.prompt_from_proto(request)

@@ -27,12 +27,7 @@ class PrefillServicer:
     ) -> prefill_pb2.PrefillResponse:
         result = await self._node.get().prefill(
             request.model,
-            convert.prompt_from_proto(
-                request.prompt,
-                request.messages,
-                request.reasoning_effort,
-                request.truncate_history,
-            ),
+            convert.prompt_from_proto(request),
             convert.sampling_from_proto(request.sampling, self._node.get().max_tokens_limit),
             [DecodeCandidate(c.node, frozenset(c.block_hashes)) for c in request.decode_candidates],
             convert.continuation_from_proto(request.continuation)

@@ -40,12 +40,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
     ) -> AsyncIterator[router_pb2.GenerateResponse]:
         events = self._router.generate_resumable(
             request.model,
-            convert.prompt_from_proto(
-                request.prompt,
-                request.messages,
-                request.reasoning_effort,
-                request.truncate_history,
-            ),
+            convert.prompt_from_proto(request),
             convert.sampling_from_proto(request.sampling, self._router.max_tokens_limit),
             context.time_remaining(),
             resume=convert.continuation_from_proto(request.continuation)

@@ -158,6 +158,7 @@ class OllamaEngine:
     ) -> PrefillOutput:
         """Ollama exposes no KV cache: its token ids always move whole (candidates unused).
         Nor its queue: limits are left to the call's deadline, which covers both."""
+        self._check_prompt(prompt)
         if continuation is not None:
             raise FailedPrecondition(_NO_STATE_CONTINUATION)
         if sampling.response_format is not None:
@@ -248,6 +249,7 @@ class OllamaEngine:
         (Ollama's template renders the turns as for the original request and leaves the
         last assistant turn open, so the model continues it). limits: as
         continue_from_state's."""
+        self._check_prompt(prompt)
         if continuation is not None and sampling.response_format is not None:
             raise FailedPrecondition(_NO_CONSTRAINED_HANDOFF)
         already = 0 if continuation is None else continuation.generated_tokens
@@ -400,6 +402,14 @@ class OllamaEngine:
             )
             for entry in entries
         ]
+
+    def _check_prompt(self, prompt: Prompt) -> None:
+        if prompt.truncate_prompt_tokens:
+            raise InvalidArgument(
+                "truncate_prompt_tokens",
+                f"is not supported by the Ollama engine at {self.url} (Ollama has no such "
+                "option); route the model to embedded llama.cpp nodes",
+            )
 
     def _options(self, sampling: Sampling, num_predict: int) -> dict[str, Any]:
         if sampling.tools is not None and sampling.tools.forced:

@@ -8,9 +8,9 @@ summaries) convert by mirror.py's rules; the others here, by hand.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import MutableSequence
 from dataclasses import asdict, fields
-from typing import Any
+from typing import Any, Protocol
 
 from disagg_mesh.proto.v1 import decode_pb2, node_pb2, prefill_pb2, types_pb2
 from disagg_mesh.server.common.errors import InvalidArgument
@@ -212,20 +212,43 @@ REASONING_EFFORTS = {
 REASONING_EFFORTS_TO_PROTO = {name: value for value, name in REASONING_EFFORTS.items()}
 
 
-def prompt_from_proto(
-    text: str,
-    messages: Iterable[types_pb2.ChatMessage],
-    reasoning_effort: types_pb2.ReasoningEffort = types_pb2.REASONING_EFFORT_UNSPECIFIED,
-    truncate_history: bool = False,
-) -> Prompt:
-    if reasoning_effort not in REASONING_EFFORTS:
-        raise InvalidArgument("reasoning_effort", f"unknown value {reasoning_effort}")
+class PromptRequest(Protocol):
+    """A request's prompt fields, as GenerateRequest, PrefillRequest and
+    DecodeServiceGenerateRequest carry them."""
+
+    prompt: str
+    reasoning_effort: types_pb2.ReasoningEffort
+    truncate_history: bool
+    truncate_prompt_tokens: int
+
+    @property
+    def messages(self) -> MutableSequence[types_pb2.ChatMessage]: ...
+
+
+def prompt_from_proto(request: PromptRequest) -> Prompt:
+    if request.reasoning_effort not in REASONING_EFFORTS:
+        raise InvalidArgument("reasoning_effort", f"unknown value {request.reasoning_effort}")
+    if request.truncate_prompt_tokens < 0:
+        raise InvalidArgument(
+            "truncate_prompt_tokens",
+            f"must be 0 (the whole prompt) or more, got {request.truncate_prompt_tokens}",
+        )
     return Prompt(
-        text=text,
-        messages=tuple(_turn_from_proto(m) for m in messages),
-        reasoning_effort=REASONING_EFFORTS[reasoning_effort],
-        truncate_history=truncate_history,
+        text=request.prompt,
+        messages=tuple(_turn_from_proto(m) for m in request.messages),
+        reasoning_effort=REASONING_EFFORTS[request.reasoning_effort],
+        truncate_history=request.truncate_history,
+        truncate_prompt_tokens=request.truncate_prompt_tokens,
     )
+
+
+def prompt_to_proto(prompt: Prompt, request: PromptRequest) -> None:
+    """Set the request's prompt fields from the prompt."""
+    request.prompt = prompt.text
+    request.messages.extend(prompt_messages_to_proto(prompt))
+    request.reasoning_effort = REASONING_EFFORTS_TO_PROTO[prompt.reasoning_effort]
+    request.truncate_history = prompt.truncate_history
+    request.truncate_prompt_tokens = prompt.truncate_prompt_tokens
 
 
 def _turn_from_proto(m: types_pb2.ChatMessage) -> ChatTurn:
@@ -259,10 +282,6 @@ def _call_piece_from_proto(delta: types_pb2.ToolCallDelta) -> Piece:
     if delta.name:
         return CallStart(delta.index, delta.id, delta.name)
     return ArgumentsPiece(delta.index, delta.arguments_json)
-
-
-def reasoning_effort_to_proto(prompt: Prompt) -> types_pb2.ReasoningEffort:
-    return REASONING_EFFORTS_TO_PROTO[prompt.reasoning_effort]
 
 
 def text_delta_to_proto(chunk: TextChunk) -> types_pb2.TextDelta:

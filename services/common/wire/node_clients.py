@@ -154,16 +154,13 @@ class PrefillClient:
         """timeout_s: the call's deadline; limits: the node's own bounds within it."""
         request = prefill_pb2.PrefillRequest(
             model=model,
-            prompt=prompt.text,
-            messages=convert.prompt_messages_to_proto(prompt),
-            reasoning_effort=convert.reasoning_effort_to_proto(prompt),
-            truncate_history=prompt.truncate_history,
             sampling=convert.sampling_to_proto(sampling),
             decode_candidates=[
                 prefill_pb2.DecodeCandidate(node=c.node, block_hashes=sorted(c.block_hashes))
                 for c in candidates
             ],
         )
+        convert.prompt_to_proto(prompt, request)
         if continuation is not None:
             request.continuation.CopyFrom(convert.continuation_to_proto(continuation))
         if limits is not None:
@@ -219,10 +216,7 @@ class DecodeClient:
         if isinstance(source, KvSource):
             request.kv.CopyFrom(to_proto(source))
         else:
-            request.prompt = source.text
-            request.messages.extend(convert.prompt_messages_to_proto(source))
-            request.reasoning_effort = convert.reasoning_effort_to_proto(source)
-            request.truncate_history = source.truncate_history
+            convert.prompt_to_proto(source, request)
         call = self._stub.Generate(request, timeout=timeout_s, metadata=outgoing_metadata())
         try:
             async for reply in call:

@@ -246,7 +246,11 @@ class OpenAiApi:
         effort = reasoning_effort(body.body.get("reasoning_effort"), "reasoning_effort")
         if effort:
             self.router.check_reasons(model, "reasoning_effort")
-        prompt = Prompt(messages=tuple(turns), reasoning_effort=effort)
+        prompt = Prompt(
+            messages=tuple(turns),
+            reasoning_effort=effort,
+            truncate_prompt_tokens=self._truncation(model, body),
+        )
         checked = dry_run(request, self.router, model, prompt, sampling_)
         if checked is not None:
             return checked
@@ -282,13 +286,34 @@ class OpenAiApi:
                 f"{len(texts)} prompts of {n} choices each: at most {MAX_CHOICES} choices a "
                 "request",
             )
-        prompts = [Prompt(text=t) for t in texts]
+        keep = self._truncation(model, body)
+        if echo and keep:
+            raise InvalidArgument(
+                "truncate_prompt_tokens", "is not supported with echo (the prompt echoed whole)"
+            )
+        prompts = [Prompt(text=t, truncate_prompt_tokens=keep) for t in texts]
         checked = [dry_run(request, self.router, model, one, sampling_) for one in prompts]
         if checked[-1] is not None:  # a dry run: every prompt checked
             return checked[-1]
         choices = [c for one in prompts for c in self._choices(model, one, sampling_, n)]
         echoes = [t for t in texts for _ in range(n)] if echo else []
         return await self._answer(request, body, model, choices, chat=False, echoes=echoes)
+
+    def _truncation(self, model: str, body: Fields) -> int:
+        """vLLM's truncate_prompt_tokens: only the prompt's last this many tokens are
+        evaluated (-1: as many as the context holds beside one generated token); 0 unset."""
+        keep = body.integer("truncate_prompt_tokens")
+        if keep is None:
+            return 0
+        n_ctx = self.router.n_ctx(model)
+        if keep == -1:
+            return n_ctx - 1
+        if not 1 <= keep <= n_ctx:
+            raise InvalidArgument(
+                "truncate_prompt_tokens",
+                f"must be -1 or in 1..{n_ctx} (the context), got {keep}",
+            )
+        return keep
 
     def _choices(self, model: str, prompt: Prompt, sampling_: Sampling, n: int) -> list[Events]:
         """`n` generations of the prompt, at once (each its own seed, the request's + its

@@ -278,6 +278,8 @@ class LlamaModel:
         else:
             # As Llama.create_completion does, so output matches single-process generation.
             tokens = self._tokenize(prompt.text.encode(), add_bos=True)
+        if 0 < prompt.truncate_prompt_tokens < len(tokens):  # vLLM's: the start goes
+            tokens = tokens[-prompt.truncate_prompt_tokens :]
         if not tokens:
             raise InvalidArgument("prompt", "has no tokens")
         if len(tokens) >= n_ctx:

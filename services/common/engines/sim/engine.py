@@ -451,6 +451,9 @@ class SimEngine:
             lambda t: _tokens(t, per_token) < self._n_ctx,
         )
         n = _tokens(text, per_token)
+        if 0 < prompt.truncate_prompt_tokens < n:  # its last tokens' bytes
+            text = text[-math.ceil(prompt.truncate_prompt_tokens * per_token) :]
+            n = _tokens(text, per_token)
         if n + done >= self._n_ctx:
             raise prompt_too_long(n + done, self._n_ctx, f"simulated: {per_token:g} bytes a token")
         return text, n
