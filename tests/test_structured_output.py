@@ -172,6 +172,48 @@ def test_bad_schemas_are_refused_naming_field_and_keyword(
     assert says in bad.value.message
 
 
+def test_vllms_guided_json_is_response_formats_schema_and_other_guides_are_refused(
+    mesh: Mesh,
+) -> None:
+    """vLLM's guided_json (the schema, or its JSON text) gives response_format's answer;
+    its other extra parameters the mesh does not apply are refused naming them, but for
+    the values vLLM takes by default, which clients written for it send unasked."""
+    client = openai_client(mesh)
+    fmt: Any = {"type": "json_schema", "json_schema": {"name": "grade", "schema": SCHEMA}}
+    ask: Any = {
+        "model": QWEN,
+        "messages": [{"role": "user", "content": QUESTION}],
+        "temperature": 0,
+        "max_tokens": 400,
+    }
+    expected = client.chat.completions.create(**ask, response_format=fmt)
+    for guide in (SCHEMA, json.dumps(SCHEMA)):
+        got = client.chat.completions.create(**ask, extra_body={"guided_json": guide})
+        assert got.choices[0].message.content == expected.choices[0].message.content
+    Grade.model_validate_json(expected.choices[0].message.content or "")
+    defaults = {"skip_special_tokens": True, "min_tokens": 0, "length_penalty": 1, "priority": 0}
+    ask["max_tokens"] = 2
+    assert client.chat.completions.create(**ask, extra_body=defaults).choices
+    for extra, field in (
+        ({"guided_json": SCHEMA, "response_format": {"type": "json_object"}}, "guided_json"),
+        ({"guided_json": "{not json"}, "guided_json"),
+        ({"guided_json": {"type": "number", "minimum": 0}}, "guided_json"),
+        ({"guided_choice": ["A", "B"]}, "guided_choice"),
+        ({"min_tokens": 5}, "min_tokens"),
+        ({"skip_special_tokens": False}, "skip_special_tokens"),
+        ({"stop_token_ids": [2]}, "stop_token_ids"),
+        ({"use_beam_search": 1}, "use_beam_search"),
+        ({"chat_template_kwargs": {"enable_thinking": False}}, "chat_template_kwargs"),
+        ({"echo": True}, "echo"),
+    ):
+        with pytest.raises(openai.BadRequestError) as bad:
+            client.chat.completions.create(**ask, extra_body=extra)
+        assert bad.value.body["param"] == field, (extra, bad.value.body)  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.completions.create(model=QWEN, prompt="x", extra_body={"guided_regex": "a+"})
+    assert bad.value.body["param"] == "guided_regex"  # type: ignore[index]
+
+
 def test_other_bad_formats_are_refused(mesh: Mesh) -> None:
     # (the ollama client itself refuses other strings)
     reply = httpx.post(

@@ -122,6 +122,73 @@ def _response_format(fields: Fields, limits: SchemaLimits) -> ResponseFormat | N
     return schema_text(schema, SCHEMA_FIELD, limits)
 
 
+# vLLM's extra parameters the mesh does not apply, with the value each takes by default
+# (which clients written for vLLM may send unasked, and is accepted); any other value is a
+# 400 naming the field, never silently ignored.
+VLLM_UNAPPLIED: dict[str, tuple[object, str]] = {
+    "use_beam_search": (False, "beam search is not implemented"),
+    "length_penalty": (1.0, "beam search is not implemented"),
+    "min_tokens": (0, "use ignore_eos for a fixed-length answer"),
+    "stop_token_ids": ([], "use stop strings"),
+    "include_stop_str_in_output": (False, "the text ends before its stop string"),
+    "skip_special_tokens": (True, "the answer's text never holds special tokens"),
+    "spaces_between_special_tokens": (True, "the answer's text never holds special tokens"),
+    "prompt_logprobs": (None, "the prompt's own log probabilities are not computed"),
+    "allowed_token_ids": (None, "use logit_bias"),
+    "bad_words": ([], "use logit_bias"),
+    "guided_choice": (None, "use response_format with a JSON schema (an enum)"),
+    "guided_regex": (None, "use response_format with a JSON schema"),
+    "guided_grammar": (None, "use response_format with a JSON schema"),
+    "guided_whitespace_pattern": (None, "the grammar's own whitespace is used"),
+    "structural_tag": (None, "use response_format or tools"),
+    "structured_outputs": (None, "use response_format with a JSON schema"),
+    "chat_template": (None, "the model's own chat template is used"),
+    "chat_template_kwargs": ({}, "the model's own chat template is used as it is"),
+    "documents": (None, "put the documents in the messages"),
+    "mm_processor_kwargs": (None, "this mesh serves text models"),
+    "priority": (0, "requests are served oldest first"),
+    "return_tokens_as_token_ids": (False, "the tokens are given as text"),
+    "logits_processors": (None, "use logit_bias"),
+    "cache_salt": (None, "the nodes' prefix caches are not partitioned"),
+    "kv_transfer_params": (None, "the mesh moves KV state itself"),
+    "vllm_xargs": (None, "no extra arguments are read"),
+}
+
+
+def _vllm_unapplied(body: Fields) -> None:
+    for key, (default, why) in VLLM_UNAPPLIED.items():
+        value = body.body.get(key)
+        if isinstance(value, bool) or isinstance(default, bool):
+            as_default = value is default
+        else:
+            as_default = value == default
+        if value is not None and not as_default:
+            raise InvalidArgument(key, f"is not supported (vLLM's extra parameter): {why}")
+
+
+def _guided_json(body: Fields, limits: SchemaLimits) -> ResponseFormat | None:
+    """vLLM's guided_json: a JSON Schema (an object, or its JSON text) the answer follows,
+    as response_format's json_schema."""
+    schema = body.body.get("guided_json")
+    if schema is None:
+        return None
+    if body.body.get("response_format") not in (None, {"type": "text"}):
+        raise InvalidArgument("guided_json", "set either guided_json or response_format")
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as exc:
+            raise InvalidArgument("guided_json", f"is not JSON: {exc}") from None
+    if not isinstance(schema, dict):
+        raise InvalidArgument("guided_json", f"must be a JSON Schema object, got {schema!r}")
+    return schema_text(schema, "guided_json", limits)
+
+
+def _schema_field(body: Fields) -> str:
+    """Where the request's JSON Schema is, for an error about it."""
+    return "guided_json" if body.body.get("guided_json") is not None else SCHEMA_FIELD
+
+
 def _logit_bias(biases: Fields) -> tuple[tuple[int, float], ...]:
     """OpenAI's logit_bias: token ids (as JSON object keys) -> biases; the nodes check the
     ids against the model's vocabulary, the router the ranges."""
@@ -179,6 +246,7 @@ class OpenAiApi:
 
     def _sampling(self, body: Fields, chat: bool) -> Sampling:
         _n(body)
+        _vllm_unapplied(body)
         best_of = body.integer("best_of")
         if best_of not in (None, 1):
             raise InvalidArgument(
@@ -218,9 +286,8 @@ class OpenAiApi:
             stream=body.boolean("stream", False),
             # vLLM's extra parameter (the openai client's extra_body): fixed-length answers.
             ignore_eos=body.boolean("ignore_eos", False),
-            response_format=_response_format(
-                body.mapping("response_format"), self.router.schema_limits
-            ),
+            response_format=_guided_json(body, self.router.schema_limits)
+            or _response_format(body.mapping("response_format"), self.router.schema_limits),
             tools=read_tools(
                 body.body.get("tools"),
                 body.body.get("tool_choice"),
@@ -233,11 +300,12 @@ class OpenAiApi:
         model = body.string("model", required=True) or ""
         body.refuse("audio", "the mesh answers in text only")
         body.refuse("web_search_options", "the mesh does not search the web")
+        body.refuse("echo", "vLLM's chat echo (the last message again) is not implemented")
         modalities = body.strings("modalities")
         if set(modalities) - {"text"}:
             raise InvalidArgument("modalities", f"only text is produced, got {list(modalities)}")
         sampling_ = await checked_sampling(
-            self.router, self._sampling(body, chat=True), SCHEMA_FIELD
+            self.router, self._sampling(body, chat=True), _schema_field(body)
         )
         messages = body.body.get("messages")
         if not isinstance(messages, list) or not messages:
@@ -266,7 +334,7 @@ class OpenAiApi:
         body = Fields(await json_body(request))
         model = body.string("model", required=True) or ""
         sampling_ = await checked_sampling(
-            self.router, self._sampling(body, chat=False), SCHEMA_FIELD
+            self.router, self._sampling(body, chat=False), _schema_field(body)
         )
         body.refuse("suffix", "fill-in-the-middle is not implemented")
         body.refuse("tools", "tools need /v1/chat/completions")
