@@ -140,13 +140,13 @@ class Prompt:
         turns = self.messages
         last = len(turns) - 1 - (1 if self.continues_last_turn and len(turns) > 1 else 0)
         starts = [i for i in range(1, last + 1) if turns[i].role not in ("system", "tool")]
+        if not starts:
+            return whole, 0
 
         def from_turn(i: int) -> Prompt:
             kept = tuple(t for t in turns[:i] if t.role == "system") + turns[i:]
             return dataclasses.replace(self, messages=kept)
 
-        if not starts:
-            return whole, 0
         renderings: dict[int, Rendered] = {}
 
         def rendered(k: int) -> Rendered:

@@ -90,27 +90,26 @@ class Router:
         nodes = self.selection.nodes([*route.prefill, *route.decode])
         return min((n.n_ctx for n in nodes), default=0)
 
-    def model_engine(self, model: str) -> EngineInfo | None:
+    def model_engine(self, model: str) -> EngineInfo:
         """What the logical model's nodes said of their engine and model (the first that
-        said, decode nodes first); None while none has."""
+        said, decode nodes first); an empty one while none has."""
         route = self.route(model)
         for name in (*route.decode, *route.prefill):
             engine = self.health.engine(name)
             if engine is not None:
                 return engine
-        return None
+        return EngineInfo()
 
-    def model_facts(self, model: str) -> ModelFacts | None:
-        """What the logical model's nodes said their model is; None while none has."""
-        engine = self.model_engine(model)
-        return engine.facts if engine is not None else None
+    def model_facts(self, model: str) -> ModelFacts:
+        """What the logical model's nodes said their model is; empty while none has."""
+        return self.model_engine(model).facts
 
     def check_reasons(self, model: str, field: str) -> None:
         """INVALID_ARGUMENT naming `field` (Ollama's think, OpenAI's reasoning_effort) for a
         model its nodes say does not reason apart from its answer, as Ollama refuses think
         for one; a model whose nodes have not said is given the benefit of the doubt."""
         facts = self.model_facts(model)
-        if facts is not None and facts.reasons is False:
+        if facts.reasons is False:
             what = facts.architecture or "its model"
             raise InvalidArgument(
                 field,

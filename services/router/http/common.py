@@ -182,6 +182,10 @@ async def json_body(request: web.Request) -> dict[str, Any]:
     return body
 
 
+# Fields.refuse's default when the field has none: any value but an empty one is refused.
+UNSET = object()
+
+
 @dataclass
 class Fields:
     """Typed reads of a JSON object; a wrong type is InvalidArgument naming the field."""
@@ -247,10 +251,18 @@ class Fields:
             raise InvalidArgument(self._name(key), f"must be an object, got {value!r}")
         return Fields(value, f"{self._name(key)}.")
 
-    def refuse(self, key: str, why: str) -> None:
-        """A field we do not support: refused when set, never silently ignored."""
+    def refuse(self, key: str, why: str, default: object = UNSET) -> None:
+        """A field we do not support: refused when set, never silently ignored; given its
+        `default` (the value that changes nothing, which clients may send unasked), when
+        set to anything else (a boolean only as that boolean)."""
         value = self.body.get(key)
-        if value not in (None, False, [], {}, ""):
+        if default is UNSET:
+            unset = value in (None, False, [], {}, "")
+        elif isinstance(value, bool) or isinstance(default, bool):
+            unset = value is None or value is default
+        else:
+            unset = value is None or value == default
+        if not unset:
             raise InvalidArgument(self._name(key), f"is not supported: {why}")
 
 

@@ -163,11 +163,9 @@ class OllamaApi:
         the reply carries the reasoning. True or a level for a model that does not reason
         is a 400, as in Ollama."""
         think = body.body.get("think")
-        if think is None or isinstance(think, bool):
-            if think:
-                self.router.check_reasons(model, "think")
-            return "", think is not False
-        effort = reasoning_effort(think, "think")
+        if think is None or think is False:
+            return "", think is None
+        effort = "" if think is True else reasoning_effort(think, "think")
         self.router.check_reasons(model, "think")
         return effort, True
 
@@ -332,11 +330,10 @@ class OllamaApi:
 
     # -- models ----------------------------------------------------------------------------
 
-    def _model_entry(self, name: str) -> dict[str, Any]:
+    def _model_entry(self, name: str, facts: ModelFacts) -> dict[str, Any]:
         """A model as /api/tags lists it: its nodes' model file (family, size, quantization)
-        as they said it is (empty until one has come up)."""
+        as they said it is (Router.model_facts: empty until one has come up)."""
         node = self._first_node(name)
-        facts = self.router.model_facts(name) or ModelFacts()
         return {
             "name": name,
             "model": name,
@@ -361,20 +358,24 @@ class OllamaApi:
 
     async def tags(self, request: web.Request) -> web.Response:
         return web.json_response(
-            {"models": [self._model_entry(r.name) for r, _, _ in self.router.routes()]}
+            {
+                "models": [
+                    self._model_entry(r.name, self.router.model_facts(r.name))
+                    for r, _, _ in self.router.routes()
+                ]
+            }
         )
 
     async def ps(self, request: web.Request) -> web.Response:
         running = []
         for route, prefill, decode in self.router.routes():
             if any(self.router.health.serving(n) for n in (*prefill, *decode)):
-                entry = self._model_entry(route.name)
                 engine = self.router.model_engine(route.name)
-                # The model's bytes on a GPU, as Ollama counts them (`ollama ps`: "100% GPU").
-                share = engine.gpu_share if engine is not None else 0.0
+                entry = self._model_entry(route.name, engine.facts)
                 entry.update(
                     expires_at="2999-01-01T00:00:00Z",
-                    size_vram=round(entry["size"] * share),
+                    # The model's bytes on a GPU, as Ollama counts them (`ollama ps`: "100% GPU").
+                    size_vram=round(entry["size"] * engine.gpu_share),
                     context_length=self.router.n_ctx(route.name),
                 )
                 running.append(entry)
@@ -392,8 +393,8 @@ class OllamaApi:
             f"# decode: {n}" for n in route.decode
         ]
         lines.append(f"FROM {node.model}")
-        entry = self._model_entry(name)
-        facts = self.router.model_facts(name) or ModelFacts()
+        facts = self.router.model_facts(name)
+        entry = self._model_entry(name, facts)
         return web.json_response(
             {
                 "modelfile": "\n".join(lines) + "\n",

@@ -157,13 +157,7 @@ VLLM_UNAPPLIED: dict[str, tuple[object, str]] = {
 
 def _vllm_unapplied(body: Fields) -> None:
     for key, (default, why) in VLLM_UNAPPLIED.items():
-        value = body.body.get(key)
-        if isinstance(value, bool) or isinstance(default, bool):
-            as_default = value is default
-        else:
-            as_default = value == default
-        if value is not None and not as_default:
-            raise InvalidArgument(key, f"is not supported (vLLM's extra parameter): {why}")
+        body.refuse(key, f"{why} (vLLM's extra parameter)", default)
 
 
 def _guided_json(body: Fields, limits: SchemaLimits) -> ResponseFormat | None:
