@@ -157,6 +157,13 @@ def _parser() -> argparse.ArgumentParser:
         help="send the prompt as a user turn, rendered with the model's chat template",
     )
     gen.add_argument(
+        "--suffix",
+        default="",
+        metavar="TEXT",
+        help="fill in the middle: the prompt is the text before the gap, TEXT the text after "
+        "it (a model with FIM tokens, e.g. Qwen3-Coder)",
+    )
+    gen.add_argument(
         "--reasoning-effort",
         choices=("low", "medium", "high"),
         help="how hard a reasoning model (gpt-oss) thinks; implies --chat",
@@ -405,6 +412,12 @@ def _client(args: argparse.Namespace) -> MeshClient:
 def _generate(args: argparse.Namespace) -> int:
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     chat = args.chat or args.reasoning_effort is not None or args.tools is not None
+    if chat and args.suffix:
+        raise CliError(
+            "--suffix fills in the middle of prompt text: leave out --chat, "
+            "--reasoning-effort and --tools",
+            2,
+        )
     try:
         call = _generate_call(args, prompt, chat)
     except ValueError as exc:  # a value the request cannot carry
@@ -488,6 +501,7 @@ def _generate_call(args: argparse.Namespace, prompt: str, chat: bool) -> Generat
         format=_format(args.format),
         tools=_tools(args.tools),
         tool_choice=args.tool_choice,
+        suffix=args.suffix,
     )
 
 

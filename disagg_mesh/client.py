@@ -122,6 +122,10 @@ class GenerateCall:
     # Only the rendered prompt's last this many tokens are evaluated, as vLLM's
     # truncate_prompt_tokens (a chat's first turns go first); None: the whole prompt.
     truncate_prompt_tokens: int | None = None
+    # Fill in the middle: the prompt is the text before the gap (may be empty) and this the
+    # text after it; the answer is what goes between. Models with FIM tokens (Qwen2.5-Coder,
+    # Qwen3-Coder, ...); "": a plain prompt.
+    suffix: str = ""
 
     def __post_init__(self) -> None:
         if (self.reasoning_effort or "") not in _EFFORTS:
@@ -185,6 +189,7 @@ class GenerateCall:
             reasoning_effort=_EFFORTS[self.reasoning_effort or ""],
             truncate_history=self.truncate_history,
             truncate_prompt_tokens=self.truncate_prompt_tokens,
+            suffix=self.suffix,
         )
 
     def _tools(self) -> types_pb2.ToolSet | None:

@@ -91,6 +91,9 @@ class Run:
 
 class Model(Protocol):
     template: str
+    # The template's fill-in-the-middle branch (Ollama's `.Suffix`); "": none, and a request
+    # with a suffix is refused as Ollama refuses it ("does not support insert").
+    fim_template: str
 
     def detokenize(self, ids: list[int]) -> str: ...
 
@@ -115,6 +118,7 @@ class WordModel:
     durations are 1 ms per token."""
 
     template = "<|user|>{{ .Prompt }}<|assistant|>"
+    fim_template = "<|fim_prefix|>{{ .Prompt }}<|fim_suffix|>{{ .Suffix }}<|fim_middle|>"
 
     def detokenize(self, ids: list[int]) -> str:
         return "".join(chr(i) for i in ids)
@@ -171,6 +175,7 @@ class LlamaModel:
     `context` = prompt tokens + generated tokens, measured nanosecond durations."""
 
     template = "<|im_start|>user\n{{ .Prompt }}<|im_end|>\n<|im_start|>assistant\n"
+    fim_template = ""  # SmolLM2 has no FIM tokens
 
     def __init__(self, gguf: str, n_ctx: int = 4096, n_threads: int | None = None) -> None:
         threads = n_threads or os.cpu_count() or 1
@@ -342,13 +347,22 @@ class FakeOllama:
 
     def _generate(self, h: BaseHTTPRequestHandler, body: dict[str, Any]) -> None:
         prompt = body.get("prompt", "")
+        suffix = body.get("suffix") or ""
         if body.get("raw"):
             text = prompt
+        elif suffix and not self.model.fim_template:
+            message = f'"{body.get("model")}" does not support insert'
+            return self._json(h, {"error": message}, 400)
         else:
-            # As Ollama does: the detokenized context, then the new prompt in the template.
+            # As Ollama does: the detokenized context, then the new prompt in the template
+            # (its fill-in-the-middle branch with a suffix).
             context = self.model.detokenize(body.get("context") or [])
-            template = body.get("template") or self.model.template
-            text = context + template.replace("{{ .Prompt }}", prompt)
+            template = body.get("template") or (
+                self.model.fim_template if suffix else self.model.template
+            )
+            text = context + template.replace("{{ .Prompt }}", prompt).replace(
+                "{{ .Suffix }}", suffix
+            )
         self._complete(h, body, text, chat=False)
 
     def _chat(self, h: BaseHTTPRequestHandler, body: dict[str, Any]) -> None:

@@ -814,6 +814,29 @@ async def test_truncate_prompt_tokens_evaluates_the_prompts_last_tokens_as_vllm(
     assert body["param"] == "truncate_prompt_tokens", body
 
 
+async def test_a_suffix_on_a_model_without_fim_tokens_is_refused_naming_it(mesh: Mesh) -> None:
+    """SmolLM2's vocabulary has no fill-in-the-middle tokens: a suffix is a 400 naming it
+    on both doors (INVALID_ARGUMENT on gRPC), and /api/show does not list "insert"
+    (tests/test_fill_in_the_middle.py fills in on a model that has them)."""
+    client = ollama.Client(host=http_url(mesh))
+    with pytest.raises(ollama.ResponseError) as bad:
+        await asyncio.to_thread(client.generate, model=QWEN, prompt="def f(", suffix="):")
+    assert bad.value.status_code == 400, bad.value.error
+    # The router knows it from the nodes' model facts, and asks no node.
+    assert bad.value.error.startswith(f"suffix: {QWEN!r} does not support insert"), bad.value.error
+    assert "insert" not in (client.show(QWEN).capabilities or [])
+    with pytest.raises(openai.BadRequestError) as refused:
+        await asyncio.to_thread(
+            lambda: openai_client(mesh).completions.create(
+                model=QWEN, prompt="def f(", suffix="):", max_tokens=1
+            )
+        )
+    assert refused.value.body["param"] == "suffix", refused.value.body  # type: ignore[index]
+    async with AsyncMeshClient(mesh.router_address) as grpc_client:
+        with pytest.raises(InvalidRequest, match=r"suffix: .* does not support insert"):
+            await grpc_client.generate(GenerateCall(QWEN, "def f(", suffix="):", max_tokens=1))
+
+
 def test_openai_models_and_errors(mesh: Mesh) -> None:
     client = openai_client(mesh)
     assert {QWEN, "gpt-oss:120b"} <= {m.id for m in client.models.list()}

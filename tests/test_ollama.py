@@ -31,7 +31,7 @@ from disagg_mesh.server.common.config.topology import Topology
 from disagg_mesh.server.common.runtime.processes import MeshProcesses, free_port
 from tests import conftest
 from tests.conftest import route, router_node, running_mesh
-from tests.fake_ollama import FakeOllama, word_logprobs
+from tests.fake_ollama import FakeOllama, WordModel, word_logprobs
 from tests.streams import Collected, collect, streamed_calls
 
 MODEL = "qwen3-coder:30b"
@@ -219,6 +219,55 @@ async def test_what_ollama_lacks_is_refused_naming_the_field(
             await collect(router.Generate(request))
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, model
         assert f"{field}: is not supported" in (info.value.details() or ""), info.value.details()
+
+
+async def test_a_suffix_reaches_ollama_which_fills_in_the_middle(
+    router: router_pb2_grpc.RouterServiceAsyncStub, ollama_mesh: OllamaMesh
+) -> None:
+    """GenerateRequest.suffix becomes Ollama's own `suffix` on every route (its template's
+    fill-in-the-middle branch frames it): the answer is Ollama's to the same request, and
+    over two Ollama nodes the prefill node's context carries the framing to the decode
+    node. With an empty prompt, which Ollama answers by loading the model, and on a model
+    whose template has no such branch, the request is refused naming the field."""
+    suffix = "\n    return total\n"
+    direct = await asyncio.to_thread(
+        ollama.Client(host=ollama_mesh.direct_ollama.url).generate,
+        model=MODEL,
+        prompt=PROMPT,
+        suffix=suffix,
+        options={"temperature": 0.0, "num_predict": 8},
+    )
+    plain = await collect(router.Generate(ollama_request("ollama/direct", 8)))
+    assert direct.response != plain.text  # the suffix changes the answer
+    fakes = [ollama_mesh.nodes_ollama, ollama_mesh.direct_ollama]
+    for model in (MODEL, "ollama/decode-only", "ollama/direct"):
+        for fake in fakes:
+            fake.requests.clear()
+        request = ollama_request(model, 8)
+        request.suffix = suffix
+        got = await collect(router.Generate(request))
+        assert got.text == direct.response and not got.summary.failed_attempts, model
+        sent = [b for fake in fakes for p, b in fake.requests if p == "/api/generate"]
+        assert sent and all(b.get("suffix") == suffix for b in sent if "context" not in b)
+    empty = ollama_request("ollama/decode-only", 8)
+    empty.prompt, empty.suffix = "", suffix
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await collect(router.Generate(empty))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "prompt: must hold the text before the gap" in (info.value.details() or "")
+    # A model whose Ollama template has no .Suffix: Ollama's own 400, naming the field.
+    fake = ollama_mesh.direct_ollama
+    fake.model.fim_template = ""
+    try:
+        request = ollama_request("ollama/direct", 8)
+        request.suffix = suffix
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await collect(router.Generate(request))
+    finally:
+        fake.model.fim_template = WordModel.fim_template
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "suffix: Ollama at" in (info.value.details() or ""), info.value.details()
+    assert "does not support insert" in (info.value.details() or "")
 
 
 @pytest.mark.parametrize("model", [MODEL, "ollama/decode-only", "ollama/direct"])

@@ -517,3 +517,21 @@ async def test_sim_nodes_answer_in_the_shape_real_nodes_answer(
                 else:
                     got.append(keys(reply.json()))
             assert got[0] == got[1], (way, stream, got[0] ^ got[1])
+
+
+async def test_a_suffix_fills_in_the_middle_on_sim_nodes(sim_mesh: MeshProcesses) -> None:
+    """A sim node takes a suffix (its model's sizes, not its vocabulary): the same answer
+    through the handoff and on a decode node alone, another than the prompt's without it,
+    and the suffix's bytes counted in the prompt."""
+    url = f"http://127.0.0.1:{sim_mesh.topology.router.http_port}"
+    fields = {"prompt": PROMPT, "stream": False, "options": {"num_predict": 12, "temperature": 0}}
+    async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+        plain = (await http.post("/api/generate", json={**fields, "model": MODEL})).json()
+        filled = [
+            (await http.post("/api/generate", json={**fields, "model": m, "suffix": "x" * 400}))
+            .raise_for_status()
+            .json()
+            for m in (MODEL, ALONE)
+        ]
+    assert filled[0]["response"] == filled[1]["response"] != plain["response"]
+    assert filled[0]["prompt_eval_count"] > plain["prompt_eval_count"] + 90

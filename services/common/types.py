@@ -124,6 +124,10 @@ class Prompt:
     # Only the rendered prompt's last this many tokens are evaluated (vLLM's
     # truncate_prompt_tokens); 0: the whole prompt.
     truncate_prompt_tokens: int = 0
+    # Fill in the middle: with text (the code before the gap, may be empty), the text after
+    # it; the model's FIM tokens frame both (llama.cpp's infill, Ollama's `suffix`), and the
+    # answer is what goes between. "": a plain prompt.
+    suffix: str = ""
 
     def fitted(
         self, render: Callable[[Prompt], Rendered], fits: Callable[[Rendered], bool]
@@ -187,13 +191,18 @@ class ModelFacts:
     file_size_bytes: int = 0
     trained_context_tokens: int = 0
     embedding_length: int = 0
-    # "completion", "tools", "thinking"; () when not known.
+    # "completion", "tools", "insert" (fill in the middle), "thinking"; () when not known.
     capabilities: tuple[str, ...] = ()
 
     @property
     def reasons(self) -> bool | None:
         """Whether the model reasons apart from its answer; None when not known."""
         return "thinking" in self.capabilities if self.capabilities else None
+
+    @property
+    def inserts(self) -> bool | None:
+        """Whether the model fills in the middle (has FIM tokens); None when not known."""
+        return "insert" in self.capabilities if self.capabilities else None
 
 
 def parameter_size(count: int) -> str:

@@ -46,9 +46,19 @@ def prompt_too_long(tokens: int, n_ctx: int, note: str = "") -> InvalidArgument:
 def validate_prompt(prompt: Prompt) -> None:
     if prompt.text and prompt.messages:
         raise InvalidArgument("prompt", "set either prompt or messages, not both")
-    if not prompt.text and not prompt.messages:
+    if prompt.suffix and prompt.messages:
+        raise InvalidArgument(
+            "suffix",
+            "fills in the middle of prompt text: send the text before the gap as the "
+            "prompt, not chat messages",
+        )
+    if not prompt.text and not prompt.messages and not prompt.suffix:
         raise InvalidArgument("prompt", "must not be empty (set prompt or messages)")
-    size = len(prompt.text.encode()) + sum(len(m.content.encode()) for m in prompt.messages)
+    size = (
+        len(prompt.text.encode())
+        + len(prompt.suffix.encode())
+        + sum(len(m.content.encode()) for m in prompt.messages)
+    )
     if size > MAX_PROMPT_BYTES:
         raise InvalidArgument("prompt", f"is {size} bytes; the limit is {MAX_PROMPT_BYTES} bytes")
     calls: set[str] = set()

@@ -59,9 +59,12 @@ class PrefixTable:
 
 
 def prompt_bytes(prompt: Prompt) -> bytes:
-    """The prompt as the router sees it: its text, or its turns one after another."""
+    """The prompt as the router sees it: its text, or its turns one after another (a
+    fill-in-the-middle prompt's text marked, as the nodes' tokens start with a FIM token)."""
     if prompt.messages:
         return "".join(f"{m.role}\x00{m.content}\x00" for m in prompt.messages).encode()
+    if prompt.suffix:
+        return f"\x00fim\x00{prompt.text}".encode()
     return prompt.text.encode()
 
 

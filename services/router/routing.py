@@ -126,6 +126,14 @@ class Router:
         INVALID_ARGUMENT naming the field): the route it would take."""
         route = self.route(model)
         validate_prompt(prompt)
+        if prompt.suffix and self.model_facts(model).inserts is False:
+            # As Ollama refuses it, before any node is asked (one that has not said is).
+            raise InvalidArgument(
+                "suffix",
+                f"{model!r} does not support insert: its model has no fill-in-the-middle "
+                "tokens in its vocabulary (such as <|fim_prefix|>, <|fim_suffix|>, "
+                "<|fim_middle|>); leave suffix out, or use a coder model that has them",
+            )
         validate_sampling(sampling, self.topology.mesh.max_tokens_limit, self.schema_limits)
         return route
 

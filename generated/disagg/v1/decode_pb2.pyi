@@ -37,7 +37,7 @@ class KvSource(_message.Message):
     def __init__(self, prefill_address: _Optional[str] = ..., reference: _Optional[_Union[_types_pb2.KvReference, _Mapping]] = ..., kv_handle: _Optional[str] = ..., first_token_id: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., fingerprint: _Optional[_Union[_types_pb2.KvFingerprint, _Mapping]] = ..., kv_size_bytes: _Optional[int] = ..., first_token_text: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., prefix_tokens: _Optional[int] = ..., open_message_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DecodeServiceGenerateRequest(_message.Message):
-    __slots__ = ("model", "kv", "prompt", "messages", "sampling", "continuation", "reasoning_effort", "queue_timeout", "work_timeout", "truncate_history", "truncate_prompt_tokens")
+    __slots__ = ("model", "kv", "prompt", "messages", "sampling", "continuation", "reasoning_effort", "queue_timeout", "work_timeout", "truncate_history", "truncate_prompt_tokens", "suffix")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     KV_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
@@ -49,6 +49,7 @@ class DecodeServiceGenerateRequest(_message.Message):
     WORK_TIMEOUT_FIELD_NUMBER: _ClassVar[int]
     TRUNCATE_HISTORY_FIELD_NUMBER: _ClassVar[int]
     TRUNCATE_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SUFFIX_FIELD_NUMBER: _ClassVar[int]
     model: str
     kv: KvSource
     prompt: str
@@ -60,7 +61,8 @@ class DecodeServiceGenerateRequest(_message.Message):
     work_timeout: _duration_pb2.Duration
     truncate_history: bool
     truncate_prompt_tokens: int
-    def __init__(self, model: _Optional[str] = ..., kv: _Optional[_Union[KvSource, _Mapping]] = ..., prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[_types_pb2.ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[_types_pb2.SamplingParams, _Mapping]] = ..., continuation: _Optional[_Union[_types_pb2.Continuation, _Mapping]] = ..., reasoning_effort: _Optional[_Union[_types_pb2.ReasoningEffort, str]] = ..., queue_timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., work_timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., truncate_history: _Optional[bool] = ..., truncate_prompt_tokens: _Optional[int] = ...) -> None: ...
+    suffix: str
+    def __init__(self, model: _Optional[str] = ..., kv: _Optional[_Union[KvSource, _Mapping]] = ..., prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[_types_pb2.ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[_types_pb2.SamplingParams, _Mapping]] = ..., continuation: _Optional[_Union[_types_pb2.Continuation, _Mapping]] = ..., reasoning_effort: _Optional[_Union[_types_pb2.ReasoningEffort, str]] = ..., queue_timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., work_timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., truncate_history: _Optional[bool] = ..., truncate_prompt_tokens: _Optional[int] = ..., suffix: _Optional[str] = ...) -> None: ...
 
 class DecodeSummary(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "finish_reason", "kv_transfer", "kv_fetch_duration", "kv_fetch_bytes", "kv_load_duration", "prompt_eval_duration", "decode_duration", "time_to_first_token", "cached_prompt_tokens", "kept_prefix_tokens")

@@ -19,7 +19,7 @@ class DecodeCandidate(_message.Message):
     def __init__(self, node: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("model", "prompt", "messages", "sampling", "decode_candidates", "continuation", "reasoning_effort", "queue_timeout", "work_timeout", "truncate_history", "truncate_prompt_tokens")
+    __slots__ = ("model", "prompt", "messages", "sampling", "decode_candidates", "continuation", "reasoning_effort", "queue_timeout", "work_timeout", "truncate_history", "truncate_prompt_tokens", "suffix")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
@@ -31,6 +31,7 @@ class PrefillRequest(_message.Message):
     WORK_TIMEOUT_FIELD_NUMBER: _ClassVar[int]
     TRUNCATE_HISTORY_FIELD_NUMBER: _ClassVar[int]
     TRUNCATE_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SUFFIX_FIELD_NUMBER: _ClassVar[int]
     model: str
     prompt: str
     messages: _containers.RepeatedCompositeFieldContainer[_types_pb2.ChatMessage]
@@ -42,7 +43,8 @@ class PrefillRequest(_message.Message):
     work_timeout: _duration_pb2.Duration
     truncate_history: bool
     truncate_prompt_tokens: int
-    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[_types_pb2.ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[_types_pb2.SamplingParams, _Mapping]] = ..., decode_candidates: _Optional[_Iterable[_Union[DecodeCandidate, _Mapping]]] = ..., continuation: _Optional[_Union[_types_pb2.Continuation, _Mapping]] = ..., reasoning_effort: _Optional[_Union[_types_pb2.ReasoningEffort, str]] = ..., queue_timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., work_timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., truncate_history: _Optional[bool] = ..., truncate_prompt_tokens: _Optional[int] = ...) -> None: ...
+    suffix: str
+    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[_types_pb2.ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[_types_pb2.SamplingParams, _Mapping]] = ..., decode_candidates: _Optional[_Iterable[_Union[DecodeCandidate, _Mapping]]] = ..., continuation: _Optional[_Union[_types_pb2.Continuation, _Mapping]] = ..., reasoning_effort: _Optional[_Union[_types_pb2.ReasoningEffort, str]] = ..., queue_timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., work_timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., truncate_history: _Optional[bool] = ..., truncate_prompt_tokens: _Optional[int] = ..., suffix: _Optional[str] = ...) -> None: ...
 
 class PrefillStats(_message.Message):
     __slots__ = ("prefill_duration", "cached_prompt_tokens", "kv_state_bytes", "replayed_tokens", "replay_duration")

@@ -23,7 +23,7 @@ ROUTE_METHOD_DECODE_ONLY: RouteMethod
 ROUTE_METHOD_DIRECT_OLLAMA: RouteMethod
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("model", "prompt", "messages", "sampling", "reasoning_effort", "continuation", "resumed_from_router", "truncate_history", "truncate_prompt_tokens")
+    __slots__ = ("model", "prompt", "messages", "sampling", "reasoning_effort", "continuation", "resumed_from_router", "truncate_history", "truncate_prompt_tokens", "suffix")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
@@ -33,6 +33,7 @@ class GenerateRequest(_message.Message):
     RESUMED_FROM_ROUTER_FIELD_NUMBER: _ClassVar[int]
     TRUNCATE_HISTORY_FIELD_NUMBER: _ClassVar[int]
     TRUNCATE_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SUFFIX_FIELD_NUMBER: _ClassVar[int]
     model: str
     prompt: str
     messages: _containers.RepeatedCompositeFieldContainer[_types_pb2.ChatMessage]
@@ -42,7 +43,8 @@ class GenerateRequest(_message.Message):
     resumed_from_router: str
     truncate_history: bool
     truncate_prompt_tokens: int
-    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[_types_pb2.ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[_types_pb2.SamplingParams, _Mapping]] = ..., reasoning_effort: _Optional[_Union[_types_pb2.ReasoningEffort, str]] = ..., continuation: _Optional[_Union[_types_pb2.Continuation, _Mapping]] = ..., resumed_from_router: _Optional[str] = ..., truncate_history: _Optional[bool] = ..., truncate_prompt_tokens: _Optional[int] = ...) -> None: ...
+    suffix: str
+    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[_types_pb2.ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[_types_pb2.SamplingParams, _Mapping]] = ..., reasoning_effort: _Optional[_Union[_types_pb2.ReasoningEffort, str]] = ..., continuation: _Optional[_Union[_types_pb2.Continuation, _Mapping]] = ..., resumed_from_router: _Optional[str] = ..., truncate_history: _Optional[bool] = ..., truncate_prompt_tokens: _Optional[int] = ..., suffix: _Optional[str] = ...) -> None: ...
 
 class ResumeInfo(_message.Message):
     __slots__ = ("first_token_from_prefill", "prompt_cached_tokens")

@@ -173,6 +173,7 @@ class OllamaEngine:
             reply = await self._client.generate(
                 model=self.model,
                 prompt=prompt.text,
+                suffix=prompt.suffix,
                 options=self._options(sampling, num_predict=1),
                 keep_alive=self.keep_alive,
                 **_logprob_fields(sampling),
@@ -252,6 +253,12 @@ class OllamaEngine:
         self._check_prompt(prompt)
         if continuation is not None and sampling.response_format is not None:
             raise FailedPrecondition(_NO_CONSTRAINED_HANDOFF)
+        if continuation is not None and prompt.suffix:
+            raise FailedPrecondition(
+                f"an Ollama node (at {self.url}) cannot go on with a fill-in-the-middle answer "
+                "another node began: Ollama frames the suffix with its template, which a raw "
+                "prompt cannot reach"
+            )
         already = 0 if continuation is None else continuation.generated_tokens
         left = sampling.max_tokens - already
         if left <= 0:
@@ -298,6 +305,7 @@ class OllamaEngine:
                 request = self._client.generate(
                     model=self.model,
                     prompt=text,
+                    suffix=prompt.suffix,
                     raw=continuation is not None,
                     options=options,
                     keep_alive=self.keep_alive,
@@ -404,6 +412,12 @@ class OllamaEngine:
         ]
 
     def _check_prompt(self, prompt: Prompt) -> None:
+        if prompt.suffix and not prompt.text:
+            raise InvalidArgument(
+                "prompt",
+                f"must hold the text before the gap for the Ollama engine at {self.url} to "
+                "fill in the middle (Ollama answers an empty prompt by loading the model)",
+            )
         if prompt.truncate_prompt_tokens:
             raise InvalidArgument(
                 "truncate_prompt_tokens",
@@ -473,7 +487,9 @@ class OllamaEngine:
             if exc.status_code == 404:
                 raise NotFound(message) from None
             if exc.status_code == 400:
-                raise InvalidArgument("prompt", message) from None
+                # Ollama's refusal of a suffix its model's template has no place for.
+                field = "suffix" if "does not support insert" in str(exc.error) else "prompt"
+                raise InvalidArgument(field, message) from None
             if exc.status_code == 429:
                 raise ResourceExhausted(message) from None
             raise Unavailable(

@@ -220,6 +220,7 @@ class PromptRequest(Protocol):
     reasoning_effort: types_pb2.ReasoningEffort
     truncate_history: bool
     truncate_prompt_tokens: int
+    suffix: str
 
     @property
     def messages(self) -> MutableSequence[types_pb2.ChatMessage]: ...
@@ -239,6 +240,7 @@ def prompt_from_proto(request: PromptRequest) -> Prompt:
         reasoning_effort=REASONING_EFFORTS[request.reasoning_effort],
         truncate_history=request.truncate_history,
         truncate_prompt_tokens=request.truncate_prompt_tokens,
+        suffix=request.suffix,
     )
 
 
@@ -249,6 +251,7 @@ def prompt_to_proto(prompt: Prompt, request: PromptRequest) -> None:
     request.reasoning_effort = REASONING_EFFORTS_TO_PROTO[prompt.reasoning_effort]
     request.truncate_history = prompt.truncate_history
     request.truncate_prompt_tokens = prompt.truncate_prompt_tokens
+    request.suffix = prompt.suffix
 
 
 def _turn_from_proto(m: types_pb2.ChatMessage) -> ChatTurn:

@@ -176,7 +176,6 @@ class OllamaApi:
             ("tools", "tools need /api/chat"),
             ("images", "this mesh serves text models"),
             ("context", "send the conversation as messages to /api/chat instead"),
-            ("suffix", "fill-in-the-middle is not implemented"),
             ("template", "the model's own chat template is used"),
         ):
             body.refuse(key, why)
@@ -190,7 +189,18 @@ class OllamaApi:
         if not prompt_text and not system:
             self.router.n_ctx(model)  # NOT_FOUND for an unknown model, as Ollama
             return self._loaded(model, "response", stream)
-        if body.boolean("raw", False):
+        suffix = body.string("suffix") or ""
+        raw = body.boolean("raw", False)
+        if suffix and (raw or system):
+            # Ollama would drop the suffix under raw, and the system prompt beside a suffix.
+            raise InvalidArgument(
+                "suffix",
+                "fills in the middle with the model's own FIM format, which has no place for "
+                + ("raw (put the FIM tokens in the prompt yourself instead)" if raw else "system"),
+            )
+        if suffix:
+            prompt = Prompt(text=prompt_text, suffix=suffix)
+        elif raw:
             prompt = Prompt(text=(system or "") + prompt_text)
         else:
             turns = ([ChatTurn("system", system)] if system else []) + [

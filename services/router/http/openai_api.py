@@ -330,8 +330,9 @@ class OpenAiApi:
         sampling_ = await checked_sampling(
             self.router, self._sampling(body, chat=False), _schema_field(body)
         )
-        body.refuse("suffix", "fill-in-the-middle is not implemented")
         body.refuse("tools", "tools need /v1/chat/completions")
+        # Fill in the middle, as OpenAI's legacy completions and llama-server's /infill.
+        suffix = body.string("suffix") or ""
         echo = body.boolean("echo", False)
         if echo and sampling_.logprobs is not None:
             raise InvalidArgument(
@@ -353,7 +354,15 @@ class OpenAiApi:
             raise InvalidArgument(
                 "truncate_prompt_tokens", "is not supported with echo (the prompt echoed whole)"
             )
-        prompts = [Prompt(text=t, truncate_prompt_tokens=keep) for t in texts]
+        if suffix and (echo or keep):
+            raise InvalidArgument(
+                "suffix",
+                "is not supported with echo"
+                if echo
+                else "is not supported with truncate_prompt_tokens, which would cut the "
+                "fill-in-the-middle tokens that frame the prompt",
+            )
+        prompts = [Prompt(text=t, truncate_prompt_tokens=keep, suffix=suffix) for t in texts]
         checked = [dry_run(request, self.router, model, one, sampling_) for one in prompts]
         if checked[-1] is not None:  # a dry run: every prompt checked
             return checked[-1]

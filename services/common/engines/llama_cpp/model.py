@@ -176,6 +176,19 @@ class LlamaModel:
         self._pieces: tuple[dict[int, bytes], dict[int, bytes]] = ({}, {})
         self.metadata: dict[str, str] = self._model.metadata()
         self._bos: int = self._model.token_bos()
+        self._add_bos = bool(llama_cpp.llama_vocab_get_add_bos(self.vocab))
+        # Fill-in-the-middle's prefix, suffix and middle tokens (llama.cpp finds them in the
+        # GGUF's tokenizer.ggml.fim_* keys or by their text: Qwen's <|fim_prefix|>, ...);
+        # None: the model cannot fill in.
+        fim = tuple(
+            int(f(self.vocab))
+            for f in (
+                llama_cpp.llama_vocab_fim_pre,
+                llama_cpp.llama_vocab_fim_suf,
+                llama_cpp.llama_vocab_fim_mid,
+            )
+        )
+        self._fim = fim if min(fim) >= 0 else None
         # gpt-oss's harmony control tokens, where the vocabulary has them.
         self.harmony = HarmonyTokens.find(self._control_token)
         self._chat: Jinja2ChatFormatter | None = None
@@ -195,8 +208,14 @@ class LlamaModel:
             trained_context_tokens=int(llama_cpp.llama_model_n_ctx_train(self.ptr)),
             embedding_length=int(llama_cpp.llama_model_n_embd(self.ptr)),
             # Any model takes tools (a template without them: the generic format); only
-            # harmony's reasoning comes apart from the answer.
-            capabilities=("completion", "tools", *(("thinking",) * (self.harmony is not None))),
+            # harmony's reasoning comes apart from the answer; Ollama calls filling in the
+            # middle "insert".
+            capabilities=(
+                "completion",
+                "tools",
+                *(("insert",) * (self._fim is not None)),
+                *(("thinking",) * (self.harmony is not None)),
+            ),
         )
         if template:
             self._chat = Jinja2ChatFormatter(
@@ -275,6 +294,8 @@ class LlamaModel:
                 )
         elif tools is not None:
             raise InvalidArgument("tools", "need chat messages, not prompt text")
+        elif prompt.suffix:
+            tokens = self._infill_tokens(prompt.text, prompt.suffix)
         else:
             # As Llama.create_completion does, so output matches single-process generation.
             tokens = self._tokenize(prompt.text.encode(), add_bos=True)
@@ -313,6 +334,28 @@ class LlamaModel:
         if prefill:  # the answer so far, in harmony's final channel for gpt-oss
             text += (HARMONY_FINAL if self.harmony is not None else "") + prefill
         return self._tokenize(text.encode(), add_bos=False)
+
+    def _infill_tokens(self, prefix: str, suffix: str) -> list[int]:
+        """A fill-in-the-middle prompt as llama-server's /infill makes it (without its
+        repository context): [BOS] <FIM_PRE> prefix <FIM_SUF> suffix <FIM_MID>, the texts
+        tokenized without special tokens, so code that spells one stays text."""
+        if self._fim is None:
+            raise InvalidArgument(
+                "suffix",
+                "this model cannot fill in the middle: its vocabulary has no fill-in-the-"
+                "middle tokens (such as <|fim_prefix|>, <|fim_suffix|>, <|fim_middle|>); "
+                "leave suffix out, or use a coder model that has them",
+            )
+        pre, suf, mid = self._fim
+        bos = [self._bos] if self._add_bos and self._bos >= 0 else []
+        return [
+            *bos,
+            pre,
+            *self._model.tokenize(prefix.encode(), False, False),
+            suf,
+            *self._model.tokenize(suffix.encode(), False, False),
+            mid,
+        ]
 
     def tokenize_text(self, text: str) -> list[int]:
         """Text following a prompt (a generation continued from text), without BOS."""

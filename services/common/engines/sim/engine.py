@@ -125,7 +125,9 @@ def _host_compute(host: str) -> asyncio.Lock:
 def _prompt_bytes(prompt: Prompt, tools: ToolRequest | None = None) -> bytes:
     """A prompt's text: raw, or its chat turns as `role: content` lines, rendered as the
     generic tool format renders them for a template (the tools in the system turn, calls
-    and results as JSON)."""
+    and results as JSON); a fill-in-the-middle prompt's text and suffix, framed."""
+    if prompt.suffix:
+        return f"<fim_prefix>{prompt.text}<fim_suffix>{prompt.suffix}<fim_middle>".encode()
     if prompt.text:
         return prompt.text.encode()
     turns = formats.turns(prompt.messages, formats.ToolFormat.GENERIC, tools)
