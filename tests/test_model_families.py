@@ -174,16 +174,19 @@ async def answer(
     after_deltas: int = 0,
     action: Callable[[], Awaitable[None]] | None = None,
     ignore_eos: bool = True,
+    suffix: str = "",
 ) -> Answer:
     """A greedy answer through the router (ignore_eos: it runs to max_tokens on any CPU);
-    action() runs once the caller has that many deltas."""
+    action() runs once the caller has that many deltas; suffix: fill in the middle."""
     ids: list[int] = []
     text = ""
     deltas = 0
     summary = None
     async with grpc.aio.insecure_channel(router) as channel:
         stub = router_pb2_grpc.RouterServiceStub(channel)
-        call = stub.Generate(request(model, prompt, max_tokens, ignore_eos=ignore_eos), timeout=240)
+        asked = request(model, prompt, max_tokens, ignore_eos=ignore_eos)
+        asked.suffix = suffix
+        call = stub.Generate(asked, timeout=240)
         async for reply in call:
             if reply.HasField("delta"):
                 ids += reply.delta.token_ids
@@ -259,6 +262,34 @@ async def test_a_qwen3_coder_call_goes_on_across_a_migration(family_mesh: Family
     assert pieces == [(p.index, p.name, p.arguments_json) for p in alone]
     assert [p.name for p in got if p.name] == ["run_tests"]
     assert summary.finish_reason == alone_summary.finish_reason
+
+
+@pytest.mark.parametrize("model", [DISAGGREGATED, VIA_PREFILL])
+async def test_a_fill_in_the_middle_answer_goes_on_across_a_migration(
+    family_mesh: FamilyMesh, model: str
+) -> None:
+    """Qwen3-Coder's FIM tokens: the node taking over (or the prefill node it asks)
+    evaluates the framed prompt and the answer so far, and goes on as uninterrupted."""
+    if family_mesh.family.name != "qwen3moe":
+        pytest.skip("of these families only Qwen3-Coder's vocabulary has FIM tokens")
+    n, prefix, suffix = family_mesh.family.answer_tokens, "def grade(answer):\n    ", "\n"
+    alone = await answer(family_mesh.router, model, prefix, n, suffix=suffix)
+    mesh = MigrationMesh(family_mesh.processes)
+    killed: list[str] = []
+    kill = kill_serving(mesh, signal.SIGKILL, killed, names=DECODE_NODES)
+    try:
+        got = await answer(
+            family_mesh.router, model, prefix, n, after_deltas=5, action=kill, suffix=suffix
+        )
+    finally:
+        await mesh.restart(*killed)
+    assert got.token_ids == alone.token_ids and got.text == alone.text
+    assert len(got.summary.migrations) == 1 and got.summary.migrations[0].failed_node == killed[0]
+    # The framed prompt: prefix, suffix and three FIM tokens.
+    assert alone.summary.prompt_tokens == 3 + sum(
+        len(family_mesh.llm.tokenize(t.encode(), add_bos=False, special=False))
+        for t in (prefix, suffix)
+    )
 
 
 async def test_only_the_delta_moves_and_the_text_is_the_same_pieces_answer(
