@@ -35,6 +35,13 @@ TOOL_PARAMETERS_FIELD = "sampling.tools.definitions[{i}].parameters_json_schema"
 PROMPT_TOO_LONG = re.compile(r": (\d+) tokens; a context of (\d+) must hold it and ")
 
 
+# Why a model cannot fill in the middle (a suffix), as a node and the router say it.
+NO_FIM_TOKENS = (
+    "no fill-in-the-middle tokens in its vocabulary (such as <|fim_prefix|>, <|fim_suffix|>, "
+    "<|fim_middle|>); leave suffix out, or use a coder model that has them"
+)
+
+
 def prompt_too_long(tokens: int, n_ctx: int, note: str = "") -> InvalidArgument:
     return InvalidArgument(
         "prompt",

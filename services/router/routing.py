@@ -20,7 +20,12 @@ from disagg_mesh.server.common.config.topology import ModelRoute, Node, SchemaLi
 from disagg_mesh.server.common.errors import InvalidArgument, MeshError, NotFound
 from disagg_mesh.server.common.runtime.observability import metrics
 from disagg_mesh.server.common.types import Continuation, ModelFacts, Prompt, Sampling, TextChunk
-from disagg_mesh.server.common.validation import check_format, validate_prompt, validate_sampling
+from disagg_mesh.server.common.validation import (
+    NO_FIM_TOKENS,
+    check_format,
+    validate_prompt,
+    validate_sampling,
+)
 from disagg_mesh.server.common.wire.node_clients import ChannelPool, EngineInfo
 from disagg_mesh.server.router.chain import Chain
 from disagg_mesh.server.router.dashboard.recent import Recent
@@ -129,10 +134,7 @@ class Router:
         if prompt.suffix and self.model_facts(model).inserts is False:
             # As Ollama refuses it, before any node is asked (one that has not said is).
             raise InvalidArgument(
-                "suffix",
-                f"{model!r} does not support insert: its model has no fill-in-the-middle "
-                "tokens in its vocabulary (such as <|fim_prefix|>, <|fim_suffix|>, "
-                "<|fim_middle|>); leave suffix out, or use a coder model that has them",
+                "suffix", f"{model!r} does not support insert: its model has {NO_FIM_TOKENS}"
             )
         validate_sampling(sampling, self.topology.mesh.max_tokens_limit, self.schema_limits)
         return route

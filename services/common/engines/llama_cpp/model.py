@@ -39,7 +39,7 @@ from disagg_mesh.server.common.types import (
     Prompt,
     parameter_size,
 )
-from disagg_mesh.server.common.validation import prompt_too_long
+from disagg_mesh.server.common.validation import NO_FIM_TOKENS, prompt_too_long
 
 log = structlog.get_logger("engine")
 
@@ -341,10 +341,7 @@ class LlamaModel:
         tokenized without special tokens, so code that spells one stays text."""
         if self._fim is None:
             raise InvalidArgument(
-                "suffix",
-                "this model cannot fill in the middle: its vocabulary has no fill-in-the-"
-                "middle tokens (such as <|fim_prefix|>, <|fim_suffix|>, <|fim_middle|>); "
-                "leave suffix out, or use a coder model that has them",
+                "suffix", f"this model cannot fill in the middle: it has {NO_FIM_TOKENS}"
             )
         pre, suf, mid = self._fim
         bos = [self._bos] if self._add_bos and self._bos >= 0 else []
