@@ -348,9 +348,9 @@ class LlamaModel:
         return [
             *bos,
             pre,
-            *self._model.tokenize(prefix.encode(), False, False),
+            *self._tokenize(prefix.encode(), add_bos=False, special=False),
             suf,
-            *self._model.tokenize(suffix.encode(), False, False),
+            *self._tokenize(suffix.encode(), add_bos=False, special=False),
             mid,
         ]
 
@@ -358,8 +358,9 @@ class LlamaModel:
         """Text following a prompt (a generation continued from text), without BOS."""
         return self._tokenize(text.encode(), add_bos=False)
 
-    def _tokenize(self, text: bytes, add_bos: bool) -> list[int]:
-        return list(self._model.tokenize(text, add_bos, True))
+    def _tokenize(self, text: bytes, add_bos: bool, special: bool = True) -> list[int]:
+        """special: text spelling a special token (<|im_end|>) is that token."""
+        return list(self._model.tokenize(text, add_bos, special))
 
     def piece(self, token: int, special: bool = False) -> bytes:
         """A token's bytes, as Llama.detokenize([token]) gives them (special: a control
