@@ -267,8 +267,15 @@ class FakeOllama:
         models: tuple[str, ...] = ("qwen3-coder:30b", "gpt-oss:120b"),
         model: Model | None = None,
         port: int = 0,
+        takes_tools: bool = True,
+        says_capabilities: bool = True,
     ) -> None:
         self.model: Model = model or WordModel()
+        # Whether the model's template has a place for tools (Ollama's "tools" capability;
+        # without it a request with tools is refused as Ollama refuses it), and whether
+        # /api/show says what the model can do (Ollama before 0.6.4 did not).
+        self.takes_tools = takes_tools
+        self.says_capabilities = says_capabilities
         self.models = set(models)
         self.loaded: set[str] = set()
         self.delay_s = 0.0
@@ -366,6 +373,9 @@ class FakeOllama:
         self._complete(h, body, text, chat=False)
 
     def _chat(self, h: BaseHTTPRequestHandler, body: dict[str, Any]) -> None:
+        if body.get("tools") and not self.takes_tools:
+            message = f'"{body.get("model")}" does not support tools'
+            return self._json(h, {"error": message}, 400)
         if body.get("tools"):
             return self._tool_calls(h, body, [t["function"] for t in body["tools"]])
         self._complete(h, body, self.model.render_chat(body.get("messages", [])), chat=True)
@@ -542,15 +552,28 @@ class FakeOllama:
         }
 
     def _show(self, model: str) -> dict[str, Any]:
-        return {
+        """As Ollama shows qwen3-coder:30b: its GGUF's keys, and what its template allows
+        (Ollama's Model.Capabilities: tools, and insert for a .Suffix branch)."""
+        shown = {
             "modelfile": f"FROM {model}\n",
             "parameters": "temperature 0.7",
             "template": self.model.template,
             "details": self._details(),
-            "model_info": {"general.architecture": "qwen3moe"},
-            "capabilities": ["completion"],
+            "model_info": {
+                "general.architecture": "qwen3moe",
+                "general.parameter_count": 30_532_122_624,
+                "qwen3moe.context_length": 262_144,
+                "qwen3moe.embedding_length": 2_048,
+            },
             "modified_at": "2026-10-01T10:00:00.000000000Z",
         }
+        if self.says_capabilities:
+            shown["capabilities"] = [
+                "completion",
+                *(["tools"] if self.takes_tools else []),
+                *(["insert"] if self.model.fim_template else []),
+            ]
+        return shown
 
 
 def _example(spec: dict[str, Any]) -> Any:

@@ -28,6 +28,7 @@ from disagg_mesh.proto.v1 import (
     types_pb2,
 )
 from disagg_mesh.server.common.config.topology import Topology
+from disagg_mesh.server.common.engines.ollama_engine import OllamaEngine
 from disagg_mesh.server.common.runtime.processes import MeshProcesses, free_port
 from tests import conftest
 from tests.conftest import route, router_node, running_mesh
@@ -48,12 +49,14 @@ class OllamaMesh:
     processes: MeshProcesses
     nodes_ollama: FakeOllama  # the Ollama server behind the prefill and decode nodes
     direct_ollama: FakeOllama  # the one the router calls itself (direct_ollama)
+    no_tools_ollama: FakeOllama  # one whose model's template takes no tools
 
 
 @pytest.fixture(scope="module")
 def ollama_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[OllamaMesh]:
     folder: Path = tmp_path_factory.mktemp("ollama-mesh")
     nodes_ollama, direct_ollama = FakeOllama().start(), FakeOllama().start()
+    no_tools_ollama = FakeOllama(takes_tools=False).start()
     dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     parts = [
         "[mesh]\ncooldown_s = 0.5\nhealth_check_every_s = 0.5\n",
@@ -62,6 +65,7 @@ def ollama_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[OllamaMesh
         ollama_node("decode-ollama", "decode", nodes_ollama.url),
         ollama_node("prefill-dead", "prefill", dead),
         ollama_node("decode-dead", "decode", dead),
+        ollama_node("decode-no-tools", "decode", no_tools_ollama.url),
         route(
             MODEL,
             ["prefill-ollama"],
@@ -70,6 +74,7 @@ def ollama_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[OllamaMesh
             ollama_url=direct_ollama.url,
         ),
         route("ollama/decode-only", [], ["decode-ollama"], chain=["decode_only"]),
+        route("ollama/no-tools", [], ["decode-no-tools"], chain=["decode_only"]),
         route(
             "ollama/direct",
             [],
@@ -96,18 +101,23 @@ def ollama_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[OllamaMesh
         ),
     ]
     try:
-        wait_for = ["router", "prefill-ollama", "decode-ollama"]  # the "-dead" ones never serve
+        # The "-dead" ones never serve.
+        wait_for = ["router", "prefill-ollama", "decode-ollama", "decode-no-tools"]
         with running_mesh(folder, parts, wait_for) as processes:
-            yield OllamaMesh(processes.topology, processes, nodes_ollama, direct_ollama)
+            yield OllamaMesh(
+                processes.topology, processes, nodes_ollama, direct_ollama, no_tools_ollama
+            )
     finally:
         nodes_ollama.stop()
         direct_ollama.stop()
+        no_tools_ollama.stop()
 
 
 @pytest_asyncio.fixture
 async def router(ollama_mesh: OllamaMesh) -> AsyncIterator[router_pb2_grpc.RouterServiceAsyncStub]:
     ollama_mesh.nodes_ollama.reset()
     ollama_mesh.direct_ollama.reset()
+    ollama_mesh.no_tools_ollama.reset()
     async with grpc.aio.insecure_channel(ollama_mesh.topology.router.address) as channel:
         yield router_pb2_grpc.RouterServiceStub(channel)
 
@@ -539,12 +549,109 @@ async def test_node_info_says_whether_ollama_holds_the_model_in_memory(
             )
         assert (info.ready, info.model_loaded_in_memory) == (ready, loaded), name
         assert info.kv_transfer == types_pb2.KV_TRANSFER_TOKEN_IDS
-        # What the Ollama server's /api/tags says of the model (the stand-in's qwen3moe).
+        # What the Ollama server's /api/tags and /api/show say of the model (the
+        # stand-in's qwen3moe, whose template takes tools and fills in the middle).
         facts = info.model_facts
-        want = ("qwen3moe", "30.5B", "Q4_K_M") if ready else ("", "", "")
+        want: tuple[object, ...] = ("qwen3moe", "30.5B", "Q4_K_M") if ready else ("", "", "")
         assert (facts.architecture, facts.parameter_size, facts.quantization) == want, name
-        assert not facts.capabilities  # /api/tags does not say; the Ollama server checks think
+        want = (30_532_122_624, 262_144, 2_048) if ready else (0, 0, 0)
+        sizes = (facts.parameter_count, facts.trained_context_tokens, facts.embedding_length)
+        assert sizes == want, name
+        want = ("completion", "tools", "insert") if ready else ()
+        assert tuple(facts.capabilities) == want, name
     assert "unreachable" in info.problem
+
+
+async def test_an_older_ollama_that_does_not_say_what_its_model_can_do_leaves_it_unknown() -> None:
+    """Ollama before 0.6.4 has no `capabilities` in /api/show: the node says nothing of
+    them (the router then gives the model the benefit of the doubt, and Ollama refuses what
+    it cannot do) and still tells the sizes; /api/show is asked once per model digest."""
+    fake = FakeOllama(says_capabilities=False).start()
+    engine = OllamaEngine(fake.url, MODEL, n_ctx=8192, max_in_flight=1)
+    try:
+        assert await engine.problem() is None
+        assert await engine.problem() is None
+        facts = engine.model_facts
+        assert facts.capabilities == () and facts.reasons is None and facts.takes_tools is None
+        assert (facts.architecture, facts.parameter_count) == ("qwen3moe", 30_532_122_624)
+        assert [p for p, _ in fake.requests].count("/api/show") == 1
+    finally:
+        await engine.close()
+        fake.stop()
+
+
+async def test_what_an_ollama_model_cannot_do_is_refused_before_a_node_is_asked(
+    router: router_pb2_grpc.RouterServiceAsyncStub, ollama_mesh: OllamaMesh
+) -> None:
+    """Each Ollama node tells the router what Ollama's /api/show says its model can do. As
+    Ollama refuses them, the router refuses tools for a model whose template takes none,
+    and think for one that does not reason, naming the field, on gRPC and both doors,
+    without asking a node; the same request without them is served. Asked directly, the
+    node names the field of Ollama's own refusal."""
+    fake = ollama_mesh.no_tools_ollama
+    grade = types_pb2.ToolDefinition(name="record_grade", parameters_json_schema="{}")
+    request = router_pb2.GenerateRequest(
+        model="ollama/no-tools",
+        messages=[types_pb2.ChatMessage(role="user", content="Grade it.")],
+        sampling=types_pb2.SamplingParams(
+            max_tokens=4, temperature=0.0, tools=types_pb2.ToolSet(definitions=[grade])
+        ),
+    )
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await collect(router.Generate(request))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    said = info.value.details() or ""
+    assert said.startswith("tools: 'ollama/no-tools' does not support tools"), said
+    router_node = ollama_mesh.topology.router
+    url = f"http://{router_node.host}:{router_node.http_port}"
+    messages = [{"role": "user", "content": "Grade it."}]
+    tools: list[Any] = [{"type": "function", "function": {"name": "record_grade"}}]
+    client: Any = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as refused:
+        await asyncio.to_thread(
+            client.chat.completions.create,
+            model="ollama/no-tools",
+            messages=messages,
+            tools=tools,
+            max_tokens=4,
+        )
+    assert refused.value.body["param"] == "tools", refused.value.body  # type: ignore[index]
+    with pytest.raises(ollama.ResponseError) as bad:
+        await asyncio.to_thread(
+            ollama.Client(host=url).chat, model="ollama/no-tools", messages=messages, tools=tools
+        )
+    assert bad.value.status_code == 400
+    assert bad.value.error.startswith("tools: 'ollama/no-tools' does not support tools")
+    # qwen3-coder (the stand-in's) does not reason apart from its answer: Ollama's 400.
+    with pytest.raises(ollama.ResponseError) as bad:
+        await asyncio.to_thread(
+            ollama.Client(host=url).chat, model=MODEL, messages=messages, think=True
+        )
+    assert bad.value.error.startswith(f"think: {MODEL!r} does not support thinking"), bad.value
+    assert not [p for p, _ in fake.requests if p == "/api/chat"]
+    assert not [p for p, _ in ollama_mesh.nodes_ollama.requests if p == "/api/chat"]
+    request.sampling.ClearField("tools")
+    got = await collect(router.Generate(request))
+    assert got.text and not got.summary.failed_attempts
+    # The node alone passes the tools on to Ollama, whose 400 comes back naming the field.
+    address = ollama_mesh.topology.node("decode-no-tools").address
+    async with grpc.aio.insecure_channel(address) as channel:
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await collect(
+                decode_pb2_grpc.DecodeServiceStub(channel).Generate(
+                    decode_pb2.DecodeServiceGenerateRequest(
+                        model="ollama/no-tools",
+                        messages=request.messages,
+                        sampling=types_pb2.SamplingParams(
+                            max_tokens=4, tools=types_pb2.ToolSet(definitions=[grade])
+                        ),
+                    )
+                )
+            )
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    said = info.value.details() or ""
+    assert said.startswith(f"tools: Ollama at {fake.url}:"), said
+    assert said.endswith("does not support tools"), said
 
 
 async def test_tools_reach_ollama_and_its_calls_come_back_as_calls(

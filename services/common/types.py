@@ -200,6 +200,11 @@ class ModelFacts:
         return "thinking" in self.capabilities if self.capabilities else None
 
     @property
+    def takes_tools(self) -> bool | None:
+        """Whether the model's template takes tools; None when not known."""
+        return "tools" in self.capabilities if self.capabilities else None
+
+    @property
     def inserts(self) -> bool | None:
         """Whether the model fills in the middle (has FIM tokens); None when not known."""
         return "insert" in self.capabilities if self.capabilities else None

@@ -131,10 +131,18 @@ class Router:
         INVALID_ARGUMENT naming the field): the route it would take."""
         route = self.route(model)
         validate_prompt(prompt)
-        if prompt.suffix and self.model_facts(model).inserts is False:
-            # As Ollama refuses it, before any node is asked (one that has not said is).
+        # As Ollama refuses what its model cannot do, before any node is asked (a model
+        # whose nodes have not said is given the benefit of the doubt).
+        facts = self.model_facts(model)
+        if prompt.suffix and facts.inserts is False:
             raise InvalidArgument(
                 "suffix", f"{model!r} does not support insert: its model has {NO_FIM_TOKENS}"
+            )
+        if sampling.tools is not None and sampling.tools.tools and facts.takes_tools is False:
+            raise InvalidArgument(
+                "tools",
+                f"{model!r} does not support tools: its model's template has no place for "
+                "them (its nodes say); leave tools out, or use a model that takes them",
             )
         validate_sampling(sampling, self.topology.mesh.max_tokens_limit, self.schema_limits)
         return route

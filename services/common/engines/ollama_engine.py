@@ -14,6 +14,9 @@ What Ollama's HTTP API can and cannot do for disaggregation:
   or a raw `httpx.ConnectError` on a stream's first read; timeouts are raw httpx timeouts.
   `_mapped_errors` turns each into the mesh's errors, in one place.
 - Closing a stream stops generation on the server: the caller's cancellation closes it.
+- What the model can do (`capabilities`: completion, tools, insert, thinking) and its sizes
+  come from `/api/show`, asked once per model digest; an older server without
+  `capabilities` leaves them unknown, and Ollama itself refuses what its model cannot do.
 - Log probabilities (Ollama 0.12.11 and later: `logprobs`, `top_logprobs`): each streamed
   line's `logprobs` holds its tokens' entries (text and log probability, no token id). An
   older server ignores the fields: a reply with text and no entries is refused.
@@ -28,10 +31,12 @@ import time
 from array import array
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from typing import Any
 
 import httpx
 import ollama
+import structlog
 
 from disagg_mesh.server.common.engines.base import (
     BusyTime,
@@ -89,6 +94,11 @@ _NO_CONSTRAINED_HANDOFF = (
 )
 # Ollama gives a token's text, not its id.
 UNKNOWN_TOKEN_ID = -1
+# Ollama's 400 for a capability its model lacks ("... does not support insert"; CheckCapabilities
+# in its server/images.go, and routes.go's for thinking): the request field that asked for it.
+_CAPABILITY_FIELDS = {"insert": "suffix", "tools": "tools", "thinking": "reasoning_effort"}
+
+log = structlog.get_logger("engine")
 
 
 class OllamaEngine:
@@ -116,8 +126,10 @@ class OllamaEngine:
         self.fingerprint = Fingerprint("", n_ctx, ENGINE_VERSION)
         # Ollama places the model itself (its /api/ps tells how much sits in VRAM).
         self.placement = Placement()
-        # What /api/tags says of the model (problem() refreshes it).
+        # What /api/tags and /api/show say of the model (problem() refreshes it; /api/show
+        # is asked again only when the model's digest changes).
         self.model_facts = ModelFacts()
+        self._shown: tuple[str, ModelFacts] = ("", ModelFacts())
         self.loaded_in_memory = False
 
     # -- health ----------------------------------------------------------------------------
@@ -136,8 +148,11 @@ class OllamaEngine:
                 f"(ollama pull {self.model})"
             )
         self.fingerprint = Fingerprint(entry.digest, self.n_ctx, ENGINE_VERSION)
+        if self._shown[0] != entry.digest:
+            self._shown = (entry.digest, await self._show())
         details = entry.details
-        self.model_facts = ModelFacts(
+        self.model_facts = replace(
+            self._shown[1],
             architecture=(details.family if details else None) or "",
             parameter_size=(details.parameter_size if details else None) or "",
             quantization=(details.quantization_level if details else None) or "",
@@ -145,6 +160,29 @@ class OllamaEngine:
         )
         self.loaded_in_memory = any(m.model == self.model for m in running.models)
         return None
+
+    async def _show(self) -> ModelFacts:
+        """What /api/show says the model can do and its GGUF's sizes; empty where the server
+        cannot say (an older one has no `capabilities`), which the health check survives."""
+        try:
+            async with self._mapped_errors():
+                shown = await self._client.show(self.model)
+        except (MeshError, ValueError) as exc:  # ValueError: pydantic's, a reply unlike Ollama's
+            log.warning("ollama show failed", node_url=self.url, model=self.model, error=str(exc))
+            return ModelFacts()
+        info = shown.modelinfo or {}
+        arch = str(info.get("general.architecture") or "")
+
+        def number(key: str) -> int:
+            value = info.get(key)
+            return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+        return ModelFacts(
+            parameter_count=number("general.parameter_count"),
+            trained_context_tokens=number(f"{arch}.context_length"),
+            embedding_length=number(f"{arch}.embedding_length"),
+            capabilities=tuple(shown.capabilities or ()),
+        )
 
     # -- prefill ---------------------------------------------------------------------------
 
@@ -487,8 +525,12 @@ class OllamaEngine:
             if exc.status_code == 404:
                 raise NotFound(message) from None
             if exc.status_code == 400:
-                # Ollama's refusal of a suffix its model's template has no place for.
-                field = "suffix" if "does not support insert" in str(exc.error) else "prompt"
+                # Ollama's refusal of what its model cannot do names the field that asked.
+                said = str(exc.error)
+                field = next(
+                    (f for c, f in _CAPABILITY_FIELDS.items() if f"does not support {c}" in said),
+                    "prompt",
+                )
                 raise InvalidArgument(field, message) from None
             if exc.status_code == 429:
                 raise ResourceExhausted(message) from None
