@@ -551,13 +551,22 @@ class FakeOllama:
             "context_length": 4096,
         }
 
+    @property
+    def shown_template(self) -> str:
+        """The model's template as /api/show gives it: with its fill-in-the-middle branch
+        first, as in Ollama's Qwen coder templates."""
+        fim, template = self.model.fim_template, self.model.template
+        if not fim:
+            return template
+        return "{{- if .Suffix }}" + fim + "{{- else }}" + template + "{{- end }}"
+
     def _show(self, model: str) -> dict[str, Any]:
         """As Ollama shows qwen3-coder:30b: its GGUF's keys, and what its template allows
         (Ollama's Model.Capabilities: tools, and insert for a .Suffix branch)."""
         shown = {
             "modelfile": f"FROM {model}\n",
             "parameters": "temperature 0.7",
-            "template": self.model.template,
+            "template": self.shown_template,
             "details": self._details(),
             "model_info": {
                 "general.architecture": "qwen3moe",

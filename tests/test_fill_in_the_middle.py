@@ -117,7 +117,16 @@ def test_the_ollama_door_fills_in_the_middle_as_ollamas_coder_templates(
     spelled = client.generate(model=model, prompt=tricky, suffix=SUFFIX, options=options)
     assert spelled.response == expected(coder.llm, tricky)
     assert spelled.prompt_eval_count == len(fim_ids(coder.llm, tricky, SUFFIX))
-    assert "insert" in (client.show(model).capabilities or [])
+    shown = client.show(model)
+    assert "insert" in (shown.capabilities or [])
+    # Its template's fill-in-the-middle branch, which editors' plugins (Continue) look for,
+    # is the framing the node evaluates.
+    template = shown.template or ""
+    assert template.startswith("{{ if .Suffix }}"), template
+    frame = template.removeprefix("{{ if .Suffix }}").split("{{ else if .System }}")[0]
+    framed = frame.replace("{{ .Prompt }}", PREFIX).replace("{{ .Suffix }}", SUFFIX)
+    tokens = coder.llm.tokenize(framed.encode(), add_bos=False, special=True)
+    assert tokens == fim_ids(coder.llm, PREFIX, SUFFIX)
 
 
 def test_openai_completions_and_grpc_fill_in_the_middle(coder: CoderMesh) -> None:

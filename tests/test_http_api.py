@@ -209,6 +209,16 @@ def test_ollama_list_show_ps_version(mesh: Mesh, reference_llm: llama_cpp.Llama)
     trained = llama_cpp.llama_model_n_ctx_train(reference_llm.model)
     assert shown.modelinfo["llama.context_length"] == trained
     assert "num_ctx 4096" in (shown.parameters or "")
+    # The template as Ollama shows one: how /api/generate's prompt is framed (here the chat
+    # template's rendering of a user turn, with or without a system one), and no .Suffix
+    # branch, which editors' plugins look for to learn that a model fills in the middle.
+    template = shown.template or ""
+    assert ".Suffix" not in template and template.startswith("{{ if .System }}"), template
+    alone = template.split("{{ else }}")[1].removesuffix("{{ end }}")
+    framed = alone.replace("{{ .Prompt }}", "hi").encode()
+    answer = client.generate(model=QWEN, prompt="hi", options={"num_predict": 1})
+    tokens = reference_llm.tokenize(framed, add_bos=False, special=True)
+    assert answer.prompt_eval_count == len(tokens)
     for think in (True, "low"):
         with pytest.raises(ollama.ResponseError) as refused:
             client.chat(model=QWEN, messages=[{"role": "user", "content": "hi"}], think=think)

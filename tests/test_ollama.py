@@ -559,6 +559,7 @@ async def test_node_info_says_whether_ollama_holds_the_model_in_memory(
         assert sizes == want, name
         want = ("completion", "tools", "insert") if ready else ()
         assert tuple(facts.capabilities) == want, name
+        assert facts.template == (ollama_mesh.nodes_ollama.shown_template if ready else "")
     assert "unreachable" in info.problem
 
 

@@ -193,6 +193,8 @@ class ModelFacts:
     embedding_length: int = 0
     # "completion", "tools", "insert" (fill in the middle), "thinking"; () when not known.
     capabilities: tuple[str, ...] = ()
+    # How a prompt is framed, as Ollama's /api/show gives it (a Go template); "": not known.
+    template: str = ""
 
     @property
     def reasons(self) -> bool | None:

@@ -78,7 +78,7 @@ class GetNodeInfoResponse(_message.Message):
     def __init__(self, name: _Optional[str] = ..., role: _Optional[str] = ..., engine: _Optional[str] = ..., engine_model: _Optional[str] = ..., models: _Optional[_Iterable[str]] = ..., fingerprint: _Optional[_Union[_types_pb2.KvFingerprint, _Mapping]] = ..., kv_transfer: _Optional[_Union[_types_pb2.KvTransfer, str]] = ..., ready: _Optional[bool] = ..., problem: _Optional[str] = ..., model_loaded_in_memory: _Optional[bool] = ..., kv_store_handles: _Optional[int] = ..., kv_store_bytes: _Optional[int] = ..., slots: _Optional[int] = ..., slots_busy: _Optional[int] = ..., queue_depth: _Optional[int] = ..., max_queue: _Optional[int] = ..., prompt_tokens_per_second: _Optional[float] = ..., decode_tokens_per_second: _Optional[float] = ..., kv_cache_bytes: _Optional[int] = ..., kv_cache_used_bytes: _Optional[int] = ..., backend: _Optional[str] = ..., gpu_layers: _Optional[int] = ..., model_layers: _Optional[int] = ..., prefix_cache_tokens: _Optional[int] = ..., prefix_cache_max_tokens: _Optional[int] = ..., restarts: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., host: _Optional[_Union[HostUsage, _Mapping]] = ..., busy_seconds: _Optional[float] = ..., slot_busy_seconds: _Optional[float] = ..., model_facts: _Optional[_Union[ModelFacts, _Mapping]] = ...) -> None: ...
 
 class ModelFacts(_message.Message):
-    __slots__ = ("architecture", "parameter_count", "parameter_size", "quantization", "file_size_bytes", "trained_context_tokens", "embedding_length", "capabilities")
+    __slots__ = ("architecture", "parameter_count", "parameter_size", "quantization", "file_size_bytes", "trained_context_tokens", "embedding_length", "capabilities", "template")
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     PARAMETER_COUNT_FIELD_NUMBER: _ClassVar[int]
     PARAMETER_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -87,6 +87,7 @@ class ModelFacts(_message.Message):
     TRAINED_CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     EMBEDDING_LENGTH_FIELD_NUMBER: _ClassVar[int]
     CAPABILITIES_FIELD_NUMBER: _ClassVar[int]
+    TEMPLATE_FIELD_NUMBER: _ClassVar[int]
     architecture: str
     parameter_count: int
     parameter_size: str
@@ -95,7 +96,8 @@ class ModelFacts(_message.Message):
     trained_context_tokens: int
     embedding_length: int
     capabilities: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, architecture: _Optional[str] = ..., parameter_count: _Optional[int] = ..., parameter_size: _Optional[str] = ..., quantization: _Optional[str] = ..., file_size_bytes: _Optional[int] = ..., trained_context_tokens: _Optional[int] = ..., embedding_length: _Optional[int] = ..., capabilities: _Optional[_Iterable[str]] = ...) -> None: ...
+    template: str
+    def __init__(self, architecture: _Optional[str] = ..., parameter_count: _Optional[int] = ..., parameter_size: _Optional[str] = ..., quantization: _Optional[str] = ..., file_size_bytes: _Optional[int] = ..., trained_context_tokens: _Optional[int] = ..., embedding_length: _Optional[int] = ..., capabilities: _Optional[_Iterable[str]] = ..., template: _Optional[str] = ...) -> None: ...
 
 class HostUsage(_message.Message):
     __slots__ = ("hostname", "cpu_cores", "cpu_busy_percent", "memory_used_bytes", "memory_total_bytes", "gpu_name", "gpu_utilization_percent", "gpu_memory_used_bytes", "gpu_memory_total_bytes", "unavailable")

@@ -182,6 +182,7 @@ class OllamaEngine:
             trained_context_tokens=number(f"{arch}.context_length"),
             embedding_length=number(f"{arch}.embedding_length"),
             capabilities=tuple(shown.capabilities or ()),
+            template=shown.template or "",
         )
 
     # -- prefill ---------------------------------------------------------------------------

@@ -409,7 +409,7 @@ class OllamaApi:
             {
                 "modelfile": "\n".join(lines) + "\n",
                 "parameters": f"num_ctx {self.router.n_ctx(name)}",
-                "template": "",
+                "template": facts.template,
                 "details": entry["details"],
                 "model_info": {**_model_info(facts), "disagg.chain": route.chain},
                 # What the nodes said their model can do; until one has, what any can.

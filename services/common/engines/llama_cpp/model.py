@@ -8,7 +8,7 @@ same flags), so the mesh's output can be compared with single-process llama-cpp-
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -223,6 +223,38 @@ class LlamaModel:
                 eos_token=self._special_text(self._model.token_eos()),
                 bos_token=self._special_text(self._bos),
             )
+        self.facts = replace(self.facts, template=self._ollama_template())
+
+    def _ollama_template(self) -> str:
+        """How this node frames an Ollama /api/generate prompt, in Ollama's template syntax
+        (its /api/show `template`, in which editors' plugins look for `.Suffix` to learn
+        that a model fills in the middle): the fill-in-the-middle frame for a suffix, else
+        the chat template's rendering of a system turn and a user turn. The chat goes
+        through the GGUF's own template, which this does not translate."""
+        prompt, system = "{{ .Prompt }}", "{{ .System }}"
+        branches: list[tuple[str, str]] = []
+        if self._fim is not None:
+            start = self._special_text(self._bos) if self._add_bos else ""
+            pre, suf, mid = (self._special_text(t) for t in self._fim)
+            branches.append((".Suffix", f"{start}{pre}{prompt}{suf}{{{{ .Suffix }}}}{mid}"))
+        if self._chat is not None:
+            user: Any = {"role": "user", "content": prompt}
+            both: Any = [{"role": "system", "content": system}, user]
+            try:
+                with_system, alone = self._chat(messages=both), self._chat(messages=[user])
+            except (ValueError, jinja2.TemplateError):
+                pass  # a template that refuses such turns: no chat branch to show
+            else:
+                branches += [(".System", with_system.prompt), ("", alone.prompt)]
+        if not branches or branches[-1][0]:  # no unconditional branch: nothing otherwise
+            branches.append(("", ""))
+        if len(branches) == 1:
+            return branches[0][1]
+        text = ""
+        for i, (condition, body) in enumerate(branches):
+            keyword = "if" if i == 0 else "else if" if condition else "else"
+            text += f"{{{{ {keyword} {condition} }}}}".replace("  ", " ") + body
+        return text + "{{ end }}"
 
     def kv_bytes_per_token(self, type_k: str = "f16", type_v: str = "f16") -> int:
         """KV cache bytes one token takes in every layer, with these cache types."""
