@@ -252,8 +252,8 @@ class LlamaModel:
             return branches[0][1]
         text = ""
         for i, (condition, body) in enumerate(branches):
-            keyword = "if" if i == 0 else "else if" if condition else "else"
-            text += f"{{{{ {keyword} {condition} }}}}".replace("  ", " ") + body
+            action = "else" if i and not condition else f"{'else ' if i else ''}if {condition}"
+            text += f"{{{{ {action} }}}}{body}"
         return text + "{{ end }}"
 
     def kv_bytes_per_token(self, type_k: str = "f16", type_v: str = "f16") -> int:
