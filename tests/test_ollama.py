@@ -49,14 +49,16 @@ class OllamaMesh:
     processes: MeshProcesses
     nodes_ollama: FakeOllama  # the Ollama server behind the prefill and decode nodes
     direct_ollama: FakeOllama  # the one the router calls itself (direct_ollama)
-    no_tools_ollama: FakeOllama  # one whose model's template takes no tools
+    no_tools_ollama: FakeOllama  # one whose model's template takes no tools, nor a suffix
 
 
 @pytest.fixture(scope="module")
 def ollama_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[OllamaMesh]:
     folder: Path = tmp_path_factory.mktemp("ollama-mesh")
     nodes_ollama, direct_ollama = FakeOllama().start(), FakeOllama().start()
-    no_tools_ollama = FakeOllama(takes_tools=False).start()
+    no_tools_ollama = FakeOllama(takes_tools=False)
+    no_tools_ollama.model.fim_template = ""  # nor a fill-in-the-middle branch
+    no_tools_ollama.start()
     dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     parts = [
         "[mesh]\ncooldown_s = 0.5\nhealth_check_every_s = 0.5\n",
@@ -586,9 +588,10 @@ async def test_what_an_ollama_model_cannot_do_is_refused_before_a_node_is_asked(
 ) -> None:
     """Each Ollama node tells the router what Ollama's /api/show says its model can do. As
     Ollama refuses them, the router refuses tools for a model whose template takes none,
-    and think for one that does not reason, naming the field, on gRPC and both doors,
-    without asking a node; the same request without them is served. Asked directly, the
-    node names the field of Ollama's own refusal."""
+    a suffix for one without a fill-in-the-middle branch and think for one that does not
+    reason, naming the field, on gRPC and both doors, without asking a node; the same
+    request without them is served. Asked directly, the node names the field of Ollama's
+    own refusal."""
     fake = ollama_mesh.no_tools_ollama
     grade = types_pb2.ToolDefinition(name="record_grade", parameters_json_schema="{}")
     request = router_pb2.GenerateRequest(
@@ -629,7 +632,14 @@ async def test_what_an_ollama_model_cannot_do_is_refused_before_a_node_is_asked(
             ollama.Client(host=url).chat, model=MODEL, messages=messages, think=True
         )
     assert bad.value.error.startswith(f"think: {MODEL!r} does not support thinking"), bad.value
-    assert not [p for p, _ in fake.requests if p == "/api/chat"]
+    # Nor a suffix, for a model whose Ollama template has no fill-in-the-middle branch.
+    fim = router_pb2.GenerateRequest(model="ollama/no-tools", prompt=PROMPT, suffix="\n")
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await collect(router.Generate(fim))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    said = info.value.details() or ""
+    assert said.startswith("suffix: 'ollama/no-tools' does not support insert: its Ollama"), said
+    assert not [p for p, _ in fake.requests if p in ("/api/chat", "/api/generate")]
     assert not [p for p, _ in ollama_mesh.nodes_ollama.requests if p == "/api/chat"]
     request.sampling.ClearField("tools")
     got = await collect(router.Generate(request))

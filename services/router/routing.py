@@ -135,9 +135,14 @@ class Router:
         # whose nodes have not said is given the benefit of the doubt).
         facts = self.model_facts(model)
         if prompt.suffix and facts.inserts is False:
-            raise InvalidArgument(
-                "suffix", f"{model!r} does not support insert: its model has {NO_FIM_TOKENS}"
+            nodes = (self.topology.node(n) for n in (*route.decode, *route.prefill))
+            why = (
+                "its Ollama template has no fill-in-the-middle branch ({{ if .Suffix }}); "
+                "leave suffix out, or use a coder model whose template has one"
+                if any(n.engine == "ollama" for n in nodes)
+                else f"its model has {NO_FIM_TOKENS}"
             )
+            raise InvalidArgument("suffix", f"{model!r} does not support insert: {why}")
         if sampling.tools is not None and sampling.tools.tools and facts.takes_tools is False:
             raise InvalidArgument(
                 "tools",
