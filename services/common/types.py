@@ -196,20 +196,24 @@ class ModelFacts:
     # How a prompt is framed, as Ollama's /api/show gives it (a Go template); "": not known.
     template: str = ""
 
+    def can(self, capability: str) -> bool | None:
+        """Whether the model has this capability; None when its capabilities are not known."""
+        return capability in self.capabilities if self.capabilities else None
+
     @property
     def reasons(self) -> bool | None:
         """Whether the model reasons apart from its answer; None when not known."""
-        return "thinking" in self.capabilities if self.capabilities else None
+        return self.can("thinking")
 
     @property
     def takes_tools(self) -> bool | None:
         """Whether the model's template takes tools; None when not known."""
-        return "tools" in self.capabilities if self.capabilities else None
+        return self.can("tools")
 
     @property
     def inserts(self) -> bool | None:
         """Whether the model fills in the middle (has FIM tokens); None when not known."""
-        return "insert" in self.capabilities if self.capabilities else None
+        return self.can("insert")
 
 
 def parameter_size(count: int) -> str:
