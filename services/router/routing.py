@@ -131,10 +131,17 @@ class Router:
         INVALID_ARGUMENT naming the field): the route it would take."""
         route = self.route(model)
         validate_prompt(prompt)
-        # As Ollama refuses what its model cannot do, before any node is asked (a model
-        # whose nodes have not said is given the benefit of the doubt).
+        offers_tools = sampling.tools is not None and bool(sampling.tools.tools)
+        if prompt.suffix or offers_tools:  # the nodes' facts, only for what they can refuse
+            self._check_capabilities(model, route, bool(prompt.suffix), offers_tools)
+        validate_sampling(sampling, self.topology.mesh.max_tokens_limit, self.schema_limits)
+        return route
+
+    def _check_capabilities(self, model: str, route: ModelRoute, suffix: bool, tools: bool) -> None:
+        """As Ollama refuses what its model cannot do, before any node is asked (a model
+        whose nodes have not said is given the benefit of the doubt)."""
         facts = self.model_facts(model)
-        if prompt.suffix and facts.inserts is False:
+        if suffix and facts.inserts is False:
             nodes = (self.topology.node(n) for n in (*route.decode, *route.prefill))
             why = (
                 "its Ollama template has no fill-in-the-middle branch ({{ if .Suffix }}); "
@@ -143,14 +150,12 @@ class Router:
                 else f"its model has {NO_FIM_TOKENS}"
             )
             raise InvalidArgument("suffix", f"{model!r} does not support insert: {why}")
-        if sampling.tools is not None and sampling.tools.tools and facts.takes_tools is False:
+        if tools and facts.takes_tools is False:
             raise InvalidArgument(
                 "tools",
                 f"{model!r} does not support tools: its model's template has no place for "
                 "them (its nodes say); leave tools out, or use a model that takes them",
             )
-        validate_sampling(sampling, self.topology.mesh.max_tokens_limit, self.schema_limits)
-        return route
 
     async def generate(
         self, model: str, prompt: Prompt, sampling: Sampling, time_remaining: float | None
