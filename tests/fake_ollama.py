@@ -276,6 +276,8 @@ class FakeOllama:
         # /api/show says what the model can do (Ollama before 0.6.4 did not).
         self.takes_tools = takes_tools
         self.says_capabilities = says_capabilities
+        self._takes_tools = takes_tools  # what reset() goes back to
+        self.digest = DIGEST  # another, as if the model were pulled again
         self.models = set(models)
         self.loaded: set[str] = set()
         self.delay_s = 0.0
@@ -302,6 +304,7 @@ class FakeOllama:
 
     def reset(self) -> None:
         self.delay_s, self.status, self.drop_after, self.error_after = 0.0, 0, -1, -1
+        self.takes_tools, self.digest = self._takes_tools, DIGEST
         self.old = False
         self.requests.clear()
         self.disconnected.clear()
@@ -539,7 +542,7 @@ class FakeOllama:
             "model": model,
             "modified_at": "2026-10-01T10:00:00.000000000Z",
             "size": 18_556_700_761,
-            "digest": DIGEST,
+            "digest": self.digest,
             "details": self._details(),
         }
 

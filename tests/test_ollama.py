@@ -665,6 +665,57 @@ async def test_what_an_ollama_model_cannot_do_is_refused_before_a_node_is_asked(
     assert said.endswith("does not support tools"), said
 
 
+async def test_a_model_pulled_again_is_read_again_by_the_router(
+    router: router_pb2_grpc.RouterServiceAsyncStub, ollama_mesh: OllamaMesh
+) -> None:
+    """The router reads what a node says of its model when the node turns serving. An
+    Ollama node whose model is pulled again (another digest; here a template that takes
+    tools) says SERVING once more on its health's Watch stream, and the router reads it
+    again: the tools it refused are served, and refused again once the old model is back,
+    with nothing restarted. A plain grpc.health.v1 watcher sees SERVING twice."""
+    fake = ollama_mesh.no_tools_ollama
+    grade = types_pb2.ToolDefinition(name="record_grade", parameters_json_schema="{}")
+    request = router_pb2.GenerateRequest(
+        model="ollama/no-tools",
+        messages=[types_pb2.ChatMessage(role="user", content="Grade it.")],
+        sampling=types_pb2.SamplingParams(
+            max_tokens=4, temperature=0.0, tools=types_pb2.ToolSet(definitions=[grade])
+        ),
+    )
+
+    async def refused() -> bool:
+        try:
+            await collect(router.Generate(request))
+        except grpc.aio.AioRpcError as exc:
+            assert exc.code() == grpc.StatusCode.INVALID_ARGUMENT, exc
+            return True
+        return False
+
+    async def until(want_refused: bool) -> None:
+        for _ in range(60):  # the node asks its Ollama every 2 s
+            if await refused() == want_refused:
+                return
+            await asyncio.sleep(0.25)
+        raise AssertionError(f"tools still {'served' if want_refused else 'refused'}")
+
+    address = ollama_mesh.topology.node("decode-no-tools").address
+    async with grpc.aio.insecure_channel(address) as channel:
+        health: Any = health_pb2_grpc.HealthStub(channel)
+        watch = health.Watch(health_pb2.HealthCheckRequest())
+        assert (await watch.read()).status == health_pb2.HealthCheckResponse.SERVING
+        assert await refused()
+        fake.takes_tools, fake.digest = True, "sha256:" + "5eed" * 16
+        try:
+            await until(want_refused=False)
+            said = await asyncio.wait_for(watch.read(), 5)
+            assert said.status == health_pb2.HealthCheckResponse.SERVING
+            assert [p for p, body in fake.requests if p == "/api/chat" and body.get("tools")]
+        finally:
+            fake.reset()
+        await until(want_refused=True)
+        watch.cancel()
+
+
 async def test_tools_reach_ollama_and_its_calls_come_back_as_calls(
     router: router_pb2_grpc.RouterServiceAsyncStub, ollama_mesh: OllamaMesh
 ) -> None:

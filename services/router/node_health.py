@@ -397,8 +397,13 @@ class NodeHealth:
         loop = asyncio.get_running_loop()
         while True:
             started = loop.time()
+            last = ""
             async for status in health_changes(channel, CHECK_TIMEOUT_S):
-                await self._saw(node, status == "SERVING")
+                if status == last == "SERVING":  # said again: what it says of itself changed
+                    await self._learn(node, again=True)
+                else:
+                    await self._saw(node, status == "SERVING")
+                last = status
             status, _ = await health_status(channel, CHECK_TIMEOUT_S)
             await self._saw(node, status == "SERVING")
             # Not sooner than every_s after the last stream began (a node that serves but
@@ -421,18 +426,28 @@ class NodeHealth:
         elif not self._slots.get(node.name):
             # The calls' own channel may still be waiting out a reconnect back-off (the
             # node was away): have it connect before the node is chosen again.
-            channel = self._pool.get(node.address)
             with suppress(TimeoutError):
-                await asyncio.wait_for(channel.channel_ready(), CHECK_TIMEOUT_S)
-            engine = await node_engine(channel, CHECK_TIMEOUT_S)
-            self._slots[node.name] = engine.slots
-            if engine.facts != ModelFacts():  # one that could not say keeps what it said
-                self._engines[node.name] = engine
+                await asyncio.wait_for(
+                    self._pool.get(node.address).channel_ready(), CHECK_TIMEOUT_S
+                )
+            await self._learn(node)
             self._wake(node.name)
             self._wake_room(node.name)
         if serving != self._serving[node.name]:
             log.info("node health", node=node.name, serving=serving)
             self._serving[node.name] = serving
+
+    async def _learn(self, node: Node, again: bool = False) -> None:
+        """Read what the node says of its engine and model (GetNodeInfo): when it turns
+        serving, and `again` when its health says SERVING twice (its Ollama's model was
+        pulled again with another template, say)."""
+        engine = await node_engine(self._pool.get(node.address), CHECK_TIMEOUT_S)
+        if not again or engine.slots:  # again, one that could not say keeps its slots
+            self._slots[node.name] = engine.slots
+        if engine.facts != ModelFacts():  # one that could not say keeps what it said
+            if again and self._engines.get(node.name, EngineInfo()).facts != engine.facts:
+                log.info("node model facts changed", node=node.name)
+            self._engines[node.name] = engine
 
 
 def _average(averages: dict[str, float], name: str, sample: float) -> None:

@@ -47,18 +47,41 @@ HEALTH_PROBE_EVERY_S = 2.0
 HEALTH_PROBE_TIMEOUT_S = 5.0
 
 
-class HealthServicer(health.aio.HealthServicer):
-    """gRPC's health servicer, whose Watch streams end (NOT_SERVING their last word) once
-    the node shuts down: a router's stream never ends by itself, and the server's stop
-    would otherwise wait out its whole grace period for them."""
+class HealthServicer(health_pb2_grpc.HealthServicer):
+    """grpc.health.v1's Check and Watch, as grpc_health's own aio servicer serves them,
+    with two more things:
+    - Watch streams end (NOT_SERVING their last word) once the node shuts down: a
+      router's stream never ends by itself, and the server's stop would otherwise wait
+      out its whole grace period for them;
+    - `say_again` writes every Watch stream its status once more, unchanged: what the
+      node says of itself (GetNodeInfo) changed, and a router reads it again (the
+      protocol writes on a change; the same status twice is harmless to any watcher).
+    No stream holds the lock while it writes, so a slow watcher delays no other."""
 
     def __init__(self) -> None:
-        super().__init__()
+        self._status: dict[str, int] = {"": health_pb2.HealthCheckResponse.SERVING}
+        self._said = 0  # how many times say_again was called
+        self._changed = asyncio.Condition()
         self._closing = asyncio.Event()
+
+    async def set(self, service: str, status: int) -> None:
+        if self._closing.is_set():
+            return
+        async with self._changed:
+            self._status[service] = status
+            self._changed.notify_all()
+
+    async def say_again(self) -> None:
+        async with self._changed:
+            self._said += 1
+            self._changed.notify_all()
 
     async def Check(self, request: Any, context: Any) -> Any:
         metrics.HEALTH_CHECKS.inc()
-        return await super().Check(request, context)
+        status = self._status.get(request.service)
+        if status is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no service {request.service!r}")
+        return health_pb2.HealthCheckResponse(status=status)
 
     async def Watch(self, request: Any, context: Any) -> None:
         metrics.HEALTH_WATCHERS.inc()
@@ -68,7 +91,7 @@ class HealthServicer(health.aio.HealthServicer):
             metrics.HEALTH_WATCHERS.dec()
 
     async def _watch(self, request: Any, context: Any) -> None:
-        watching = asyncio.ensure_future(super().Watch(request, context))
+        watching = asyncio.ensure_future(self._statuses(request.service, context))
         # Once this call is over (the watcher cancelled it, or the server stopped), what the
         # stream's own task ends with is nobody's to hear.
         watching.add_done_callback(retrieved)
@@ -93,8 +116,28 @@ class HealthServicer(health.aio.HealthServicer):
                 raise
             log.debug("health watcher gone at shutdown")
 
+    async def _statuses(self, service: str, context: Any) -> None:
+        """The service's status at once, then each time it changes or is said again."""
+        last: tuple[int, int] | None = None
+        while True:
+            async with self._changed:
+                while (now := self._now(service)) == last:
+                    await self._changed.wait()
+            await context.write(health_pb2.HealthCheckResponse(status=now[0]))
+            last = now
+
+    def _now(self, service: str) -> tuple[int, int]:
+        unknown = health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
+        return self._status.get(service, unknown), self._said
+
     async def enter_graceful_shutdown(self) -> None:
-        await super().enter_graceful_shutdown()
+        """Every service NOT_SERVING, for good; the Watch streams end."""
+        if self._closing.is_set():
+            return
+        async with self._changed:
+            for service in self._status:
+                self._status[service] = health_pb2.HealthCheckResponse.NOT_SERVING
+            self._changed.notify_all()
         self._closing.set()
 
 
@@ -127,13 +170,16 @@ async def serve(
     load: Callable[[], Coroutine[Any, Any, None]],
     close: Callable[[], Awaitable[None]],
     problem: Callable[[], Awaitable[str | None]] | None = None,
+    says: Callable[[], object] | None = None,
     credentials: grpc.ServerCredentials | None = None,
     metrics_address: tuple[str, int] | None = None,
 ) -> None:
     """Serve until SIGTERM/SIGINT. `register` adds our servicers; `load` readies the node
     (health stays NOT_SERVING until it returns); `problem`, polled every few seconds once
-    loaded, turns health NOT_SERVING while it returns a reason (e.g. Ollama down);
-    `close` runs after the server stopped."""
+    loaded, turns health NOT_SERVING while it returns a reason (e.g. Ollama down); when
+    `says` (what GetNodeInfo tells a router once) gives another value after a poll while
+    serving, health says SERVING again for routers to read it again; `close` runs after
+    the server stopped."""
     interceptors: list[grpc.aio.ServerInterceptor] = [RequestScopeInterceptor()]
     token = configured_token()
     if token is not None:
@@ -177,7 +223,7 @@ async def serve(
             loading.result()
         log.info("loaded", address=bind_address, load_s=round(time.perf_counter() - started, 2))
         watching = asyncio.create_task(
-            _watch_health(health_servicer, [*service_names], problem or _no_problem)
+            _watch_health(health_servicer, [*service_names], problem or _no_problem, says)
         )
         await stopping
         watching.cancel()
@@ -196,6 +242,9 @@ async def _no_problem() -> str | None:
 
 
 class _Engine(Protocol):
+    @property
+    def model_facts(self) -> object: ...
+
     async def problem(self) -> str | None: ...
 
     async def close(self) -> None: ...
@@ -217,6 +266,7 @@ async def serve_node(
     load: Callable[[], Coroutine[Any, Any, None]],
     close: Callable[[], Awaitable[None]],
     problem: Callable[[], Awaitable[str | None]] | None = None,
+    says: Callable[[], object] | None = None,
 ) -> None:
     """`serve` for a topology's node: its service and NodeService, at its address, with its
     TLS and metrics port."""
@@ -226,6 +276,7 @@ async def serve_node(
         register=register,
         load=load,
         problem=problem,
+        says=says,
         close=close,
         credentials=tls.server_credentials() if tls else None,
         metrics_address=metrics_address(node),
@@ -247,22 +298,29 @@ async def serve_engine_node(
     async def problem() -> str | None:
         return await ready.get().engine.problem()
 
+    def says() -> object:  # what the router keeps of GetNodeInfo (wire/node_clients.py)
+        return ready.get().engine.model_facts
+
     async def close() -> None:
         if release is not None:
             await release()
         if ready.is_set():
             await ready.get().engine.close()
 
-    await serve_node(node, tls, service_name, register, load, close, problem)
+    await serve_node(node, tls, service_name, register, load, close, problem, says)
 
 
 async def _watch_health(
     health_servicer: HealthServicer,
     service_names: list[str],
     problem: Callable[[], Awaitable[str | None]],
+    says: Callable[[], object] | None = None,
 ) -> None:
-    """Keep health in step with what the engine can do; log every change."""
+    """Keep health in step with what the engine can do; log every change. While serving,
+    a change in what the node `says` of itself (its model re-pulled into Ollama with
+    another template) is said again (HealthServicer.say_again)."""
     serving: bool | None = None
+    said: object = None
     while True:
         try:
             reason = await asyncio.wait_for(problem(), HEALTH_PROBE_TIMEOUT_S)
@@ -278,6 +336,11 @@ async def _watch_health(
             for name in ("", *service_names):
                 await health_servicer.set(name, status)
             log.info("health", status="SERVING" if serving else "NOT_SERVING", reason=reason)
+            said = says() if says is not None else None
+        elif serving and says is not None and (now := says()) != said:
+            said = now
+            log.info("health said again: what the node says of itself changed")
+            await health_servicer.say_again()
         await asyncio.sleep(HEALTH_PROBE_EVERY_S)
 
 
