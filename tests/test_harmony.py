@@ -463,6 +463,37 @@ def test_openai_returns_reasoning_content_and_takes_reasoning_effort(
 
 
 @pytest.mark.parametrize("model", [SPLIT, ALONE])
+def test_the_responses_api_returns_the_reasoning_as_a_reasoning_item(
+    scripted: ScriptedMesh, model: str
+) -> None:
+    """/v1/responses: the reasoning is a `reasoning` item before the message, its text as
+    `reasoning_text` content (OpenAI's spec for a model's own reasoning, as vLLM sends it),
+    streamed as response.reasoning_text events; reasoning.effort is taken, and counted
+    reasoning tokens are within the output's."""
+    client = openai.OpenAI(base_url=f"{scripted.http}/v1", api_key="unused", max_retries=0)
+    whole = client.responses.create(
+        model=model, input="What is 2+2?", temperature=0, reasoning={"effort": "high"}
+    )
+    reasoning, message = whole.output
+    assert reasoning.type == "reasoning" and reasoning.summary == []
+    assert [c.text for c in reasoning.content or []] == [SCRIPTED_REASONING]
+    assert message.type == "message" and whole.output_text == SCRIPTED_ANSWER
+    assert whole.reasoning is not None and whole.reasoning.effort == "high"
+    usage = whole.usage
+    assert usage is not None and 0 < usage.output_tokens_details.reasoning_tokens
+    assert usage.output_tokens_details.reasoning_tokens < usage.output_tokens
+    with client.responses.stream(model=model, input="What is 2+2?", temperature=0) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    streamed = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    assert streamed == SCRIPTED_REASONING
+    assert [item.type for item in final.output] == ["reasoning", "message"]
+    assert final.output_text == SCRIPTED_ANSWER
+    with pytest.raises(openai.BadRequestError, match=r"reasoning\.effort"):
+        client.responses.create(model=model, input="hi", reasoning={"effort": "xhigh"})
+
+
+@pytest.mark.parametrize("model", [SPLIT, ALONE])
 def test_logprobs_are_the_answers_tokens_only(scripted: ScriptedMesh, model: str) -> None:
     """gpt-oss's log probabilities are its answer's: the final channel's tokens, whose texts
     join to the content; not harmony's control tokens, headers or reasoning (the first of

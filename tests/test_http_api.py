@@ -926,7 +926,7 @@ def test_openai_models_and_errors(mesh: Mesh) -> None:
 
 
 def test_a_path_the_mesh_does_not_serve_is_a_json_error_naming_it(mesh: Mesh) -> None:
-    """Embeddings, pulls and OpenAI's Responses API: the real clients get their API's own
+    """Embeddings, pulls and a stored response: the real clients get their API's own
     error, naming the path, why, and what is served; a wrong method names the right one."""
     with pytest.raises(ollama.ResponseError) as info:
         ollama.Client(host=http_url(mesh)).embed(model=QWEN, input="hi")
@@ -942,8 +942,10 @@ def test_a_path_the_mesh_does_not_serve_is_a_json_error_naming_it(mesh: Mesh) ->
     assert "POST /v1/embeddings" in missing.value.message
     assert "POST /v1/chat/completions" in missing.value.message
     with pytest.raises(openai.NotFoundError) as missing:
-        client.responses.create(model=QWEN, input="hi")
-    assert "use /v1/chat/completions" in missing.value.message
+        client.responses.retrieve("resp_1")
+    assert "GET /v1/responses/resp_1" in missing.value.message
+    assert "keeps no responses" in missing.value.message
+    assert "POST /v1/responses" in missing.value.message
     wrong = httpx.get(f"{http_url(mesh)}/v1/chat/completions", timeout=10)
     assert wrong.status_code == 405 and wrong.headers["Allow"] == "POST"
     assert wrong.json()["error"]["code"] == "unimplemented"
@@ -1237,6 +1239,11 @@ OPENAI_FIELDS = {
         "parallel_tool_calls stream_options reasoning_effort ignore_eos modalities"
     ),
     "/v1/completions": "prompt max_tokens temperature n stop seed logprobs logit_bias echo",
+    "/v1/responses": (
+        "input instructions max_output_tokens temperature top_p stream tools tool_choice "
+        "parallel_tool_calls text reasoning truncation include metadata store background "
+        "previous_response_id conversation top_logprobs"
+    ),
 }
 OLLAMA_FIELDS = "prompt messages format options keep_alive think logprobs top_logprobs raw context"
 OLLAMA_OPTIONS = (
@@ -1246,24 +1253,28 @@ OLLAMA_OPTIONS = (
 
 
 def test_odd_values_in_any_field_are_answered_never_a_500(mesh: Mesh) -> None:
-    """Every field of both doors given values of every JSON kind (and integers beyond
-    int64): each request is served or refused with a 4xx and an error body in JSON, never a
-    500 (integers beyond a proto field's int32 were one: top_k, repeat_last_n). One token
-    each, so the sweep stays short: a field that bounds the answer (max_tokens, options,
-    num_predict) is not given a value that lifts the bound (absent, -1, no options)."""
+    """Every field of both doors (/v1/responses too) given values of every JSON kind (and
+    integers beyond int64): each request is served or refused with a 4xx and an error body
+    in JSON, never a 500 (integers beyond a proto field's int32 were one: top_k,
+    repeat_last_n). One token each, so the sweep stays short: a field that bounds the
+    answer (max_tokens, options, num_predict) is not given a value that lifts the bound
+    (absent, -1, no options)."""
 
     def values(name: str) -> list[Any]:
-        if name not in ("max_tokens", "max_completion_tokens", "options", "num_predict"):
+        bounds = ("max_tokens", "max_completion_tokens", "max_output_tokens", "options")
+        if name not in (*bounds, "num_predict"):
             return ODD_VALUES
         return [v for v in ODD_VALUES if v not in (None, -1, {})]
 
     openai_bases: dict[str, dict[str, Any]] = {
         "/v1/chat/completions": {"messages": [{"role": "user", "content": "Hi"}]},
         "/v1/completions": {"prompt": "Hi"},
+        "/v1/responses": {"input": "Hi"},
     }
     cases = []
     for path, base in openai_bases.items():
-        base = {"model": QWEN, **base, "max_tokens": 1}
+        bound = "max_output_tokens" if path == "/v1/responses" else "max_tokens"
+        base = {"model": QWEN, **base, bound: 1}
         for name in OPENAI_FIELDS[path].split():
             cases += [(path, {**base, name: v}) for v in values(name)]
     for path, text in (("/api/generate", "prompt"), ("/api/chat", "messages")):

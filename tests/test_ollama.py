@@ -583,6 +583,20 @@ async def test_an_older_ollama_that_does_not_say_what_its_model_can_do_leaves_it
         fake.stop()
 
 
+GRADE = types_pb2.ToolDefinition(name="record_grade", parameters_json_schema="{}")
+
+
+def tools_request(model: str) -> router_pb2.GenerateRequest:
+    """A chat that offers a tool (record_grade)."""
+    return router_pb2.GenerateRequest(
+        model=model,
+        messages=[types_pb2.ChatMessage(role="user", content="Grade it.")],
+        sampling=types_pb2.SamplingParams(
+            max_tokens=4, temperature=0.0, tools=types_pb2.ToolSet(definitions=[GRADE])
+        ),
+    )
+
+
 async def test_what_an_ollama_model_cannot_do_is_refused_before_a_node_is_asked(
     router: router_pb2_grpc.RouterServiceAsyncStub, ollama_mesh: OllamaMesh
 ) -> None:
@@ -593,14 +607,7 @@ async def test_what_an_ollama_model_cannot_do_is_refused_before_a_node_is_asked(
     request without them is served. Asked directly, the node names the field of Ollama's
     own refusal."""
     fake = ollama_mesh.no_tools_ollama
-    grade = types_pb2.ToolDefinition(name="record_grade", parameters_json_schema="{}")
-    request = router_pb2.GenerateRequest(
-        model="ollama/no-tools",
-        messages=[types_pb2.ChatMessage(role="user", content="Grade it.")],
-        sampling=types_pb2.SamplingParams(
-            max_tokens=4, temperature=0.0, tools=types_pb2.ToolSet(definitions=[grade])
-        ),
-    )
+    request = tools_request("ollama/no-tools")
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await collect(router.Generate(request))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -654,7 +661,7 @@ async def test_what_an_ollama_model_cannot_do_is_refused_before_a_node_is_asked(
                         model="ollama/no-tools",
                         messages=request.messages,
                         sampling=types_pb2.SamplingParams(
-                            max_tokens=4, tools=types_pb2.ToolSet(definitions=[grade])
+                            max_tokens=4, tools=types_pb2.ToolSet(definitions=[GRADE])
                         ),
                     )
                 )
@@ -674,14 +681,7 @@ async def test_a_model_pulled_again_is_read_again_by_the_router(
     again: the tools it refused are served, and refused again once the old model is back,
     with nothing restarted. A plain grpc.health.v1 watcher sees SERVING twice."""
     fake = ollama_mesh.no_tools_ollama
-    grade = types_pb2.ToolDefinition(name="record_grade", parameters_json_schema="{}")
-    request = router_pb2.GenerateRequest(
-        model="ollama/no-tools",
-        messages=[types_pb2.ChatMessage(role="user", content="Grade it.")],
-        sampling=types_pb2.SamplingParams(
-            max_tokens=4, temperature=0.0, tools=types_pb2.ToolSet(definitions=[grade])
-        ),
-    )
+    request = tools_request("ollama/no-tools")
 
     async def refused() -> bool:
         try:
@@ -782,7 +782,7 @@ def test_parallel_calls_come_back_to_both_doors_each_with_its_index_and_id(
     """A model that calls two tools at once (Ollama sends both in one message): the
     `openai` client gets two calls, indices 0 and 1, each its own id, finish tool_calls,
     and the streamed pieces put together are the same calls; the `ollama` client gets both
-    with arguments objects."""
+    with arguments objects; /v1/responses gives two function_call items."""
     router = ollama_mesh.topology.router
     url = f"http://{router.host}:{router.http_port}"
     tools: list[Any] = [
@@ -824,3 +824,18 @@ def test_parallel_calls_come_back_to_both_doors_each_with_its_index_and_id(
     )
     got = answer.message.tool_calls or []
     assert [(c.function.name, dict(c.function.arguments)) for c in got] == expected
+    # The Responses API: two function_call items, in order, each its own call id; the
+    # SDK's stream helper puts the streamed ones together the same.
+    flat = [{"type": "function", **t["function"]} for t in tools]
+    response = client.responses.create(
+        model="ollama/decode-only", input="Test it and grade it.", tools=flat, max_output_tokens=16
+    )
+    items = [item for item in response.output if item.type == "function_call"]
+    assert [(c.name, json.loads(c.arguments)) for c in items] == expected
+    assert len({c.call_id for c in items}) == 2
+    with client.responses.stream(
+        model="ollama/decode-only", input="Test it and grade it.", tools=flat, max_output_tokens=16
+    ) as stream:
+        final = stream.get_final_response()
+    items = [item for item in final.output if item.type == "function_call"]
+    assert [(c.name, json.loads(c.arguments)) for c in items] == expected

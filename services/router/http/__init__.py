@@ -30,6 +30,7 @@ from disagg_mesh.server.router.http.common import MAX_BODY_BYTES
 from disagg_mesh.server.router.http.ollama_api import OllamaApi
 from disagg_mesh.server.router.http.openai_api import OpenAiApi
 from disagg_mesh.server.router.http.origins import BrowserOrigins
+from disagg_mesh.server.router.http.responses_api import ResponsesApi
 from disagg_mesh.server.router.http.unserved import unserved_paths
 from disagg_mesh.server.router.routing import Router
 
@@ -52,6 +53,7 @@ class HttpFrontDoor:
         BrowserOrigins(origins, listen_host=host).install(app)
         app.add_routes(OllamaApi(router).routes())
         app.add_routes(OpenAiApi(router).routes())
+        app.add_routes(ResponsesApi(router).routes())
         if dashboard is not None:
             app.add_routes(DashboardApi(dashboard).routes())
         self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)

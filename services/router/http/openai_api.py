@@ -82,7 +82,7 @@ def error_body(exc: MeshError, status: int) -> dict[str, Any]:
     }
 
 
-def _status(exc: MeshError) -> int:
+def status_of(exc: MeshError) -> int:
     # A full queue is a rate limit to OpenAI's clients (429, which they retry).
     return 429 if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED else http_status(exc)
 
@@ -90,7 +90,7 @@ def _status(exc: MeshError) -> int:
 # The mesh's sampling fields OpenAI's requests (with vLLM's extra ones) name otherwise.
 FIELD_NAMES = {"repeat_penalty": "repetition_penalty"}
 
-api = scoped("openai", error_body, _status, lambda name: FIELD_NAMES.get(name, name))
+api = scoped("openai", error_body, status_of, lambda name: FIELD_NAMES.get(name, name))
 SCHEMA_FIELD = "response_format.json_schema.schema"
 # Choices a request may ask for (`n`): each takes a slot of its own while it generates.
 MAX_CHOICES = 16
@@ -101,25 +101,34 @@ def _response_format(fields: Fields, limits: SchemaLimits) -> ResponseFormat | N
     {"type": "json_schema", "json_schema": {"name", "schema", "strict", ...}}."""
     if not fields.body:
         return None
-    kind = fields.string("type", required=True)
+    kind = fields.string("type", required=True) or ""
+    return output_format(kind, "response_format.type", "json_schema", fields, limits)
+
+
+def output_format(
+    kind: str, kind_field: str, spec_key: str, fields: Fields, limits: SchemaLimits
+) -> ResponseFormat | None:
+    """The format OpenAI's APIs name by `kind` ("text", "json_object", "json_schema"), its
+    json_schema's name, schema and strict in `fields` (under `spec_key`, or in them when
+    ""). A json_schema without its schema is any JSON object (chat's default)."""
     if kind == "text":
         return None
     if kind == "json_object":
         return ResponseFormat()
     if kind != "json_schema":
         raise InvalidArgument(
-            "response_format.type",
-            f'must be "text", "json_object" or "json_schema", got {kind!r}',
+            kind_field, f'must be "text", "json_object" or "json_schema", got {kind!r}'
         )
-    spec = fields.mapping("json_schema")
+    spec = fields.mapping(spec_key) if spec_key else fields
     spec.string("name", required=True)
     spec.boolean("strict", False)  # the grammar enforces the schema either way
     schema = spec.body.get("schema")
     if schema is None:  # OpenAI's default: any JSON object
         return ResponseFormat()
+    field = f"{spec.prefix}schema"
     if not isinstance(schema, dict):
-        raise InvalidArgument(SCHEMA_FIELD, f"must be an object, got {schema!r}")
-    return schema_text(schema, SCHEMA_FIELD, limits)
+        raise InvalidArgument(field, f"must be an object, got {schema!r}")
+    return schema_text(schema, field, limits)
 
 
 # vLLM's extra parameters the mesh does not apply, with the value each takes by default

@@ -31,7 +31,11 @@ WHY_NOT = {
     "/api/create": _TOPOLOGY_MODELS,
     "/api/copy": _TOPOLOGY_MODELS,
     "/api/delete": _TOPOLOGY_MODELS,
-    "/v1/responses": "use /v1/chat/completions",
+}
+# Paths under these, and why not (a stored response asked for again, cancelled or deleted).
+WHY_NOT_UNDER = {
+    "/v1/responses/": "this mesh keeps no responses, as Ollama keeps none: each is answered "
+    "in the request that asks for it",
 }
 
 
@@ -57,7 +61,9 @@ async def unserved_paths(request: web.Request, handler: Handler) -> web.StreamRe
         error = _WrongMethod(f"{asked}: the method is not allowed here; use {' or '.join(allowed)}")
         headers["Allow"] = ", ".join(sorted(unmatched.allowed_methods))
     else:
-        why = WHY_NOT.get(request.path.rstrip("/"))
+        why = WHY_NOT.get(request.path.rstrip("/")) or next(
+            (why for under, why in WHY_NOT_UNDER.items() if request.path.startswith(under)), None
+        )
         served = ", ".join(_served(request.app, openai))
         error = _Unserved(
             f"this mesh does not serve {asked}"
