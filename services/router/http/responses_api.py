@@ -138,7 +138,7 @@ async def _streamed(
 
     async def send(kind: str, fields: dict[str, Any]) -> None:
         nonlocal sequence
-        data = json.dumps({"type": kind, "sequence_number": sequence, **fields})
+        data = json.dumps({"type": kind, "sequence_number": sequence, **fields}, ensure_ascii=False)
         sequence += 1
         await response.write(f"event: {kind}\ndata: {data}\n\n".encode())
 
