@@ -236,7 +236,12 @@ def test_ollama_list_show_ps_version(mesh: Mesh, reference_llm: llama_cpp.Llama)
     running = {m.model: m for m in client.ps().models}
     # The model's bytes, none of them on a GPU here (`ollama ps`: "100% CPU").
     assert (running[QWEN].size, running[QWEN].size_vram) == (listed[QWEN].size, 0)
-    assert httpx.get(f"{http_url(mesh)}/api/version").json()["version"]
+    # The Ollama release whose API the door follows: VS Code's Copilot Chat, for one,
+    # refuses an Ollama before 0.6.4 (its MINIMUM_OLLAMA_VERSION, compared part by part).
+    said = httpx.get(f"{http_url(mesh)}/api/version").json()
+    assert tuple(int(p) for p in said["version"].split(".")) >= (0, 6, 4), said
+    assert said["disagg_mesh"]
+    assert httpx.head(f"{http_url(mesh)}/api/version").status_code == 200
 
 
 def test_ollama_errors_have_ollamas_statuses(mesh: Mesh) -> None:

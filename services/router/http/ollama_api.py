@@ -50,7 +50,14 @@ from disagg_mesh.server.router.http.common import (
 )
 from disagg_mesh.server.router.routing import Router, RouteSummary
 
-VERSION = "0.1.0"  # disagg-mesh's own version, not Ollama's
+MESH_VERSION = "0.1.0"  # disagg-mesh's own (pyproject.toml)
+# The Ollama release whose API this door follows, which /api/version answers, as Ollama
+# answers its own: clients gate what they use on it (VS Code's Copilot Chat refuses an
+# Ollama before 0.6.4, which /api/show's capabilities came with). The door was written
+# from ollama/ollama's source at v0.33.0-rc2 (server/routes.go, api/types.go, openai/), so
+# the release before it; what Ollama serves beyond the door's paths (pulls, embeddings,
+# images) is answered as not served here, naming it.
+OLLAMA_API_VERSION = "0.32.15"
 NDJSON = "application/x-ndjson"
 # A duration as Go's time.ParseDuration reads it ("5m", "1h30m", "-1s", "0"), which Ollama
 # uses for keep_alive strings.
@@ -419,7 +426,7 @@ class OllamaApi:
         )
 
     async def version(self, request: web.Request) -> web.Response:
-        return web.json_response({"version": VERSION})
+        return web.json_response({"version": OLLAMA_API_VERSION, "disagg_mesh": MESH_VERSION})
 
 
 def _model_info(facts: ModelFacts) -> dict[str, Any]:
