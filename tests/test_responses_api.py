@@ -56,6 +56,7 @@ def test_a_response_is_the_chat_completions_answer_whole_and_streamed(
         assert whole.incomplete_details.reason == "max_output_tokens"
     [message] = whole.output
     assert message.type == "message" and message.role == "assistant"
+    assert message.status == whole.status  # the item cut by max_output_tokens, or not
     assert chat.usage is not None and whole.usage is not None
     assert whole.usage.input_tokens == chat.usage.prompt_tokens
     assert whole.usage.output_tokens == chat.usage.completion_tokens

@@ -273,8 +273,9 @@ class _Answer:
                 delta=piece.text,
             )
 
-    async def _close(self) -> None:
-        """The open item done: its closing events, then it joins the output."""
+    async def _close(self, status: str = "completed") -> None:
+        """The open item done (`status`: "incomplete" for one cut by max_output_tokens):
+        its closing events, then it joins the output."""
         item, self.open = self.open, None
         if item is None:
             return
@@ -306,17 +307,19 @@ class _Answer:
                 content_index=0,
                 part=part,
             )
-        item["status"] = "completed"
+        item["status"] = status
         await self._emit("response.output_item.done", output_index=index, item=item)
         self.output.append(item)
 
     async def finish(self, summary: RouteSummary) -> dict[str, Any]:
-        """The whole response: its items closed (an answer of no text and no call is an
-        empty message, as OpenAI's), its status and usage."""
-        if not self.calls and not any(i["type"] == "message" for i in self.output):
+        """The whole response: its last item closed (incomplete when max_output_tokens cut
+        it; an answer that ended with no text and no call is an empty message, as
+        OpenAI's), its status and usage."""
+        cut = summary.finish_reason is FinishReason.LENGTH
+        if not cut and not self.calls and not any(i["type"] == "message" for i in self.output):
             if self.open is None or self.open["type"] != "message":
                 await self._write("message", "")
-        await self._close()
+        await self._close("incomplete" if cut else "completed")
         usage = {
             "input_tokens": summary.prompt_tokens,
             "input_tokens_details": {"cached_tokens": summary.cached_prompt_tokens},
@@ -324,13 +327,9 @@ class _Answer:
             "output_tokens_details": {"reasoning_tokens": self.reasoning_tokens},
             "total_tokens": summary.prompt_tokens + summary.completion_tokens,
         }
-        cut = summary.finish_reason is FinishReason.LENGTH
         done = self.response("incomplete" if cut else "completed", usage)
         if cut:
             done["incomplete_details"] = {"reason": "max_output_tokens"}
-            for item in done["output"]:
-                if item["type"] != "reasoning":
-                    item["status"] = "incomplete"
         done["disagg"] = mesh_fields(summary)
         return done
 
