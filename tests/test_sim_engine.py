@@ -17,6 +17,7 @@ from typing import Any
 import grpc
 import httpx
 import jsonschema
+import ollama
 import openai
 import pytest
 
@@ -535,3 +536,38 @@ async def test_a_suffix_fills_in_the_middle_on_sim_nodes(sim_mesh: MeshProcesses
         ]
     assert filled[0]["response"] == filled[1]["response"] != plain["response"]
     assert filled[0]["prompt_eval_count"] > plain["prompt_eval_count"] + 90
+
+
+def test_sim_nodes_say_what_their_model_is_as_real_nodes_do(sim_mesh: MeshProcesses) -> None:
+    """GetNodeInfo's model facts, and so the Ollama door's /api/show, /api/tags and /api/ps,
+    describe the simulated model (its shipped facts: qwen3-coder:30b's sizes, tools and fill
+    in the middle, no thinking), for each route of its nodes; the template frames a prompt
+    as the node counts it, and what the model cannot do is refused before a node is asked,
+    as for real nodes."""
+    client = ollama.Client(host=f"http://127.0.0.1:{sim_mesh.topology.router.http_port}")
+    for model in (MODEL, ALONE):
+        shown = client.show(model)
+        assert shown.details is not None and shown.modelinfo is not None
+        assert shown.details.family == "qwen3moe" and shown.details.parameter_size == "30.5B"
+        assert shown.modelinfo["qwen3moe.context_length"] == 262_144
+        assert shown.capabilities == ["completion", "tools", "insert"]
+        template = shown.template or ""
+        assert template.startswith("{{ if .Suffix }}"), template  # Continue looks for it
+    details = {m.model: m.details for m in client.list().models}[MODEL]
+    assert details is not None and details.quantization_level == "Q4_K_M"
+    assert {m.model: m.size for m in client.list().models}[MODEL] == 18_556_700_761
+    assert {m.model for m in client.ps().models} == {MODEL, ALONE}
+    # The template's plain branch, filled in, is the prompt the node counts.
+    alone = template.split("{{ else }}")[1].removesuffix("{{ end }}")
+    framed = alone.replace("{{ .Prompt }}", PROMPT)
+    answer = client.generate(model=MODEL, prompt=PROMPT, options={"num_predict": 1})
+    speed = load_profile("dgx-spark").model(MODEL)
+    assert answer.prompt_eval_count == prompt_tokens(Prompt(text=framed), speed.bytes_per_token)
+    fim = template.split("{{ else if .System }}")[0].removeprefix("{{ if .Suffix }}")
+    framed = fim.replace("{{ .Prompt }}", PROMPT).replace("{{ .Suffix }}", "x" * 400)
+    filled = client.generate(model=MODEL, prompt=PROMPT, suffix="x" * 400)
+    assert filled.prompt_eval_count == prompt_tokens(Prompt(text=framed), speed.bytes_per_token)
+    with pytest.raises(ollama.ResponseError) as refused:
+        client.chat(model=MODEL, messages=[{"role": "user", "content": "hi"}], think=True)
+    assert refused.value.status_code == 400
+    assert refused.value.error.startswith("think: 'qwen3-coder:30b' does not support thinking")

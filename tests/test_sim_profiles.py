@@ -12,8 +12,10 @@ from disagg_mesh.server.common.engines.sim.profile import (
     ProfileError,
     Table,
     load_baseline,
+    load_model_facts,
     load_profile,
 )
+from disagg_mesh.server.common.types import ModelFacts
 
 
 def test_a_table_interpolates_between_points_and_extrapolates_with_care() -> None:
@@ -152,3 +154,23 @@ def test_a_bad_profile_names_its_file_and_key(tmp_path: Path) -> None:
         load_profile("dgx-sparkle")
     with pytest.raises(ProfileError, match=r"no \[models.'llama'\]"):
         load_profile("dgx-spark").model("llama")
+
+
+def test_a_sim_node_says_what_its_model_is_from_the_shipped_facts(tmp_path: Path) -> None:
+    """models.toml: each model the shipped profiles time, its sizes and abilities as an
+    embedded node reads them from the model's file; any other model says nothing."""
+    oss, coder = load_model_facts("gpt-oss:120b"), load_model_facts("qwen3-coder:30b")
+    assert (oss.architecture, oss.parameter_size, oss.quantization) == ("gptoss", "116.8B", "MXFP4")
+    assert (oss.trained_context_tokens, oss.embedding_length) == (131_072, 2_880)
+    assert oss.reasons and oss.takes_tools and oss.inserts is False
+    assert (coder.architecture, coder.parameter_size) == ("qwen3moe", "30.5B")
+    assert coder.trained_context_tokens == 262_144 and coder.embedding_length == 2_048
+    assert coder.inserts and coder.takes_tools and coder.reasons is False
+    for profile in PROFILES.glob("*.toml"):
+        if profile.stem != "ollama":
+            assert all(load_model_facts(m).architecture for m in load_profile(profile.stem).models)
+    assert load_model_facts("smollm2") == ModelFacts()
+    path = tmp_path / "models.toml"
+    path.write_text('[models."m"]\ncapabilities = ["completion", "vision"]\n')
+    with pytest.raises(ProfileError, match=r"models.toml: models.'m'.capabilities: .*vision"):
+        load_model_facts("m", path)

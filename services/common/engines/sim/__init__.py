@@ -5,6 +5,7 @@ from hardware profiles instead of a model.
                  (interpolated tables), KV bytes per token, links; the Ollama baseline's
                  serving assumptions
 - `profiles/`    the shipped profiles: dgx-spark, m3-ultra (estimates marked), ollama
+- `models.toml`  what a sim node says of its model (sizes, capabilities), with sources
 - `answers.py`   what a sim node answers: words, JSON a response format's schema allows,
                  tool calls (the generic format), cut at stop strings
 - `prefix.py`    its prompt caches: node-wide blocks, or each slot's last prompt (Ollama)

@@ -70,7 +70,11 @@ from disagg_mesh.server.common.engines.sim.prefix import (
     SlotCache,
     prompt_blocks,
 )
-from disagg_mesh.server.common.engines.sim.profile import HardwareProfile, ModelSpeed
+from disagg_mesh.server.common.engines.sim.profile import (
+    HardwareProfile,
+    ModelSpeed,
+    load_model_facts,
+)
 from disagg_mesh.server.common.errors import (
     Aborted,
     InvalidArgument,
@@ -132,6 +136,25 @@ def _prompt_bytes(prompt: Prompt, tools: ToolRequest | None = None) -> bytes:
         return prompt.text.encode()
     turns = formats.turns(prompt.messages, formats.ToolFormat.GENERIC, tools)
     return "".join(f"{t['role']}: {t['content']}\n" for t in turns).encode()
+
+
+def _facts(model: str) -> ModelFacts:
+    """What this node says of its model (models.toml), with how it frames an Ollama
+    /api/generate prompt in Ollama's template syntax, as _prompt_bytes renders it."""
+    facts = load_model_facts(model)
+    if facts == ModelFacts():
+        return facts
+    turn = "user: {{ .Prompt }}\n"
+    branches = [(".System", "system: {{ .System }}\n" + turn)]
+    if facts.inserts:
+        fim = "<fim_prefix>{{ .Prompt }}<fim_suffix>{{ .Suffix }}<fim_middle>"
+        branches.insert(0, (".Suffix", fim))
+    template = "".join(
+        f"{{{{ {'if' if i == 0 else 'else if'} {test} }}}}{text}"
+        for i, (test, text) in enumerate(branches)
+    )
+    template += f"{{{{ else }}}}{turn}{{{{ end }}}}"
+    return dataclasses.replace(facts, template=template)
 
 
 def prompt_tokens(
@@ -244,7 +267,7 @@ class SimEngine:
             model_sha256=model_hash, n_ctx_tokens=n_ctx, engine_version=SIM_VERSION
         )
         self.placement = Placement(backend=f"sim ({profile.name})")
-        self.model_facts = ModelFacts()  # a profile has the model's speed, not its file
+        self.model_facts = _facts(model)
         self.kv_transfer = KvTransferKind.STATE
         self.loaded_in_memory = True
         self._free = list(range(settings.slots))

@@ -31,6 +31,7 @@ Python: the sim engine and `disagg simulate` use it.
 from __future__ import annotations
 
 import bisect
+import functools
 import itertools
 import tomllib
 from collections.abc import Sequence
@@ -39,8 +40,12 @@ from pathlib import Path
 from typing import Any
 
 from disagg_mesh.server.common.errors import MeshError
+from disagg_mesh.server.common.types import ModelFacts, parameter_size
 
 PROFILES = Path(__file__).resolve().parent / "profiles"
+# What a sim node says of the model it stands for (sizes and abilities, with sources).
+MODELS = Path(__file__).resolve().parent / "models.toml"
+CAPABILITIES = ("completion", "tools", "insert", "thinking")
 
 
 class ProfileError(MeshError):
@@ -217,6 +222,35 @@ def load_profile(spec: str, relative_to: Path | None = None) -> HardwareProfile:
     )
 
 
+@functools.cache
+def load_model_facts(model: str, path: Path = MODELS) -> ModelFacts:
+    """What a sim node of this model says of it (models.toml): its sizes and capabilities as
+    an embedded node would read them from the model's file; empty for a model not listed."""
+    try:
+        data = tomllib.loads(path.read_text()).get("models", {}).get(model)
+    except tomllib.TOMLDecodeError as exc:
+        raise ProfileError(f"{path}: {exc}") from None
+    if data is None:
+        return ModelFacts()
+    reader, where = _Reader(path), f"models.{model!r}"
+    capabilities = data.get("capabilities", [])
+    if not isinstance(capabilities, list) or any(c not in CAPABILITIES for c in capabilities):
+        raise reader.fail(
+            f"{where}.capabilities", f"a list of {', '.join(CAPABILITIES)}; got {capabilities!r}"
+        )
+    count = int(reader.positive(data, where, "parameter_count", 1))
+    return ModelFacts(
+        architecture=reader.text(data, where, "architecture"),
+        parameter_count=count,
+        parameter_size=parameter_size(count),
+        quantization=reader.text(data, where, "quantization"),
+        file_size_bytes=int(reader.positive(data, where, "file_size_bytes", 1)),
+        trained_context_tokens=int(reader.positive(data, where, "trained_context_tokens", 1)),
+        embedding_length=int(reader.positive(data, where, "embedding_length", 1)),
+        capabilities=tuple(str(c) for c in capabilities),
+    )
+
+
 class _Reader:
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -229,6 +263,12 @@ class _Reader:
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise self.fail(f"{where}.{key}", f"a number, got {value!r}")
         return float(value)
+
+    def text(self, table: dict[str, Any], where: str, key: str) -> str:
+        value = table.get(key, "")
+        if not isinstance(value, str):
+            raise self.fail(f"{where}.{key}", f"a string, got {value!r}")
+        return value
 
     def positive(self, table: dict[str, Any], where: str, key: str, default: float) -> float:
         value = self.number(table, where, key, default)
