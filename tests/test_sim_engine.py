@@ -175,6 +175,7 @@ async def test_a_cancelled_stream_frees_its_slot(sim_mesh: MeshProcesses) -> Non
         call.cancel()
     info = await once_idle(address)
     assert info.slots_busy == 0 and info.backend == "sim (m3-ultra)"
+    assert info.gpu_layers == info.model_layers == 49
 
 
 async def test_a_killed_sim_decode_node_is_replaced_mid_answer(sim_mesh: MeshProcesses) -> None:
@@ -556,7 +557,10 @@ def test_sim_nodes_say_what_their_model_is_as_real_nodes_do(sim_mesh: MeshProces
     details = {m.model: m.details for m in client.list().models}[MODEL]
     assert details is not None and details.quantization_level == "Q4_K_M"
     assert {m.model: m.size for m in client.list().models}[MODEL] == 18_556_700_761
-    assert {m.model for m in client.ps().models} == {MODEL, ALONE}
+    # Running on the machines' GPUs, every layer (`ollama ps`: "100% GPU").
+    running = {m.model: m for m in client.ps().models}
+    assert set(running) == {MODEL, ALONE}
+    assert running[MODEL].size_vram == running[MODEL].size == 18_556_700_761
     # The template's plain branch, filled in, is the prompt the node counts.
     alone = template.split("{{ else }}")[1].removesuffix("{{ end }}")
     framed = alone.replace("{{ .Prompt }}", PROMPT)

@@ -14,6 +14,7 @@ from disagg_mesh.server.common.engines.sim.profile import (
     load_baseline,
     load_model_facts,
     load_profile,
+    model_layers,
 )
 from disagg_mesh.server.common.types import ModelFacts
 
@@ -147,6 +148,7 @@ def test_a_bad_profile_names_its_file_and_key(tmp_path: Path) -> None:
         "pass_tokens_per_second = [800, 900]\nmeasured_prompt_tokens = 512\n" + good_decode
     )
     assert "pass_tokens" in message and "must rise" in message
+    assert "profile.gpu" in broken('[profile]\ngpu = "yes"\n')
     message = broken("[link]\nbandwidth_bytes_per_second = 0\n")
     assert "link.bandwidth_bytes_per_second" in message
     assert "mine.toml" in broken("[link\n")
@@ -169,7 +171,11 @@ def test_a_sim_node_says_what_its_model_is_from_the_shipped_facts(tmp_path: Path
     for profile in PROFILES.glob("*.toml"):
         if profile.stem != "ollama":
             assert all(load_model_facts(m).architecture for m in load_profile(profile.stem).models)
-    assert load_model_facts("smollm2") == ModelFacts()
+    assert load_model_facts("smollm2") == ModelFacts() and model_layers("smollm2") == 0
+    # Layers as llama.cpp counts them (the blocks and the output layer), on both machines'
+    # GPUs.
+    assert (model_layers("gpt-oss:120b"), model_layers("qwen3-coder:30b")) == (37, 49)
+    assert load_profile("dgx-spark").gpu and load_profile("m3-ultra").gpu
     path = tmp_path / "models.toml"
     path.write_text('[models."m"]\ncapabilities = ["completion", "vision"]\n')
     with pytest.raises(ProfileError, match=r"models.toml: models.'m'.capabilities: .*vision"):

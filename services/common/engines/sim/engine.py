@@ -74,6 +74,7 @@ from disagg_mesh.server.common.engines.sim.profile import (
     HardwareProfile,
     ModelSpeed,
     load_model_facts,
+    model_layers,
 )
 from disagg_mesh.server.common.errors import (
     Aborted,
@@ -266,7 +267,10 @@ class SimEngine:
         self.fingerprint = Fingerprint(
             model_sha256=model_hash, n_ctx_tokens=n_ctx, engine_version=SIM_VERSION
         )
-        self.placement = Placement(backend=f"sim ({profile.name})")
+        layers = model_layers(model)
+        self.placement = Placement(
+            backend=f"sim ({profile.name})", gpu_layers=layers if profile.gpu else 0, layers=layers
+        )
         self.model_facts = _facts(model)
         self.kv_transfer = KvTransferKind.STATE
         self.loaded_in_memory = True

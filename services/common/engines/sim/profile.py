@@ -3,6 +3,7 @@ and to make a decode step, for each model it serves, and its link to the other m
 
 A profile is a TOML file (the shipped ones are in profiles/, each number citing its source):
 
+    [profile]              name, description, gpu (true: every layer on the machine's GPU)
     [link]                 bandwidth_bytes_per_second, latency_seconds
     [models."NAME"]        kv_bytes_per_token (+ window_tokens, window_kv_bytes_per_token),
                            bytes_per_token (of prompt text, default 4)
@@ -180,6 +181,8 @@ class HardwareProfile:
     source: Path
     link: Link
     models: dict[str, ModelSpeed]
+    # The machine runs every layer of its models on its GPU ([profile] gpu).
+    gpu: bool = False
 
     def model(self, name: str) -> ModelSpeed:
         speed = self.models.get(name)
@@ -211,8 +214,12 @@ def load_profile(spec: str, relative_to: Path | None = None) -> HardwareProfile:
         raise ProfileError(f"{path}: {exc}") from None
     reader = _Reader(path)
     link = data.get("link", {})
+    about = data.get("profile", {})
+    if not isinstance(about.get("gpu", False), bool):
+        raise reader.fail("profile.gpu", f"true or false, got {about['gpu']!r}")
     return HardwareProfile(
-        name=str(data.get("profile", {}).get("name", path.stem)),
+        name=str(about.get("name", path.stem)),
+        gpu=about.get("gpu", False),
         source=path,
         link=Link(
             reader.positive(link, "link", "bandwidth_bytes_per_second", 1.15e9),
@@ -223,13 +230,18 @@ def load_profile(spec: str, relative_to: Path | None = None) -> HardwareProfile:
 
 
 @functools.cache
+def _listed(path: Path) -> dict[str, Any]:
+    try:
+        models = tomllib.loads(path.read_text()).get("models", {})
+    except tomllib.TOMLDecodeError as exc:
+        raise ProfileError(f"{path}: {exc}") from None
+    return models if isinstance(models, dict) else {}
+
+
 def load_model_facts(model: str, path: Path = MODELS) -> ModelFacts:
     """What a sim node of this model says of it (models.toml): its sizes and capabilities as
     an embedded node would read them from the model's file; empty for a model not listed."""
-    try:
-        data = tomllib.loads(path.read_text()).get("models", {}).get(model)
-    except tomllib.TOMLDecodeError as exc:
-        raise ProfileError(f"{path}: {exc}") from None
+    data = _listed(path).get(model)
     if data is None:
         return ModelFacts()
     reader, where = _Reader(path), f"models.{model!r}"
@@ -249,6 +261,15 @@ def load_model_facts(model: str, path: Path = MODELS) -> ModelFacts:
         embedding_length=int(reader.positive(data, where, "embedding_length", 1)),
         capabilities=tuple(str(c) for c in capabilities),
     )
+
+
+def model_layers(model: str, path: Path = MODELS) -> int:
+    """The model's layers as llama.cpp counts them (its blocks and the output layer), from
+    models.toml's block_count; 0 for a model not listed."""
+    data = _listed(path).get(model)
+    if data is None:
+        return 0
+    return int(_Reader(path).positive(data, f"models.{model!r}", "block_count", 1)) + 1
 
 
 class _Reader:
