@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar
 
@@ -214,6 +214,23 @@ class ModelFacts:
     def inserts(self) -> bool | None:
         """Whether the model fills in the middle (has FIM tokens); None when not known."""
         return self.can("insert")
+
+
+def ollama_template(branches: Sequence[tuple[str, str]]) -> str:
+    """How a prompt is framed, in Ollama's template syntax (ModelFacts.template), from its
+    branches in order: (condition, text), the condition ".Suffix" or ".System", or "" for
+    otherwise: {{ if A }}a{{ else if B }}b{{ else }}c{{ end }}. Without an unconditional
+    last branch, nothing otherwise; one unconditional branch alone is just its text."""
+    branches = list(branches)
+    if not branches or branches[-1][0]:
+        branches.append(("", ""))
+    if len(branches) == 1:
+        return branches[0][1]
+    text = ""
+    for i, (condition, body) in enumerate(branches):
+        action = "else" if i and not condition else f"{'else ' if i else ''}if {condition}"
+        text += f"{{{{ {action} }}}}{body}"
+    return text + "{{ end }}"
 
 
 def parameter_size(count: int) -> str:

@@ -37,6 +37,7 @@ from disagg_mesh.server.common.types import (
     REASONING_EFFORTS,
     ModelFacts,
     Prompt,
+    ollama_template,
     parameter_size,
 )
 from disagg_mesh.server.common.validation import NO_FIM_TOKENS, prompt_too_long
@@ -246,15 +247,7 @@ class LlamaModel:
                 pass  # a template that refuses such turns: no chat branch to show
             else:
                 branches += [(".System", with_system.prompt), ("", alone.prompt)]
-        if not branches or branches[-1][0]:  # no unconditional branch: nothing otherwise
-            branches.append(("", ""))
-        if len(branches) == 1:
-            return branches[0][1]
-        text = ""
-        for i, (condition, body) in enumerate(branches):
-            action = "else" if i and not condition else f"{'else ' if i else ''}if {condition}"
-            text += f"{{{{ {action} }}}}{body}"
-        return text + "{{ end }}"
+        return ollama_template(branches)
 
     def kv_bytes_per_token(self, type_k: str = "f16", type_v: str = "f16") -> int:
         """KV cache bytes one token takes in every layer, with these cache types."""

@@ -97,6 +97,7 @@ from disagg_mesh.server.common.types import (
     Sampling,
     StageLimits,
     TextChunk,
+    ollama_template,
 )
 from disagg_mesh.server.common.validation import prompt_too_long
 
@@ -132,30 +133,33 @@ def _prompt_bytes(prompt: Prompt, tools: ToolRequest | None = None) -> bytes:
     generic tool format renders them for a template (the tools in the system turn, calls
     and results as JSON); a fill-in-the-middle prompt's text and suffix, framed."""
     if prompt.suffix:
-        return f"<fim_prefix>{prompt.text}<fim_suffix>{prompt.suffix}<fim_middle>".encode()
+        return _fim_frame(prompt.text, prompt.suffix).encode()
     if prompt.text:
         return prompt.text.encode()
     turns = formats.turns(prompt.messages, formats.ToolFormat.GENERIC, tools)
-    return "".join(f"{t['role']}: {t['content']}\n" for t in turns).encode()
+    return "".join(_turn_line(t["role"], t["content"]) for t in turns).encode()
+
+
+def _fim_frame(prefix: str, suffix: str) -> str:
+    return f"<fim_prefix>{prefix}<fim_suffix>{suffix}<fim_middle>"
+
+
+def _turn_line(role: str, content: str) -> str:
+    return f"{role}: {content}\n"
 
 
 def _facts(model: str) -> ModelFacts:
     """What this node says of its model (models.toml), with how it frames an Ollama
-    /api/generate prompt in Ollama's template syntax, as _prompt_bytes renders it."""
+    /api/generate prompt (the door's system and user turns, or a suffix) in Ollama's
+    template syntax, written with the pieces _prompt_bytes renders it with."""
     facts = load_model_facts(model)
     if facts == ModelFacts():
         return facts
-    turn = "user: {{ .Prompt }}\n"
-    branches = [(".System", "system: {{ .System }}\n" + turn)]
+    user = _turn_line("user", "{{ .Prompt }}")
+    branches = [(".System", _turn_line("system", "{{ .System }}") + user), ("", user)]
     if facts.inserts:
-        fim = "<fim_prefix>{{ .Prompt }}<fim_suffix>{{ .Suffix }}<fim_middle>"
-        branches.insert(0, (".Suffix", fim))
-    template = "".join(
-        f"{{{{ {'if' if i == 0 else 'else if'} {test} }}}}{text}"
-        for i, (test, text) in enumerate(branches)
-    )
-    template += f"{{{{ else }}}}{turn}{{{{ end }}}}"
-    return dataclasses.replace(facts, template=template)
+        branches.insert(0, (".Suffix", _fim_frame("{{ .Prompt }}", "{{ .Suffix }}")))
+    return dataclasses.replace(facts, template=ollama_template(branches))
 
 
 def prompt_tokens(

@@ -208,18 +208,16 @@ def find_profile(spec: str, relative_to: Path | None = None) -> Path:
 
 def load_profile(spec: str, relative_to: Path | None = None) -> HardwareProfile:
     path = find_profile(spec, relative_to)
-    try:
-        data = tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as exc:
-        raise ProfileError(f"{path}: {exc}") from None
+    data = _toml(path)
     reader = _Reader(path)
     link = data.get("link", {})
     about = data.get("profile", {})
-    if not isinstance(about.get("gpu", False), bool):
-        raise reader.fail("profile.gpu", f"true or false, got {about['gpu']!r}")
+    gpu = about.get("gpu", False)
+    if not isinstance(gpu, bool):
+        raise reader.fail("profile.gpu", f"true or false, got {gpu!r}")
     return HardwareProfile(
         name=str(about.get("name", path.stem)),
-        gpu=about.get("gpu", False),
+        gpu=gpu,
         source=path,
         link=Link(
             reader.positive(link, "link", "bandwidth_bytes_per_second", 1.15e9),
@@ -229,12 +227,16 @@ def load_profile(spec: str, relative_to: Path | None = None) -> HardwareProfile:
     )
 
 
-@functools.cache
-def _listed(path: Path) -> dict[str, Any]:
+def _toml(path: Path) -> dict[str, Any]:
     try:
-        models = tomllib.loads(path.read_text()).get("models", {})
+        return tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as exc:
         raise ProfileError(f"{path}: {exc}") from None
+
+
+@functools.cache
+def _listed(path: Path) -> dict[str, Any]:
+    models = _toml(path).get("models", {})
     return models if isinstance(models, dict) else {}
 
 
@@ -376,10 +378,7 @@ class OllamaBaseline:
 
 def load_baseline(spec: str = "ollama") -> OllamaBaseline:
     path = find_profile(spec)
-    try:
-        serving = tomllib.loads(path.read_text()).get("serving")
-    except tomllib.TOMLDecodeError as exc:
-        raise ProfileError(f"{path}: {exc}") from None
+    serving = _toml(path).get("serving")
     if not isinstance(serving, dict):
         raise ProfileError(f"{path}: no [serving] table")
     reader = _Reader(path)
