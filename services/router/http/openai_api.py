@@ -590,17 +590,26 @@ def _content(i: int, content: Any, role: str) -> str:
         if role != "assistant":
             raise InvalidArgument(f"messages[{i}].content", f"is required in a {role} message")
         return ""
+    return text_parts(content, f"messages[{i}].content", ("text",))
+
+
+def text_parts(content: Any, where: str, kinds: tuple[str, ...]) -> str:
+    """Content as OpenAI's APIs send it: a string, or a list of text parts of these types
+    (chat's "text"; the Responses API's "input_text" and "output_text"), joined."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise InvalidArgument(f"messages[{i}].content", "must be a string or a list of parts")
+        raise InvalidArgument(where, "must be a string or a list of text parts")
     texts = []
     for j, part in enumerate(content):
-        if not isinstance(part, dict) or part.get("type") != "text":
-            raise InvalidArgument(f"messages[{i}].content[{j}]", "only text parts are supported")
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in kinds:
+            raise InvalidArgument(
+                f"{where}[{j}]", f"only {' and '.join(kinds)} parts are supported, got {kind!r}"
+            )
         text = part.get("text")
         if not isinstance(text, str):
-            raise InvalidArgument(f"messages[{i}].content[{j}].text", "must be a string")
+            raise InvalidArgument(f"{where}[{j}].text", "must be a string")
         texts.append(text)
     return "".join(texts)
 

@@ -47,7 +47,13 @@ from disagg_mesh.server.router.http.common import (
     sampling,
     scoped,
 )
-from disagg_mesh.server.router.http.openai_api import ROLES, error_body, output_format, status_of
+from disagg_mesh.server.router.http.openai_api import (
+    ROLES,
+    error_body,
+    output_format,
+    status_of,
+    text_parts,
+)
 from disagg_mesh.server.router.routing import Router, RouteSummary
 
 # The mesh's sampling fields this API names otherwise.
@@ -59,6 +65,8 @@ TEXT_EVENTS: dict[str, tuple[str, dict[str, Any]]] = {
     "message": ("response.output_text", {"logprobs": []}),
     "reasoning": ("response.reasoning_text", {}),
 }
+# An input message's (or a call output's) parts.
+TEXT_PARTS = ("input_text", "output_text")
 STATELESS = "this mesh keeps no responses (as Ollama): send the whole conversation in `input`"
 
 
@@ -426,7 +434,9 @@ def _item(turns: list[ChatTurn], item: Any, where: str) -> None:
                 f"{where}.role",
                 f"must be one of user, system, developer, assistant, got {role!r}",
             )
-        turns.append(ChatTurn(ROLES[role], _text(item.get("content"), f"{where}.content")))
+        turns.append(
+            ChatTurn(ROLES[role], text_parts(item.get("content"), f"{where}.content", TEXT_PARTS))
+        )
     elif kind == "function_call":
         call = Call(
             fields.string("call_id", required=True) or "",
@@ -440,7 +450,7 @@ def _item(turns: list[ChatTurn], item: Any, where: str) -> None:
             turns.append(ChatTurn("assistant", "", (call,)))
     elif kind == "function_call_output":
         call_id = fields.string("call_id", required=True) or ""
-        output = _text(item.get("output"), f"{where}.output")
+        output = text_parts(item.get("output"), f"{where}.output", TEXT_PARTS)
         turns.append(ChatTurn("tool", output, tool_call_id=call_id))
     elif kind == "reasoning":
         return
@@ -453,26 +463,6 @@ def _item(turns: list[ChatTurn], item: Any, where: str) -> None:
             f"{where}.type",
             f"must be message, function_call, function_call_output or reasoning, got {kind!r}",
         )
-
-
-def _text(content: Any, where: str) -> str:
-    """A message's content (a string, or text parts) or a call's output."""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise InvalidArgument(where, "must be a string or a list of text parts")
-    texts = []
-    for j, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in ("input_text", "output_text"):
-            raise InvalidArgument(
-                f"{where}[{j}]", f"only input_text and output_text parts are served, got {kind!r}"
-            )
-        text = part.get("text")
-        if not isinstance(text, str):
-            raise InvalidArgument(f"{where}[{j}].text", "must be a string")
-        texts.append(text)
-    return "".join(texts)
 
 
 def _echo(body: Fields, model: str, sampling_: Sampling, truncation: str) -> dict[str, Any]:
