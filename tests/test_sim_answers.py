@@ -12,7 +12,12 @@ import pytest
 
 from disagg_mesh.server.common.config.topology import SchemaLimits
 from disagg_mesh.server.common.engines.llama_cpp.text import GeneratedToken, TextStream
-from disagg_mesh.server.common.engines.sim.answers import answer, answer_tokens, json_text
+from disagg_mesh.server.common.engines.sim.answers import (
+    REASONING_SHARE,
+    answer,
+    answer_tokens,
+    json_text,
+)
 from disagg_mesh.server.common.tools import formats
 from disagg_mesh.server.common.tools.calls import Tool
 from disagg_mesh.server.common.tools.requests import ToolRequest
@@ -153,3 +158,41 @@ def test_a_sampled_answer_is_its_seeds() -> None:
     unseeded = answer(42, Sampling(max_tokens=40, temperature=0.8), 4.0, LIMITS)
     assert greedy[0] == greedy[1] == unseeded
     assert seeded[0] == seeded[1] != seeded[2] and seeded[0] != greedy[0]
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_a_thinking_models_answer_reasons_first_then_answers(seed: int) -> None:
+    """A model that thinks (gpt-oss): its reasoning is the free answer's first part, its
+    share by effort; chunks keep the reasoning apart from the answer, split where it ends;
+    a stop string cuts only the answer; a structured answer reasons, then writes its JSON;
+    max_tokens counts both."""
+    plain = answer(seed, Sampling(max_tokens=600), 4.0, LIMITS)
+    for effort, share in REASONING_SHARE.items():
+        got = answer(seed, Sampling(max_tokens=600), 4.0, LIMITS, effort)
+        assert got.token_ids == plain.token_ids and got.finish is plain.finish
+        assert got.reasoning == max(1, round(answer_tokens(seed) * share))
+        assert got.text(len(got)) == "".join(plain.texts[got.reasoning :])
+        # Any chunking gives the same reasoning and answer, never one chunk of both.
+        chunks = [c for i in range(0, len(got), 7) for c in got.chunks(i, min(i + 7, len(got)))]
+        assert all(not (c.reasoning and c.text) for c in chunks)
+        assert "".join(c.reasoning for c in chunks) == "".join(got.texts[: got.reasoning])
+        assert "".join(c.text for c in chunks) == got.text(len(got))
+        assert sum(len(c.token_ids) for c in chunks) == len(got)
+    medium = answer(seed, Sampling(max_tokens=600), 4.0, LIMITS, "medium")
+    said = medium.text(len(medium))
+    # A stop string the reasoning says too cuts the answer only.
+    thought = medium.texts[: medium.reasoning]
+    stop = next(t for t in medium.texts[medium.reasoning :] if t in thought)
+    stopped = answer(seed, Sampling(max_tokens=600, stop=(stop,)), 4.0, LIMITS, "medium")
+    assert stopped.reasoning == medium.reasoning
+    assert stopped.text(len(stopped)) == said[: said.index(stop)]
+    assert stopped.finish is FinishReason.STOP
+    # Cut inside the reasoning: no answer, finish length.
+    cut = answer(seed, Sampling(max_tokens=medium.reasoning - 1 or 1), 4.0, LIMITS, "medium")
+    assert cut.text(len(cut)) == "" and cut.finish is FinishReason.LENGTH
+    # Held to a schema: the reasoning, then JSON the schema allows.
+    fmt = ResponseFormat(json.dumps(GRADE))
+    graded = answer(seed, Sampling(max_tokens=4096, response_format=fmt), 4.0, LIMITS, "low")
+    assert graded.reasoning == max(1, round(answer_tokens(seed) * REASONING_SHARE["low"]))
+    jsonschema.validate(json.loads(graded.text(len(graded))), GRADE)
+    assert graded.finish is FinishReason.STOP

@@ -575,3 +575,95 @@ def test_sim_nodes_say_what_their_model_is_as_real_nodes_do(sim_mesh: MeshProces
         client.chat(model=MODEL, messages=[{"role": "user", "content": "hi"}], think=True)
     assert refused.value.status_code == 400
     assert refused.value.error.startswith("think: 'qwen3-coder:30b' does not support thinking")
+
+
+OSS = "gpt-oss:120b"
+OSS_ALONE = "sim/gpt-oss-decode-only"
+
+
+def test_a_sim_model_that_thinks_reasons_apart_from_its_answer(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """A simulated gpt-oss:120b reasons before it answers, as harmony's analysis channel
+    comes before the final one: Ollama's `thinking`, OpenAI's `reasoning_content` and the
+    Responses API's reasoning item carry it, apart from the answer, at the effort asked
+    for; the state handed to the decode node keeps the effort (the disaggregated answer
+    equals the decode node's alone); stop strings and JSON hold the answer, not the
+    reasoning; and the reasoning counts among the answer's tokens."""
+    parts = [
+        router_node(http_port=free_port()),
+        node_entry("spark-oss", "prefill", "sim", OSS, hardware="dgx-spark"),
+        node_entry("mac-oss", "decode", "sim", OSS, hardware="m3-ultra"),
+        route(OSS, ["spark-oss"], ["mac-oss"]),
+        route(OSS_ALONE, [], ["mac-oss"], chain=["decode_only"]),
+    ]
+    with running_mesh(tmp_path_factory.mktemp("sim-oss"), parts) as mesh:
+        url = f"http://127.0.0.1:{mesh.topology.router.http_port}"
+        client = ollama.Client(host=url)
+        chat: list[Any] = [{"role": "user", "content": PROMPT}]
+
+        def asked(model: str = OSS, **extra: Any) -> Any:
+            extra.setdefault("options", {"num_predict": 600})
+            return client.chat(model=model, messages=chat, **extra)
+
+        shown = client.show(OSS)
+        assert shown.capabilities == ["completion", "tools", "thinking"]
+        by_effort = {effort: asked(think=effort) for effort in ("low", "medium", "high")}
+        for effort, got in by_effort.items():
+            thought, said = got.message.thinking or "", got.message.content
+            assert thought and said, effort
+            # Each simulated word is one token: reasoning and answer make the answer's count.
+            assert len(thought.split()) + len(said.split()) == got.eval_count, effort
+            assert got.done_reason == "stop"
+        words = {e: len((g.message.thinking or "").split()) for e, g in by_effort.items()}
+        assert words["low"] < words["medium"] < words["high"]
+        # A free answer runs as long at any effort; the reasoning is its first part.
+        assert len({g.eval_count for g in by_effort.values()}) == 1
+        medium = by_effort["medium"]
+        # think unset reasons at the model's default (medium), and shows it; false hides it.
+        plain, hidden = asked(), asked(think=False)
+        assert plain.message.thinking == medium.message.thinking
+        assert plain.message.content == hidden.message.content == medium.message.content
+        assert not hidden.message.thinking
+        # The decode node alone gives the same answer as the handoff (the state's effort).
+        alone = asked(OSS_ALONE, think="high")
+        assert alone.message.thinking == by_effort["high"].message.thinking
+        assert alone.message.content == by_effort["high"].message.content
+        # Streamed: the same reasoning, then the same answer.
+        pieces = list(asked(think="high", stream=True))
+        assert "".join(p.message.thinking or "" for p in pieces) == alone.message.thinking
+        assert "".join(p.message.content for p in pieces) == alone.message.content
+        # A stop string ends the answer, not the reasoning (its words come in both).
+        said = medium.message.content
+        stop = " " + said.split()[2]
+        assert stop in (medium.message.thinking or "")  # the reasoning has it too
+        stopped = asked(think="medium", options={"num_predict": 600, "stop": [stop]})
+        assert stopped.message.thinking == medium.message.thinking
+        assert stopped.message.content == said[: said.index(stop)]
+        # Cut by num_predict inside the reasoning: reasoning only, done_reason length.
+        cut = client.chat(
+            model=OSS, messages=chat, think="high", options={"num_predict": words["low"]}
+        )
+        assert cut.message.thinking and not cut.message.content
+        assert (cut.done_reason, cut.eval_count) == ("length", words["low"])
+        # A JSON answer after the reasoning, as harmony's grammar holds gpt-oss to it.
+        schema = {"type": "object", "properties": {"points": {"type": "integer"}}}
+        graded = asked(format={**schema, "required": ["points"]})
+        assert graded.message.thinking
+        jsonschema.validate(json.loads(graded.message.content), schema)
+
+        openai_client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused")
+        completion = openai_client.chat.completions.create(
+            model=OSS, messages=chat, max_tokens=600, reasoning_effort="low"
+        )
+        message = completion.choices[0].message
+        assert message.content == by_effort["low"].message.content
+        assert (message.model_extra or {})["reasoning_content"] == by_effort["low"].message.thinking
+        response = openai_client.responses.create(
+            model=OSS, input=PROMPT, max_output_tokens=600, reasoning={"effort": "low"}
+        )
+        assert response.output_text == by_effort["low"].message.content
+        assert response.output[0].type == "reasoning"
+        usage = response.usage
+        assert usage is not None
+        assert usage.output_tokens_details.reasoning_tokens == words["low"]

@@ -18,6 +18,11 @@ on every node (picked from the prompt's hash), so tests and simulations can comp
   calls out of it as the embedded engine does.
 - **Stop strings**: the answer ends at the first one, as the embedded engine's
   TextAssembler ends it: the text before it, the token that completed it counted.
+- **Reasoning**, for a model that thinks (models.toml's `thinking`: gpt-oss): words apart
+  from the answer before it, as harmony's analysis channel comes before the final one, a
+  share of a free answer's length by the reasoning effort (REASONING_SHARE). They count
+  among the answer's tokens and max_tokens, and stop strings do not apply to them, as with
+  the embedded engine's harmony parser.
 
 A string pattern the hash cannot follow (a back-reference, a lookaround the first try
 does not satisfy) is answered with plain words instead, which do not match it.
@@ -43,6 +48,13 @@ WORDS = (
     "points total fix first loop list empty negative large"
 ).split()
 SHORTEST_ANSWER, LONGEST_ANSWER = 64, 511
+# A thinking model's reasoning, as a share of a free answer's length to the same prompt, by
+# reasoning effort (medium when a request sets none, as gpt-oss's template and Ollama
+# default to). An assumption, not a measured figure: gpt-oss's model card reports longer
+# chains of thought at higher effort on its benchmarks, not their length on a grader's
+# prompts. A free answer's reasoning is the first part of its tokens (its length as
+# without reasoning); a structured answer's comes before its JSON.
+REASONING_SHARE = {"low": 0.125, "medium": 0.25, "high": 0.5}
 # A schema's string with no length of its own: 8 to 160 characters.
 SHORTEST_STRING, LONGEST_STRING = 8, 160
 # An array with no bounds of its own: 1 to 3 items; past this depth, its fewest.
@@ -74,49 +86,71 @@ def answer_tokens(seed: int) -> int:
     return SHORTEST_ANSWER + seed % (LONGEST_ANSWER - SHORTEST_ANSWER + 1)
 
 
+def reasoning_tokens(seed: int, effort: str) -> int:
+    """How many tokens a thinking model reasons for before answering this prompt."""
+    return max(1, round(answer_tokens(seed) * REASONING_SHARE[effort or "medium"]))
+
+
 @dataclass(frozen=True)
 class Answer:
     """A request's whole answer: its tokens, each token's text as delivered (nothing past a
-    stop string), and how it ends."""
+    stop string), and how it ends. The first `reasoning` tokens are the model's reasoning,
+    the rest its answer."""
 
     token_ids: tuple[int, ...]
     texts: tuple[str, ...]
     finish: FinishReason
+    reasoning: int = 0
 
     def __len__(self) -> int:
         return len(self.token_ids)
 
-    def chunk(self, start: int, end: int) -> TextChunk:
-        """Tokens start..end-1 as one chunk."""
-        return TextChunk("".join(self.texts[start:end]), list(self.token_ids[start:end]))
+    def chunks(self, start: int, end: int) -> list[TextChunk]:
+        """Tokens start..end-1 as chunks: the reasoning's, then the answer's (one chunk
+        where they are all of one), as the embedded engine's come a token each."""
+        split = min(max(start, self.reasoning), end)
+        out = [
+            TextChunk("", list(self.token_ids[start:split]), "".join(self.texts[start:split])),
+            TextChunk("".join(self.texts[split:end]), list(self.token_ids[split:end])),
+        ]
+        return [c for c in out if c.token_ids] or out[1:]
 
     def text(self, end: int) -> str:
-        """The text of the first `end` tokens."""
-        return "".join(self.texts[:end])
+        """The answer's text in the first `end` tokens (the reasoning left out)."""
+        return "".join(self.texts[self.reasoning : end])
 
 
-def answer(seed: int, sampling: Sampling, bytes_per_token: float, limits: SchemaLimits) -> Answer:
+def answer(
+    seed: int,
+    sampling: Sampling,
+    bytes_per_token: float,
+    limits: SchemaLimits,
+    effort: str | None = None,
+) -> Answer:
     """The answer to a prompt of this seed under these sampling settings (the node's tools
-    already turned into its response format). Sampled with a seed of the request's own, the
-    answer is that seed's: another seed, another answer (greedy, or sampled without one:
-    the prompt's)."""
+    already turned into its response format), reasoning first at this effort (None: the
+    model does not think). Sampled with a seed of the request's own, the answer is that
+    seed's: another seed, another answer (greedy, or sampled without one: the prompt's)."""
     if sampling.temperature > 0 and sampling.seed is not None:
         seed = _Writer(seed ^ (sampling.seed * _GOLDEN)).below(1 << 63)
     fmt = sampling.response_format
+    thought = 0 if effort is None else reasoning_tokens(seed, effort)
     if fmt is None:
         natural = sampling.max_tokens if sampling.ignore_eos else answer_tokens(seed)
         tokens = [token(seed, i) for i in range(min(natural, sampling.max_tokens))]
     else:
-        tokens = _split(json_text(fmt, seed, limits), bytes_per_token)
+        tokens = [token(seed, i) for i in range(thought)]
+        tokens += _split(json_text(fmt, seed, limits), bytes_per_token)
         natural = len(tokens)
         del tokens[sampling.max_tokens :]
     finish = FinishReason.LENGTH if natural >= sampling.max_tokens else FinishReason.STOP
+    thought = min(thought, len(tokens))
     texts = [text for _, text in tokens]
-    stopped = _stopped(texts, sampling.stop)
+    stopped = _stopped(texts[thought:], sampling.stop)
     if stopped is not None:
-        texts, finish = stopped, FinishReason.STOP
+        texts, finish = texts[:thought] + stopped, FinishReason.STOP
         del tokens[len(texts) :]
-    return Answer(tuple(i for i, _ in tokens), tuple(texts), finish)
+    return Answer(tuple(i for i, _ in tokens), tuple(texts), finish, thought)
 
 
 def _stopped(texts: list[str], stop: tuple[str, ...]) -> list[str] | None:

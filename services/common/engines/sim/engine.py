@@ -86,6 +86,7 @@ from disagg_mesh.server.common.tools import formats
 from disagg_mesh.server.common.tools.requests import ToolRequest
 from disagg_mesh.server.common.tools.stream import with_tool_calls
 from disagg_mesh.server.common.types import (
+    REASONING_EFFORTS,
     Continuation,
     DecodeCandidate,
     Fingerprint,
@@ -101,11 +102,14 @@ from disagg_mesh.server.common.types import (
 )
 from disagg_mesh.server.common.validation import prompt_too_long
 
-SIM_VERSION = "disagg-sim/1"
+SIM_VERSION = "disagg-sim/2"
 # Real seconds: decode steps shorter than this are taken together.
 MIN_TICK_S = 0.02
-# A state's header (_Header): seed, real size, host, block count; then the blocks.
-HEADER_BYTES = 8 + 8 + 64 + 4
+# A state's header (_Header): seed, real size, host, reasoning effort, block count; then
+# the blocks.
+HEADER_BYTES = 8 + 8 + 64 + 1 + 4
+# The header's reasoning effort: none (the model does not think), then REASONING_EFFORTS.
+_EFFORTS: tuple[str | None, ...] = (None, *REASONING_EFFORTS)
 
 PrefixCacheKind = Literal["blocks", "per-slot", "off"]
 # Each host's compute, for the sim nodes of one host served by one event loop (`disagg
@@ -201,12 +205,14 @@ class _PromptJob:
 @dataclass(frozen=True)
 class _Header:
     """What a simulated state carries before its zeros: the prompt's seed, the state's real
-    size, the host it was made on, and the prompt's blocks (the decode node keeps them in
-    its prefix cache, as the embedded engine keeps a handed-over prompt)."""
+    size, the host it was made on, the reasoning effort its answer thinks at (None: the
+    model does not think), and the prompt's blocks (the decode node keeps them in its
+    prefix cache, as the embedded engine keeps a handed-over prompt)."""
 
     seed: int
     real_bytes: int
     host: str
+    effort: str | None = None
     blocks: Blocks = ()
 
     def encode(self) -> bytes:
@@ -216,6 +222,7 @@ class _Header:
                 self.seed.to_bytes(8, "big"),
                 self.real_bytes.to_bytes(8, "big"),
                 host + bytes(64 - len(host)),
+                _EFFORTS.index(self.effort).to_bytes(1, "big"),
                 len(self.blocks).to_bytes(4, "big"),
                 *self.blocks,
             )
@@ -224,12 +231,13 @@ class _Header:
     @classmethod
     def decode(cls, state: memoryview) -> _Header:
         raw = bytes(state[:HEADER_BYTES])
-        count = int.from_bytes(raw[80:84], "big")
+        count = int.from_bytes(raw[81:85], "big")
         blocks = bytes(state[HEADER_BYTES : HEADER_BYTES + count * BLOCK_HASH_BYTES])
         return cls(
             int.from_bytes(raw[:8], "big"),
             int.from_bytes(raw[8:16], "big"),
             raw[16:80].rstrip(b"\0").decode(errors="replace"),
+            _EFFORTS[raw[80]],
             tuple(
                 blocks[i : i + BLOCK_HASH_BYTES] for i in range(0, len(blocks), BLOCK_HASH_BYTES)
             ),
@@ -315,18 +323,18 @@ class SimEngine:
         # A continuation's tokens but the last (the decode node's first) go into the state.
         replayed = max(len(continuation.generated_token_ids) - 1, 0) if continuation else 0
         blocks = prompt_blocks(text, self._speed.bytes_per_token)
-        seed = _seed(text)
-        reply = self._answer(seed, sampling)
+        seed, effort = _seed(text), self._effort(prompt)
+        reply = self._answer(seed, sampling, effort)
         clock = LimitClock(limits, "prefill")
         async with self._slot(blocks, clock) as slot:
             cached = self._cached(slot, blocks, n)
             seconds = await self._evaluate(n + replayed - cached, cached, clock)
             self._keep(slot, blocks)
-        first_id, first_text = reply.token_ids[0], reply.texts[0]
+        first_id, first_text = reply.token_ids[0], reply.text(1)
         if continuation is not None and continuation.generated_token_ids:
             first_id, first_text = continuation.generated_token_ids[-1], ""
         holder, prefix = self._best_holder(blocks, n + replayed, candidates)
-        state = self._state(seed, n + replayed - prefix, blocks)
+        state = self._state(seed, effort, n + replayed - prefix, blocks)
         return PrefillOutput(
             first_token_id=first_id,
             first_token_text=first_text,
@@ -352,7 +360,7 @@ class SimEngine:
     ) -> Generation:
         header = _Header.decode(kv_state)
         sampling = self._with_tools(sampling)
-        reply = self._answer(header.seed, sampling)
+        reply = self._answer(header.seed, sampling, header.effort)
         done = len(continuation.generated_token_ids) if continuation is not None else 0
         clock = LimitClock(limits, "generation")
         events = self._continued(header, reference, reply, done, clock)
@@ -378,7 +386,8 @@ class SimEngine:
             self._blocks.keep(header.blocks)
             kept = min(self._blocks.cached_tokens(header.blocks), reference.prompt_tokens - 1)
             if not done:  # the prefill node's first token goes out first
-                yield reply.chunk(0, 1)
+                for chunk in reply.chunks(0, 1):
+                    yield chunk
                 done = 1
             async for event in self._decode(reply, depth + 1, done, 0.0, prefix, kept, clock):
                 yield event
@@ -395,7 +404,7 @@ class SimEngine:
         done = len(continuation.generated_token_ids) if continuation is not None else 0
         if continuation is not None and not done:
             done = continuation.generated_tokens
-        reply = self._answer(_seed(text), sampling)
+        reply = self._answer(_seed(text), sampling, self._effort(prompt))
         events = self._generated(text, n, reply, done, LimitClock(limits, "generation"))
         async with aclosing(self._tool_calls(events, sampling, reply.text(done))) as stream:
             async for event in stream:
@@ -453,8 +462,13 @@ class SimEngine:
         # validate_sampling refused tools beside a response_format of the request's own.
         return sampling if fmt is None else dataclasses.replace(sampling, response_format=fmt)
 
-    def _answer(self, seed: int, sampling: Sampling) -> Answer:
-        return answer(seed, sampling, self._speed.bytes_per_token, self._settings.schema_limits)
+    def _answer(self, seed: int, sampling: Sampling, effort: str | None) -> Answer:
+        limits = self._settings.schema_limits
+        return answer(seed, sampling, self._speed.bytes_per_token, limits, effort)
+
+    def _effort(self, prompt: Prompt) -> str | None:
+        """The effort this model reasons at for the prompt (None: it does not think)."""
+        return (prompt.reasoning_effort or "medium") if self.model_facts.reasons else None
 
     async def _tool_calls(
         self, events: Generation, sampling: Sampling, delivered: str
@@ -620,7 +634,8 @@ class SimEngine:
                     async with clock.bound():
                         step = await stream.steps.get()
                     steps = min(step, last - done)
-                    yield reply.chunk(done, done + steps)
+                    for chunk in reply.chunks(done, done + steps):
+                        yield chunk
                     done += steps
             finally:
                 if stream in self._streams:
@@ -708,11 +723,11 @@ class SimEngine:
         self._free.append(slot)
         self._busy_time.set(self._slots_busy)
 
-    def _state(self, seed: int, tokens: int, blocks: Blocks) -> bytes:
+    def _state(self, seed: int, effort: str | None, tokens: int, blocks: Blocks) -> bytes:
         """A KV state of `tokens` positions at the real size (or its header alone,
         compact_kv)."""
         real = self._speed.kv_bytes(tokens)
-        header = _Header(seed, real, self._settings.host, blocks).encode()
+        header = _Header(seed, real, self._settings.host, effort, blocks).encode()
         return header + bytes(self._state_bytes(tokens, blocks) - len(header))
 
     def _state_bytes(self, tokens: int, blocks: Blocks) -> int:
