@@ -110,6 +110,20 @@ def test_every_shipped_profile_loads_and_marks_its_estimates() -> None:
             1, 0
         )
         assert mac.model(model).prefill_seconds(2048) > spark.model(model).prefill_seconds(2048)
+    # The M4 Max (the user's second Mac Studio): every figure an estimate, from the M3
+    # Ultra's by Apple's specifications: 546 against 819 GB/s, 40 against 80 GPU cores.
+    m4 = load_profile("m4-max")
+    for model in ("gpt-oss:120b", "qwen3-coder:30b"):
+        speed, ultra = m4.model(model), mac.model(model)
+        assert speed.estimate and m4.gpu
+        for streams, depth in ((1, 0), (8, 2000), (32, 8192)):
+            ratio = speed.decode_step_seconds(streams, depth) / ultra.decode_step_seconds(
+                streams, depth
+            )
+            assert ratio == pytest.approx(819 / 546, rel=0.02)
+        ratio = speed.prefill_seconds(2048) / ultra.prefill_seconds(2048)
+        assert ratio == pytest.approx(2, rel=0.02)
+        assert speed.kv_bytes(1000) == ultra.kv_bytes(1000)
     baseline = load_baseline()
     assert (
         baseline.parallel_for("gpt-oss:120b") == 1 and baseline.parallel_for("qwen3-coder:30b") == 4

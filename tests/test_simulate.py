@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from bench.simulated_class import class_lines
+from bench.simulated_class import class_lines, what_if
 from disagg_mesh.batch import BatchRequest
 from disagg_mesh.server.common.config.topology import load_topology
 from disagg_mesh.server.common.engines.sim.engine import prompt_tokens
@@ -162,7 +162,7 @@ def test_the_simulated_topology_dials_only_loopback(tmp_path: Path) -> None:
         "dgx-spark-1": "dgx-spark",
         "dgx-spark-2": "dgx-spark",
         "mac-studio-1": "m3-ultra",
-        "mac-studio-2": "m3-ultra",
+        "mac-studio-2": "m4-max",  # an M4 Max in the user's documentation
     }
     assert all(n["http_port"] for n in data["nodes"] if n["role"] == "router")
     for route in data["models"]:
@@ -177,8 +177,22 @@ def test_the_simulated_topology_dials_only_loopback(tmp_path: Path) -> None:
     assert load_topology(path).mesh.sim_speedup == 10
 
 
+def test_the_what_if_is_a_topology_the_mesh_takes(tmp_path: Path) -> None:
+    """Row 22's what-if (the Macs' slots, qwen3-coder's context) is seed.toml edited: it
+    loads, its models' nodes still agree on n_ctx, and only those keys changed."""
+    path = tmp_path / "what-if.toml"
+    what_if(SEED, path)
+    seed, lifted = load_topology(SEED), load_topology(path)
+    nodes = {n.name: n for n in lifted.nodes}
+    assert (nodes["mac-studio-1"].slots, nodes["mac-studio-2"].slots) == (16, 32)
+    assert nodes["dgx-spark-1"].n_ctx == nodes["mac-studio-2"].n_ctx == 16384
+    assert nodes["dgx-spark-2"].n_ctx == nodes["mac-studio-1"].n_ctx == 8192
+    for node in seed.nodes:
+        assert nodes[node.name].host == node.host and nodes[node.name].model == node.model
+
+
 def test_a_node_without_a_profile_is_named(tmp_path: Path) -> None:
-    text = SEED.read_text().replace('hardware = "m3-ultra"', "", 1)
+    text = SEED.read_text().replace('hardware = "m4-max"', "", 1)
     path = tmp_path / "t.toml"
     path.write_text(text)
     with pytest.raises(SimulationError, match="node 'mac-studio-2' has no hardware key"):

@@ -218,7 +218,7 @@ class Node(_Strict):
     # Its KV memory comes on top of slots * n_ctx.
     prefix_cache_tokens: Annotated[int, Field(ge=0, le=16_777_216)] | None = None
     # The hardware profile of this node's machine (a shipped one's name, e.g. "dgx-spark",
-    # "m3-ultra", or a profile file relative to the topology): it times an engine = "sim"
+    # "m3-ultra", "m4-max", or a profile file relative to the topology): it times an engine = "sim"
     # node (its `model` is the model whose sizes and speeds it simulates), and `disagg
     # simulate` simulates any node with it.
     hardware: str | None = None
@@ -265,7 +265,7 @@ class Node(_Strict):
             if self.engine == "sim" and not self.hardware:
                 raise ValueError(
                     'an engine = "sim" node needs hardware (a profile: "dgx-spark", '
-                    '"m3-ultra", or a file)'
+                    '"m3-ultra", "m4-max", or a file)'
                 )
             if not self.model:
                 raise ValueError(f"a {self.role} node needs model")

@@ -4,7 +4,8 @@ from hardware profiles instead of a model.
 - `profile.py`   hardware profiles: prompt and decode-step times by tokens, depth and batch
                  (interpolated tables), KV bytes per token, links; the Ollama baseline's
                  serving assumptions
-- `profiles/`    the shipped profiles: dgx-spark, m3-ultra (estimates marked), ollama
+- `profiles/`    the shipped profiles: dgx-spark, m3-ultra and m4-max (estimates marked),
+                 ollama
 - `models.toml`  what a sim node says of its model (sizes, capabilities), with sources
 - `answers.py`   what a sim node answers: words, JSON a response format's schema allows,
                  tool calls (the generic format), cut at stop strings
