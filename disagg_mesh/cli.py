@@ -246,6 +246,12 @@ def _parser() -> argparse.ArgumentParser:
     simulate.add_argument(
         "--concurrency", type=int, help="requests at once (default: as `disagg batch`)"
     )
+    simulate.add_argument(
+        "--ollama-parallel",
+        type=int,
+        help="the baseline's OLLAMA_NUM_PARALLEL, requests each model serves at once "
+        "(default: Ollama's own, 1)",
+    )
     simulate.add_argument("--logs", type=Path, help="keep the nodes' logs in this folder")
     simulate.add_argument("--json", action="store_true", help="one JSON object")
     simulate.set_defaults(run=_simulate)
@@ -569,6 +575,8 @@ def _simulate(args: argparse.Namespace) -> int:
         raise CliError(f"--speedup: between 0 and 10000, got {args.speedup}", 2)
     if args.concurrency is not None and args.concurrency < 1:
         raise CliError(f"--concurrency: must be at least 1, got {args.concurrency}", 2)
+    if args.ollama_parallel is not None and args.ollama_parallel < 1:
+        raise CliError(f"--ollama-parallel: must be at least 1, got {args.ollama_parallel}", 2)
 
     def progress(line: str) -> None:
         if not args.json:
@@ -583,6 +591,7 @@ def _simulate(args: argparse.Namespace) -> int:
             concurrency=args.concurrency,
             keep_logs=args.logs,
             progress=progress,
+            ollama_parallel=args.ollama_parallel,
         )
     except (ServerError, TopologyError) as exc:
         raise CliError(str(exc), 2) from None

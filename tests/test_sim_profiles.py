@@ -126,8 +126,9 @@ def test_every_shipped_profile_loads_and_marks_its_estimates() -> None:
         assert speed.kv_bytes(1000) == ultra.kv_bytes(1000)
     baseline = load_baseline()
     assert (
-        baseline.parallel_for("gpt-oss:120b") == 1 and baseline.parallel_for("qwen3-coder:30b") == 4
-    )
+        baseline.parallel_for("gpt-oss:120b") == 1 and baseline.parallel_for("qwen3-coder:30b") == 1
+    )  # OLLAMA_NUM_PARALLEL's default since Ollama 0.9.7
+    assert baseline.with_num_parallel(4).parallel_for("qwen3-coder:30b") == 4
     assert baseline.prompt_evaluated_on_decode_host and not baseline.kv_handoff
 
 

@@ -233,6 +233,17 @@ def test_the_baseline_is_ollamas_flow_on_the_profiles_time(tmp_path: Path) -> No
     second = both.served[1]
     assert second.latency_seconds < served.latency_seconds  # the rubric's blocks reused
     assert both.prompt_seconds["mac-studio-1"] < 2 * alone.prompt_seconds["mac-studio-1"]
+    # Ollama serves one request of a model at a time (OLLAMA_NUM_PARALLEL's default): four
+    # at once decode in four times one's steps; with OLLAMA_NUM_PARALLEL = 4 they share the
+    # Mac's steps (and each slot evaluates the rubric for itself: its own prompt cache).
+    lines = [line for line in class_lines(4) if line["body"]["model"] == "gpt-oss:120b"]
+    four = [(work(BatchRequest(x["custom_id"], x["url"], x["body"]), 8192), None) for x in lines]
+    serial = run_baseline(sim, four, 4, load_baseline())
+    shared = run_baseline(sim, four, 4, load_baseline().with_num_parallel(4))
+    one = alone.decode_seconds["mac-studio-1"]
+    assert serial.decode_seconds["mac-studio-1"] == pytest.approx(4 * one, rel=0.02)
+    assert shared.decode_seconds["mac-studio-1"] < 0.75 * serial.decode_seconds["mac-studio-1"]
+    assert shared.prompt_seconds["mac-studio-1"] > serial.prompt_seconds["mac-studio-1"]
 
 
 def test_disagg_simulate_runs_seed_toml_through_the_real_router(tmp_path: Path) -> None:
@@ -259,6 +270,7 @@ def test_disagg_simulate_runs_seed_toml_through_the_real_router(tmp_path: Path) 
         "mac-studio-2",
     }
     assert got["mesh"]["kv_bytes_moved"] > 0 and got["mesh"]["methods"]
+    assert got["baseline"]["parallel"] == {"gpt-oss:120b": 1, "qwen3-coder:30b": 1}
     # Each Mac decoded its model's answers: busy for part of the run, counted by the node
     # however short the run (a few real seconds here), never above the whole of it.
     for mac in ("mac-studio-1", "mac-studio-2"):
@@ -279,6 +291,9 @@ def test_disagg_simulate_names_a_model_the_topology_lacks(tmp_path: Path) -> Non
     done = simulate_cli("--workload", str(workload))
     assert done.returncode == 2
     assert "model 'llama3:8b' is not in" in done.stderr and "Traceback" not in done.stderr
+    done = simulate_cli("--workload", str(workload), "--ollama-parallel", "0")
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "--ollama-parallel: must be at least 1, got 0" in done.stderr
 
 
 def test_simulate_and_calibrate_say_what_they_cannot_use_in_one_line(tmp_path: Path) -> None:

@@ -75,7 +75,12 @@ class Report:
                 f"  {name:18} busy {use['active_share']:.0%} of the time, "
                 f"{use['slots_share']:.0%} of its slots"
             )
-        lines.append("Ollama today (where each machine's time went):")
+        at_once = ", ".join(f"{m} {n}" for m, n in base.get("parallel", {}).items())
+        lines.append(
+            "Ollama today (where each machine's time went"
+            + (f"; requests at once: {at_once}" if at_once else "")
+            + "):"
+        )
         for name, use in base["nodes"].items():
             lines.append(
                 f"  {name:18} prompts {use['prompt_seconds']:.0f} s, decode "
@@ -91,8 +96,10 @@ def report(
     mesh: MeshRun,
     baseline: BaselineRun,
     speeds: Mapping[str, ModelSpeed],
+    baseline_parallel: Mapping[str, int] | None = None,
 ) -> Report:
-    """speeds: each engine node's model on its machine (for the KV states' real sizes)."""
+    """speeds: each engine node's model on its machine (for the KV states' real sizes);
+    baseline_parallel: the requests Ollama served at once, by model."""
     models = len({s.model for s in mesh.served})
     mesh_side = _side(mesh.served, mesh.wall_seconds, models)
     methods = Counter(str(d.get("method", "failed")) for d in mesh.details)
@@ -117,6 +124,7 @@ def report(
         },
     )
     base_side = _side(baseline.served, baseline.wall_seconds, models)
+    base_side["parallel"] = dict(baseline_parallel or {})
     wall = baseline.wall_seconds or 1.0
     base_side["nodes"] = {
         name: {

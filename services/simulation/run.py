@@ -34,6 +34,7 @@ def simulate(
     concurrency: int | None = None,
     keep_logs: Path | None = None,
     progress: Callable[[str], None] | None = None,
+    ollama_parallel: int | None = None,
 ) -> Report:
     topology = load_topology(topology_file)
     requests = read_requests(workload_file)
@@ -57,14 +58,23 @@ def simulate(
         progress("the Ollama baseline (virtual clock)")
     limit = sim.mesh.max_tokens_limit
     order = [(work(r, limit), after) for r, after in plan(requests)]
-    baseline = run_baseline(sim, order, mesh.concurrency, load_baseline(), mesh.model_concurrency)
+    serving = load_baseline()
+    if ollama_parallel is not None:
+        serving = serving.with_num_parallel(ollama_parallel)
+    baseline = run_baseline(sim, order, mesh.concurrency, serving, mesh.model_concurrency)
     speeds = {
         n.name: load_profile(n.hardware or "").model(n.model or "")
         for n in sim.nodes
         if n.role != "router"
     }
+    parallel = {model: serving.parallel_for(model) for model in sorted(served)}
     return report(
-        topology=str(topology_file), speedup=speedup, mesh=mesh, baseline=baseline, speeds=speeds
+        topology=str(topology_file),
+        speedup=speedup,
+        mesh=mesh,
+        baseline=baseline,
+        speeds=speeds,
+        baseline_parallel=parallel,
     )
 
 

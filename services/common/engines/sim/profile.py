@@ -32,6 +32,7 @@ Python: the sim engine and `disagg simulate` use it.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import functools
 import itertools
 import tomllib
@@ -362,8 +363,8 @@ class _Reader:
 @dataclass(frozen=True)
 class OllamaBaseline:
     """How Ollama serves the grader today (profiles/ollama.toml): requests each model's
-    server runs at once, and the flow (no KV handoff: the decode machine evaluates the
-    whole prompt again)."""
+    server runs at once (OLLAMA_NUM_PARALLEL, or a model's own), and the flow (no KV
+    handoff: the decode machine evaluates the whole prompt again)."""
 
     parallel: dict[str, int]
     max_queue: int
@@ -371,9 +372,14 @@ class OllamaBaseline:
     prompt_evaluated_on_decode_host: bool
     kv_handoff: bool
     prefix_cache: str
+    num_parallel: int = 1  # OLLAMA_NUM_PARALLEL: a model not in `parallel`
 
     def parallel_for(self, model: str) -> int:
-        return self.parallel.get(model, 1)
+        return self.parallel.get(model, self.num_parallel)
+
+    def with_num_parallel(self, n: int) -> OllamaBaseline:
+        """Served with OLLAMA_NUM_PARALLEL = n for every model."""
+        return dataclasses.replace(self, parallel={}, num_parallel=n)
 
 
 def load_baseline(spec: str = "ollama") -> OllamaBaseline:
@@ -389,8 +395,12 @@ def load_baseline(spec: str = "ollama") -> OllamaBaseline:
         raise reader.fail(
             "serving.parallel", f"model = requests at once (1 or more), got {parallel!r}"
         )
+    num_parallel = serving.get("num_parallel", 1)
+    if not isinstance(num_parallel, int) or isinstance(num_parallel, bool) or num_parallel < 1:
+        raise reader.fail("serving.num_parallel", f"1 or more, got {num_parallel!r}")
     return OllamaBaseline(
         parallel={str(k): int(v) for k, v in parallel.items()},
+        num_parallel=num_parallel,
         max_queue=int(reader.positive(serving, "serving", "max_queue", 512)),
         batch_tokens=int(reader.positive(serving, "serving", "batch_tokens", 512)),
         prompt_evaluated_on_decode_host=bool(serving.get("prompt_evaluated_on_decode_host", True)),
