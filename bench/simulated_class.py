@@ -98,12 +98,11 @@ def what_if(seed: Path, path: Path) -> None:
 
     data = tomllib.loads(seed.read_text())
     for node in data["nodes"]:
-        node["slots"] = WHAT_IF_SLOTS.get(node["name"], node.get("slots"))
+        if node["name"] in WHAT_IF_SLOTS:
+            node["slots"] = WHAT_IF_SLOTS[node["name"]]
         served = str(node.get("model", "")).removeprefix("ollama:")
-        node["n_ctx"] = WHAT_IF_N_CTX.get(served, node.get("n_ctx"))
-        for key in ("slots", "n_ctx"):
-            if node[key] is None:
-                del node[key]
+        if served in WHAT_IF_N_CTX:
+            node["n_ctx"] = WHAT_IF_N_CTX[served]
     write_toml(data, path)
 
 

@@ -382,6 +382,11 @@ class OllamaBaseline:
         return dataclasses.replace(self, parallel={}, num_parallel=n)
 
 
+def _at_once(value: object) -> bool:
+    """Whether a profile's value is a number of requests at once (an integer, 1 or more)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
 def load_baseline(spec: str = "ollama") -> OllamaBaseline:
     path = find_profile(spec)
     serving = _toml(path).get("serving")
@@ -389,14 +394,12 @@ def load_baseline(spec: str = "ollama") -> OllamaBaseline:
         raise ProfileError(f"{path}: no [serving] table")
     reader = _Reader(path)
     parallel = serving.get("parallel", {})
-    if not isinstance(parallel, dict) or any(
-        not isinstance(v, int) or isinstance(v, bool) or v < 1 for v in parallel.values()
-    ):
+    if not isinstance(parallel, dict) or not all(map(_at_once, parallel.values())):
         raise reader.fail(
             "serving.parallel", f"model = requests at once (1 or more), got {parallel!r}"
         )
     num_parallel = serving.get("num_parallel", 1)
-    if not isinstance(num_parallel, int) or isinstance(num_parallel, bool) or num_parallel < 1:
+    if not _at_once(num_parallel):
         raise reader.fail("serving.num_parallel", f"1 or more, got {num_parallel!r}")
     return OllamaBaseline(
         parallel={str(k): int(v) for k, v in parallel.items()},
