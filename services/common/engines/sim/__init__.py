@@ -11,4 +11,5 @@ from hardware profiles instead of a model.
                  tool calls (the generic format), cut at stop strings
 - `prefix.py`    its prompt caches: node-wide blocks, or each slot's last prompt (Ollama)
 - `engine.py`    SimEngine: the engine interface, timed by a profile
+- `timers.py`    the event loop of a process of sim nodes: timers that wake on time
 """
