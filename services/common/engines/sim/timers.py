@@ -7,7 +7,7 @@ whose timeout is in whole milliseconds, rounded up: a 0.1 ms wait took 1.0 ms he
 ms one 1.1 ms and a 3.1 ms one 4.1 ms (2-core AMD EPYC, medians of 200). The simulated
 machines then ran slower than their profiles, and `bench.scale` counted the difference as
 the mesh's added latency. This loop waits the whole milliseconds in `epoll_wait` and the
-rest in `select(2)` on the epoll descriptor itself (microseconds): 0.08-0.12 ms late for
+rest in `select(2)` on the epoll descriptor itself (microseconds): 0.09-0.18 ms late for
 the same waits, and the descriptors still in epoll, however many.
 """
 
@@ -27,17 +27,13 @@ T = TypeVar("T")
 FD_SETSIZE = 1024
 
 
-Ready = list[tuple[selectors.SelectorKey, int]]
+class _PreciseEpollSelector(selectors.DefaultSelector):
+    """Linux's DefaultSelector, EpollSelector, whose timeouts end within a fraction of a
+    millisecond (as simulation/clock.py's virtual clock subclasses it)."""
 
-
-class _PreciseEpollSelector(getattr(selectors, "EpollSelector", selectors.DefaultSelector)):  # type: ignore[misc]
-    """EpollSelector whose timeouts end within a fraction of a millisecond."""
-
-    def select(self, timeout: float | None = None) -> Ready:
-        ready: Ready
+    def select(self, timeout: float | None = None) -> list[tuple[selectors.SelectorKey, int]]:
         if timeout is None or timeout <= 0 or self.fileno() >= FD_SETSIZE:
-            ready = super().select(timeout)
-            return ready
+            return super().select(timeout)
         whole_ms = math.floor(timeout * 1e3)
         if whole_ms:
             # (whole_ms - 0.5) ms: EpollSelector rounds up to whole_ms exactly.
@@ -47,15 +43,14 @@ class _PreciseEpollSelector(getattr(selectors, "EpollSelector", selectors.Defaul
         rest = timeout - whole_ms / 1e3
         if rest > 0:
             select.select([self.fileno()], [], [], rest)  # readable once an event is ready
-        ready = super().select(0)
-        return ready
+        return super().select(0)
 
 
 def new_event_loop() -> asyncio.AbstractEventLoop:
     """A loop for a process whose nodes are all simulated (asyncio.Runner's loop_factory).
     Where the platform has no epoll (macOS: kqueue, whose timeouts are in nanoseconds),
     asyncio's own."""
-    if not hasattr(selectors, "EpollSelector"):
+    if selectors.DefaultSelector is not getattr(selectors, "EpollSelector", None):
         return asyncio.new_event_loop()
     return asyncio.SelectorEventLoop(_PreciseEpollSelector())
 
